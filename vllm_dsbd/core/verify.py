@@ -1,0 +1,225 @@
+"""Exact layer-by-layer verification of a draft forest (DESIGN.md §1).
+
+Vocabulary (per request, per layer d): P = the target joint over the valid beams V x vocab; Q = the draft joint the
+layer's drafts were drawn from, without replacement, in *draw order*; K = the layer's width; an *output* is one of the K
+pairs the layer emits; an output is a *draft output* when it is a forest node. The layer *passes* when every output is
+a forest node; then those nodes are the next layer's valid beams.
+
+Recursive rejection sampling, for draft j = 1, 2, ... while fewer than K outputs:
+  Q_j = Q with the earlier drafts z_1..z_{j-1} removed, renormalised (the law z_j was actually drawn from);
+  accept z_j with probability min(1, T(z_j) / Q_j(z_j)); T = 0 on pairs whose parent is not valid;
+  reject: T <- norm(max(T - Q_j, 0));  accept: emit z_j, T <- norm(P with every emitted pair removed).
+When drafts run out: one draw from T, then the rest from P minus the emitted pairs.
+The k-th output is then an exact draw from P without the first k - 1 (the speculative-sampling lemma applied
+recursively), so the K outputs are K draws without replacement from P. Deterministic rows (temperature 0) emit the
+target's top-K (EOS excluded, EOS candidates reported) and pass when those are all forest nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .forest import Forest
+from .joint import NEG_INF, joint_logprobs
+from .params import BatchParams
+from .sampling import beam_step, categorical, gumbel_topk
+from .width import choose_width
+
+_TINY = 1e-30
+
+
+def verify_layer(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch.Tensor, logq: torch.Tensor,
+                 k: torch.Tensor, key_seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One exact verification layer for R sampling requests.
+
+    Args:
+        logp:        [R, J] float32 log P, the target joint (normalised; -inf off the support).
+        draft_idx:   [R, M] int64 joint indices of the drafts in draw order.
+        draft_valid: [R, M] bool; a prefix of each row (the drafts that exist).
+        logq:        [R, J] float32 log Q, the draft joint the drafts were drawn from without replacement.
+        k:           [R] int64 outputs wanted, 0 <= k <= support of P.
+        key_seed:    [R] int64 request seeds.
+        position:    [R] int64 position of the layer's tokens (keys the randomness).
+    Returns:
+        out_idx [R, Kmax] int64 joint indices of the outputs in emission order, out_valid [R, Kmax] bool (k per row).
+    """
+    R, J = logp.shape
+    M = draft_idx.shape[1]
+    kmax = max(int(k.max()) if R else 0, 1)
+    dev = logp.device
+    p = torch.exp(logp)
+    q = torch.exp(logq)
+    t = p.clone()
+    emitted = torch.zeros(R, J, dtype=torch.bool, device=dev)
+    drawn = torch.zeros(R, J, dtype=torch.bool, device=dev)
+    q_cum = torch.zeros(R, dtype=torch.float64, device=dev)
+    n_out = torch.zeros(R, dtype=torch.int64, device=dev)
+    out = torch.full((R, kmax + 1), -1, dtype=torch.int64, device=dev)  # one spare column for masked writes
+    rows = torch.arange(R, device=dev)
+    key_acc = rng.request_key(key_seed, position, rng.Stream.ACCEPT)
+    for j in range(M):
+        z = draft_idx[:, j]
+        live = draft_valid[:, j] & (n_out < k)
+        denom = (1.0 - q_cum).clamp(min=_TINY).float()
+        qz = q.gather(1, z[:, None]).squeeze(1)
+        tz = t.gather(1, z[:, None]).squeeze(1)
+        u = rng.uniform(key_acc, torch.full_like(z, j))
+        acc = live & (u * (qz / denom) < tz)
+        rej = live & ~acc
+        out[rows, torch.where(acc, n_out, kmax)] = torch.where(acc, z, -1)
+        emitted[rows[acc], z[acc]] = True
+        n_out = n_out + acc.long()
+        if bool(rej.any()):
+            qj = torch.where(drawn, 0.0, q) / denom[:, None]
+            res = (t - qj).clamp(min=0.0)
+            tot = res.sum(1, keepdim=True)
+            t = torch.where(rej[:, None] & (tot > _TINY), res / tot.clamp(min=_TINY), t)
+        if bool(acc.any()):
+            pm = torch.where(emitted, 0.0, p)
+            t = torch.where(acc[:, None], pm / pm.sum(1, keepdim=True).clamp(min=_TINY), t)
+        drawn[rows[draft_valid[:, j]], z[draft_valid[:, j]]] = True
+        q_cum = q_cum + torch.where(draft_valid[:, j], qz.double(), 0.0)
+    # drafts ran out: one draw from the residual T, then the rest straight from P minus the emitted pairs
+    need = n_out < k
+    if bool(need.any()):
+        t = torch.where(t.sum(1, keepdim=True) > _TINY, t, torch.where(emitted, 0.0, p))
+        y = categorical(torch.log(t), rng.request_key(key_seed, position, rng.Stream.RESIDUAL))
+        out[rows, torch.where(need, n_out, kmax)] = torch.where(need, y, -1)
+        emitted[rows[need], y[need]] = True
+        n_out = n_out + need.long()
+    need = n_out < k
+    if bool(need.any()):
+        rest, _ = gumbel_topk(torch.where(emitted, NEG_INF, logp), kmax,
+                              rng.request_key(key_seed, position, rng.Stream.DIRECT))
+        cols = torch.arange(kmax, device=dev)[None, :]
+        src = (cols - n_out[:, None]).clamp(0, rest.shape[1] - 1)
+        fill = (cols >= n_out[:, None]) & (cols < k[:, None])
+        out[:, :kmax] = torch.where(fill, rest.gather(1, src), out[:, :kmax])
+    out = out[:, :kmax]
+    return out, torch.arange(kmax, device=dev)[None, :] < k[:, None]
+
+
+@dataclass
+class LayerRecord:
+    """What verification did, per request and layer (layer index 0..G; layer G+1 of the paper = the bonus layer)."""
+
+    processed: torch.Tensor  # [R, L] bool
+    width: torch.Tensor  # [R, L] int64 K of the layer
+    parent: torch.Tensor  # [R, L, Wm] int64 slot of the output's parent (root slot at layer 0)
+    token: torch.Tensor  # [R, L, Wm] int64
+    score: torch.Tensor  # [R, L, Wm] float32 cumulative score of the output beam (see joint.py)
+    valid: torch.Tensor  # [R, L, Wm] bool
+    node: torch.Tensor  # [R, L, Wm] int64 forest slot (at this depth) the output is, -1 when not a forest node
+    eos_done: torch.Tensor  # [R, L, Wm] bool deterministic rows: (parent slot s, EOS) finished at this layer
+    eos_score: torch.Tensor  # [R, L, Wm] float32
+
+
+@dataclass
+class VerifyResult:
+    layers: LayerRecord
+    passed: torch.Tensor  # [R] int64 layers passed (accepted depth)
+    last: torch.Tensor  # [R] int64 index of the last processed layer; its outputs are the new beams
+
+
+def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torch.Tensor, root_live: torch.Tensor,
+                  params: BatchParams, context_len: torch.Tensor) -> VerifyResult:
+    """Verifies every request's forest, layer by layer, from the logits of ONE target pass.
+
+    Args:
+        forest:        the draft forest (G depths, Wm slots).
+        target_logits: [R, G + 1, S, V] target logits at the parents of each layer: [:, 0] at the root slots,
+                       [:, d] at the depth-d node slots (S = max(roots, Wm)).
+        root_scores:   [R, S] float32 target scores of the live beams; root_live: [R, S] bool.
+        params:        per-request settings (width, depth <= G, dynamic width, tau, min width, eos, ...).
+        context_len:   [R] int64 length of the live beams (the position of the layer-0 outputs).
+    """
+    R, L, S, V = target_logits.shape
+    G = L - 1
+    dev = target_logits.device
+    wm = int(params.width.max())
+    det = params.deterministic
+    has_eos = params.eos >= 0
+    rec = LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
+                      width=torch.zeros(R, L, dtype=torch.int64, device=dev),
+                      parent=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
+                      token=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
+                      score=torch.full((R, L, wm), NEG_INF, device=dev),
+                      valid=torch.zeros(R, L, wm, dtype=torch.bool, device=dev),
+                      node=torch.full((R, L, wm), -1, dtype=torch.int64, device=dev),
+                      eos_done=torch.zeros(R, L, max(S, wm), dtype=torch.bool, device=dev),
+                      eos_score=torch.full((R, L, max(S, wm)), NEG_INF, device=dev))
+    live, scores = root_live, root_scores.float()
+    alive = live.any(1)
+    passed = torch.zeros(R, dtype=torch.int64, device=dev)
+    last = torch.zeros(R, dtype=torch.int64, device=dev)
+    for d in range(L):
+        drafted = alive & (d < params.depth)  # layers with drafts; d == depth is the bonus layer
+        rows = alive & (d <= params.depth)
+        if not bool(rows.any()):
+            break
+        pos = context_len + d
+        logits = target_logits[:, d]
+        logp, jscore = joint_logprobs(logits, scores, live, params)  # [R, S * V]
+        if d < G:
+            didx = forest.parent[:, d] * V + forest.token[:, d]  # [R, Wm] joint index of each draft
+            dval = forest.valid[:, d] & drafted[:, None]
+            logq = forest.q_joint[:, d]
+            if logq.shape[1] < S * V:
+                logq = torch.nn.functional.pad(logq, (0, S * V - logq.shape[1]), value=NEG_INF)
+        else:
+            didx = torch.zeros(R, 1, dtype=torch.int64, device=dev)
+            dval = torch.zeros(R, 1, dtype=torch.bool, device=dev)
+            logq = torch.full_like(logp, NEG_INF)
+        # width: W, or the acceptance-count policy on drafted sampling layers
+        support = torch.isfinite(logp).sum(1)
+        k = torch.minimum(params.width, support)
+        pol = drafted & params.dynamic & ~det
+        if bool(pol.any()):
+            valid_par = torch.isfinite(logp).reshape(R, S, V).any(2)  # [R, S] parents in V
+            q_masked = torch.exp(logq).reshape(R, S, V) * valid_par[:, :, None]
+            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), params.width,
+                              params.min_width, params.tau)
+            k = torch.where(pol, kp, k)
+        k = torch.where(rows, k, 0)
+        out_idx = torch.zeros(R, wm, dtype=torch.int64, device=dev)
+        out_val = torch.zeros(R, wm, dtype=torch.bool, device=dev)
+        samp = rows & ~det
+        if bool(samp.any()):
+            oi, ov = verify_layer(logp[samp], didx[samp], dval[samp], logq[samp], k[samp], params.seed[samp],
+                                  pos[samp])
+            out_idx[samp, : oi.shape[1]] = oi.clamp(min=0)
+            out_val[samp, : ov.shape[1]] = ov
+        drow = rows & det
+        if bool(drow.any()):
+            st = beam_step(logits[drow], scores[drow], live[drow], params.select(drow), pos[drow],
+                           rng.Stream.DIRECT)
+            out_idx[drow, : st.parent.shape[1]] = st.parent * V + st.token
+            out_val[drow, : st.valid.shape[1]] = st.valid
+            rec.eos_done[drow, d, :S] = st.eos_done
+            rec.eos_score[drow, d, :S] = st.eos_score
+        out_val &= rows[:, None]
+        # which outputs are forest nodes
+        same = (out_idx[:, :, None] == didx[:, None, :]) & dval[:, None, :] & out_val[:, :, None]
+        node = torch.where(same.any(2), same.float().argmax(2), -1)
+        tok = out_idx % V
+        rec.processed[:, d] = rows
+        rec.width[:, d] = torch.where(rows, out_val.sum(1), 0)
+        rec.parent[:, d] = out_idx // V
+        rec.token[:, d] = tok
+        rec.score[:, d] = torch.where(out_val, jscore.gather(1, out_idx), NEG_INF)
+        rec.valid[:, d] = out_val
+        rec.node[:, d] = torch.where(out_val, node, -1)
+        last = torch.where(rows, d, last)
+        # pass: every output is a forest node; the non-EOS outputs become the next layer's valid beams
+        ok = drafted & ((node >= 0) | ~out_val).all(1) & out_val.any(1)
+        passed = passed + ok.long()
+        cont = out_val & ~(has_eos[:, None] & (tok == params.eos[:, None]))
+        slot = torch.where(cont & ok[:, None], node, S)
+        new_live = torch.zeros(R, S + 1, dtype=torch.bool, device=dev).scatter(1, slot, True)[:, :S]
+        new_scores = torch.full((R, S + 1), NEG_INF, device=dev).scatter(1, slot, rec.score[:, d])[:, :S]
+        live = torch.where(ok[:, None], new_live, live)
+        scores = torch.where(ok[:, None], new_scores, scores)
+        alive = ok & new_live.any(1)
+    return VerifyResult(layers=rec, passed=passed, last=last)
