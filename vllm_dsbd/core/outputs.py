@@ -52,7 +52,7 @@ def iteration_outputs(forest: Forest, res: VerifyResult, params: BatchParams) ->
     def emit(layer: int, slot: torch.Tensor, token: torch.Tensor, score, valid) -> Emitted:
         d = torch.full((R,), layer, dtype=torch.int64, device=dev)
         root, toks = node_paths(forest, slot, d)
-        toks = torch.cat([toks, torch.zeros_like(toks[:, :, :1])], 2)
+        toks = torch.nn.functional.pad(toks, (0, 1))
         toks[:, :, layer] = token
         return Emitted(root, toks, torch.full_like(slot, layer + 1), score, valid)
 
@@ -75,7 +75,7 @@ def iteration_outputs(forest: Forest, res: VerifyResult, params: BatchParams) ->
     pick = lambda t: t[torch.arange(R, device=dev), li]  # noqa: E731
     valid = pick(rec.valid) & ~pick(is_eos) & (~single | first)
     root, toks = node_paths(forest, pick(rec.parent), li)
-    toks = torch.cat([toks, torch.zeros_like(toks[:, :, :1])], 2)
+    toks = torch.nn.functional.pad(toks, (0, 1))
     toks.scatter_(2, li[:, None, None].expand(R, wm, 1), pick(rec.token)[:, :, None])
     live = Emitted(root, toks, (li + 1)[:, None].expand(R, wm).clone(), pick(rec.score), valid)
     return live, _cat(finished, live)

@@ -153,6 +153,10 @@ def _dsbd_iteration(target, draft, act, params, width):
     for d in range(G):
         par_live = par_live & (params.depth > d)[:, None]
         keys = [(i, s) for i, s in zip(*[t.tolist() for t in torch.nonzero(par_live, as_tuple=True)])]
+        if not keys:  # every draft beam ended in EOS: the forest stops here
+            params = params.with_(depth=params.depth.clamp(max=d))
+            G = d
+            break
         logits, calls = _evaluate(draft, [seqs[(i, d, s)] for i, s in keys])
         full = torch.zeros(R, S, logits.shape[1])
         for (i, s), row in zip(keys, logits):

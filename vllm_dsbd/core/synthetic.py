@@ -8,19 +8,27 @@ import torch
 class NGramLM:
     """next-token logits = log table[last (order - 1) tokens]. table: [V] * (order - 1) + [V] probabilities."""
 
-    def __init__(self, table: torch.Tensor):
+    def __init__(self, table: torch.Tensor, jitter: float = 0.0):
         self.table = table.double()
+        self.jitter = jitter  # > 0: add a tiny deterministic function of the whole sequence (breaks exact score ties)
         self.order = table.dim()
         self.vocab = table.shape[-1]
         self.calls = 0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        ctx = ids[:, -(self.order - 1):] if self.order > 1 else ids[:, :0]
-        t = self.table
-        for i in range(ctx.shape[1]):
-            t = t[ctx[:, i]] if i == 0 else t[torch.arange(ids.shape[0]), ctx[:, i]]
-        return torch.log(t).float() if self.order > 1 else torch.log(t).float().expand(ids.shape[0], -1)
+        if ids.shape[1] < self.order - 1:
+            raise ValueError(f"an order-{self.order} table needs sequences of >= {self.order - 1} tokens")
+        if self.order == 1:
+            return torch.log(self.table).float().expand(ids.shape[0], -1)
+        ctx = ids[:, ids.shape[1] - (self.order - 1):]
+        logits = torch.log(self.table[tuple(ctx.T)])
+        if self.jitter:
+            weights = torch.tensor([(7919 ** t) % 1_000_003 for t in range(ids.shape[1])], dtype=torch.float64)
+            h = (ids.double() + 1) @ weights  # [B]
+            v = torch.arange(self.vocab, dtype=torch.float64)
+            logits = logits + self.jitter * torch.frac(torch.sin(h[:, None] * 12.9898 + v * 78.233) * 43758.5453)
+        return logits.float()
 
     def probs(self, context: list[int]) -> torch.Tensor:
         t = self.table
