@@ -170,3 +170,30 @@ def test_bad_prompts(prompt):
     target, draft = small_pair()
     with pytest.raises(ValueError, match="prompt_ids"):
         reference.beam_decode(target, prompt, width=2, max_new_tokens=3)
+
+
+def test_mixed_batch_equals_requests_alone():
+    """Ragged batch: every request its own width, depth, mode, temperature, top-k/p, dynamic width, EOS and length;
+    decoding them together gives each exactly what it gives alone (randomness is keyed per request)."""
+    g = torch.Generator().manual_seed(9)
+    t = random_table(9, 2, concentration=0.4, generator=g)
+    target, draft = NGramLM(t, jitter=0.05), NGramLM(draft_of(t, 0.7, generator=g))
+    S = reference.Settings
+    settings = [
+        S(width=1, depth=3, max_new_tokens=10, temperature=1.0, eos=8, single=True),
+        S(width=4, depth=2, max_new_tokens=7, temperature=0.0, eos=8),
+        S(width=3, depth=3, max_new_tokens=9, temperature=0.8, top_k=12, top_p=0.9, eos=8, dynamic=True, tau=0.5),
+        S(width=2, depth=1, max_new_tokens=5, temperature=1.3, single=True, dynamic=True, tau=0.7),
+        S(width=4, depth=3, max_new_tokens=11, temperature=1.0),
+        S(width=2, depth=2, max_new_tokens=8, temperature=0.0, single=True, eos=8),
+    ]
+    prompts = [[1], [2, 3, 4], [5, 6], [7], [0, 0, 0, 0, 1], [3]]
+    seeds = [11, 12, 13, 14, 15, 16]
+    together = reference.dsbd_decode_mixed(target, draft, prompts, settings, seeds)
+    for i in range(len(prompts)):
+        alone = reference.dsbd_decode_mixed(target, draft, [prompts[i]], [settings[i]], [seeds[i]])[0]
+        assert [b[0] for b in together[i].beams] == [b[0] for b in alone.beams], f"request {i}"
+        assert [round(b[1], 4) for b in together[i].beams] == [round(b[1], 4) for b in alone.beams]
+        assert together[i].stats.widths == alone.stats.widths
+        assert together[i].stats.layers_passed == alone.stats.layers_passed
+    assert sum(o.stats.layers_passed for o in together) > 0

@@ -66,10 +66,11 @@ def dsbd_decode(target: Model, draft: Model, prompt_ids, *, width: int, depth: i
     if not isinstance(min_width, int) or not 1 <= min_width <= width:
         raise ValueError(f"min_width must be an int in [1, width], got {min_width!r}")
     prompts, batched = _prompts(prompt_ids)
-    return _run(target, draft, prompts, batched, width=width, depth=depth, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p, eos=eos_token_id, single=mode == "single",
-                dynamic=dynamic_width, tau=width_threshold, min_width=min_width, seed=seed,
-                length_penalty=length_penalty, n_out=num_beams_out)
+    cfg = Settings(width=width, depth=depth, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, eos=eos_token_id, single=mode == "single", dynamic=dynamic_width,
+                   tau=width_threshold, min_width=min_width, length_penalty=length_penalty, n_out=num_beams_out)
+    outs = _run(target, draft, prompts, [cfg] * len(prompts), _seeds(seed, len(prompts), batched))
+    return outs if batched else outs[0]
 
 
 def beam_decode(target: Model, prompt_ids, *, width: int, max_new_tokens: int, temperature: float = 1.0,
@@ -78,9 +79,38 @@ def beam_decode(target: Model, prompt_ids, *, width: int, max_new_tokens: int, t
     """Target beam sampling of width W (temperature 0: deterministic beam search with vLLM's semantics)."""
     _check_common(width, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, length_penalty)
     prompts, batched = _prompts(prompt_ids)
-    return _run(target, None, prompts, batched, width=width, depth=0, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p, eos=eos_token_id, single=False,
-                dynamic=False, tau=1.0, min_width=1, seed=seed, length_penalty=length_penalty, n_out=num_beams_out)
+    cfg = Settings(width=width, depth=0, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, eos=eos_token_id, length_penalty=length_penalty, n_out=num_beams_out)
+    outs = _run(target, None, prompts, [cfg] * len(prompts), _seeds(seed, len(prompts), batched))
+    return outs if batched else outs[0]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One request's settings (already validated). depth = 0: no draft (beam sampling / plain steps)."""
+
+    width: int
+    depth: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos: int | None = None
+    single: bool = False
+    dynamic: bool = False
+    tau: float = 0.9
+    min_width: int = 1
+    length_penalty: float = 1.0
+    n_out: int | None = None
+
+
+def dsbd_decode_mixed(target: Model, draft: Model, prompts: list[list[int]], settings: list[Settings],
+                      seeds: list[int]) -> list[DecodeOutput]:
+    """DSBD over a batch whose requests each have their own settings (width, depth, mode, sampling, ...), decoded
+    together. Each request's result equals what it gives alone with the same seed (the tests check this)."""
+    if not (len(prompts) == len(settings) == len(seeds)):
+        raise ValueError("prompts, settings and seeds must have the same length")
+    return _run(target, draft, _prompts(prompts)[0], list(settings), list(seeds))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -94,30 +124,36 @@ class _Req:
     finished: list[tuple[list[int], float]] = field(default_factory=list)
     n_gen: int = 0
     stats: DecodeStats = field(default_factory=DecodeStats)
+    cfg: Settings | None = None
 
 
-def _run(target, draft, prompts, batched, *, width, depth, max_new_tokens, temperature, top_k, top_p, eos, single,
-         dynamic, tau, min_width, seed, length_penalty, n_out):
-    reqs = [_Req(p, rng.derive_seed(seed, i) if batched else seed, [([], 0.0)]) for i, p in enumerate(prompts)]
+def _seeds(seed: int, n: int, batched: bool) -> list[int]:
+    return [rng.derive_seed(seed, i) for i in range(n)] if batched else [seed]
+
+
+def _run(target, draft, prompts, settings: list[Settings], seeds: list[int]) -> list[DecodeOutput]:
+    reqs = [_Req(p, sd, [([], 0.0)], cfg=c) for p, c, sd in zip(prompts, settings, seeds)]
     while True:
-        act = [r for r in reqs if r.live and r.n_gen < max_new_tokens]
+        act = [r for r in reqs if r.live and r.n_gen < r.cfg.max_new_tokens]
         if not act:
             break
-        gam = [min(depth, max_new_tokens - r.n_gen - 1) for r in act]
-        params = BatchParams.make(len(act), temperature=temperature, top_k=top_k or 0,
-                                  top_p=1.0 if top_p is None else top_p, width=width, seed=[r.seed for r in act],
-                                  eos=-1 if eos is None else eos, depth=gam, min_width=min_width, tau=tau,
-                                  dynamic=dynamic, single=single)
+        cf = [r.cfg for r in act]
+        params = BatchParams.make(
+            len(act), temperature=[c.temperature for c in cf], top_k=[c.top_k or 0 for c in cf],
+            top_p=[1.0 if c.top_p is None else c.top_p for c in cf], width=[c.width for c in cf],
+            seed=[r.seed for r in act], eos=[-1 if c.eos is None else c.eos for c in cf],
+            depth=[min(c.depth, c.max_new_tokens - r.n_gen - 1) for c, r in zip(cf, act)],
+            min_width=[c.min_width for c in cf], tau=[c.tau for c in cf], dynamic=[c.dynamic for c in cf],
+            single=[c.single for c in cf])
         if draft is None:
-            _beam_step(target, act, params, width)
+            _beam_step(target, act, params)
         else:
-            _dsbd_iteration(target, draft, act, params, width)
-    outs = [DecodeOutput(_final(r, eos, length_penalty, 1 if single else (n_out or width)), r.stats) for r in reqs]
-    return outs if batched else outs[0]
+            _dsbd_iteration(target, draft, act, params)
+    return [DecodeOutput(_final(r), r.stats) for r in reqs]
 
 
-def _beam_step(target, act, params, width):
-    S = width
+def _beam_step(target, act, params):
+    S = int(params.width.max())
     roots, scores, live = _roots(act, S)
     logits, calls = _evaluate(target, [_seq(act[i], b) for i, b in roots])
     V = logits.shape[1]
@@ -126,8 +162,8 @@ def _beam_step(target, act, params, width):
         full[i, b] = row
     ctx = torch.tensor([len(r.prompt) + r.n_gen for r in act])
     st = beam_step(full, scores, live, params, ctx, rng.Stream.TARGET_DRAW)
-    eos = int(params.eos[0])
     for i, r in enumerate(act):
+        eos = int(params.eos[i])
         r.stats.target_calls += 1
         r.stats.target_invocations += calls
         r.stats.generated_tokens += 1
@@ -142,8 +178,8 @@ def _beam_step(target, act, params, width):
         r.n_gen += 1
 
 
-def _dsbd_iteration(target, draft, act, params, width):
-    R, S = len(act), width
+def _dsbd_iteration(target, draft, act, params):
+    R, S = len(act), int(params.width.max())
     roots, scores, live = _roots(act, S)
     ctx = torch.tensor([len(r.prompt) + r.n_gen for r in act])
     G = int(params.depth.max())
@@ -232,7 +268,9 @@ def _evaluate(model: Model, seqs: list[list[int]]) -> tuple[torch.Tensor, int]:
     return (out if out is not None else torch.empty(0, 0)), calls
 
 
-def _final(r: _Req, eos, length_penalty, n):
+def _final(r: _Req):
+    eos, length_penalty = r.cfg.eos, r.cfg.length_penalty
+    n = 1 if r.cfg.single else (r.cfg.n_out or r.cfg.width)
     cands = r.finished + r.live
     def key(c):
         toks, sc = c
