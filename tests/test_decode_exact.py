@@ -127,3 +127,58 @@ def test_dynamic_width_layer_exact_given_width(tau):
     stat, df, thr = goodness_of_fit(counts, ordered_wor_law(p / p.sum(), k), n)
     report(f"dynamic width tau={tau} K={k}", stat, df, thr)
     assert stat < thr
+
+
+def authors_verify_layer(logp, draft_idx, draft_valid, logq, k, key_seed, position):
+    """The authors' layer rule with the core's signature (algorithm.md §5): unconditioned q in the acceptance ratio
+    and the residual, reset to P after an accept with emitted pairs NOT removed, then one residual draw and plain
+    draws without replacement from P (duplicates of accepted drafts possible)."""
+    gen = torch.Generator().manual_seed((int(key_seed[0]) * 31 + int(position[0]) * 7 + key_seed.numel()) % 2**62)
+    p, q = torch.exp(logp).double(), torch.exp(logq).double()
+    n, m = draft_idx.shape
+    kmax = max(int(k.max()), 1)
+    r = p.clone()
+    out = torch.full((n, kmax + 1), 0, dtype=torch.long)
+    n_out = torch.zeros(n, dtype=torch.long)
+    rows = torch.arange(n)
+    for j in range(m):
+        z = draft_idx[:, j]
+        live = draft_valid[:, j] & (n_out < k)
+        ratio = r.gather(1, z[:, None])[:, 0] / q.gather(1, z[:, None])[:, 0].clamp(min=1e-30)
+        acc = live & (torch.rand(n, generator=gen, dtype=torch.float64) < ratio)
+        out[rows, torch.where(acc, n_out, kmax)] = z
+        n_out += acc
+        res = (r - q).clamp(min=0)
+        res = res / res.sum(1, keepdim=True).clamp(min=1e-30)
+        r = torch.where((live & ~acc)[:, None], res, torch.where(acc[:, None], p, r))
+    need = n_out < k
+    r = torch.where(r.sum(1, keepdim=True) > 0, r, p)
+    y = torch.multinomial(r, 1, generator=gen)[:, 0]
+    out[rows, torch.where(need, n_out, kmax)] = y
+    n_out += need
+    rest = torch.multinomial(p, kmax, replacement=False, generator=gen) if p.shape[1] >= kmax else out[:, :kmax]
+    cols = torch.arange(kmax)[None, :]
+    out = torch.where((cols >= n_out[:, None]) & (cols < k[:, None]), rest, out[:, :kmax])
+    return out, cols < k[:, None]
+
+
+@pytest.mark.parametrize("rule", ["exact", "authors"])
+def test_adversarial_full_decode_and_power(monkeypatch, rule):
+    """Adversarial draft: DSBD's law of beam sets equals beam sampling's with the exact rule, and the same test fails
+    with the authors' layer rule swapped in (so the full-decoding test can tell right from wrong)."""
+    import vllm_dsbd.core.verify as verify_mod
+    g = torch.Generator().manual_seed(77)
+    t = random_table(5, 2, concentration=0.5, generator=g)
+    bad = torch.flip(t, dims=[-1])  # draft mass where the target has little
+    target, draft = NGramLM(t), NGramLM(0.2 * t + 0.8 * bad)
+    prompts = [[0, 1]] * N
+    common = dict(width=2, max_new_tokens=3)
+    bs = reference.beam_decode(target, prompts, seed=2, **common)
+    if rule == "authors":
+        monkeypatch.setattr(verify_mod, "verify_layer", authors_verify_layer)
+    ds = reference.dsbd_decode(target, draft, prompts, depth=2, mode="full", seed=1, **common)
+    assert sum(o.stats.layers_passed for o in ds) > 0
+    (ds_sets, _), (bs_sets, _) = beam_sets(ds), beam_sets(bs)
+    s = two_sample(ds_sets, bs_sets)
+    report(f"full decode, adversarial draft, {rule} rule", *s)
+    assert (s[0] < s[2]) if rule == "exact" else (s[0] > s[2])
