@@ -57,18 +57,18 @@ def core_overhead(R=64, W=4, G=3, V=49152, reps=3, seed=0):
     base = torch.randn(R, W, V, generator=g) * 3
     times = {"draft beam steps": [], "forest layout": [], "verify": [], "outputs": [], "total": []}
     for _ in tqdm(range(reps + 1), desc="core overhead", leave=False):
+        draft_logits = [base + 0.5 * torch.randn(R, W, V, generator=g) for _ in range(G)]
+        tl = base[:, None] + 0.5 * torch.randn(R, G + 1, W, V, generator=g)
         t0 = time.perf_counter()
         steps, ps, pl = [], scores, live
         for d in range(G):
-            st = beam_step(base + 0.5 * torch.randn(R, W, V, generator=g), ps, pl, params, ctx + d,
-                           rng.Stream.DRAFT_DRAW)
+            st = beam_step(draft_logits[d], ps, pl, params, ctx + d, rng.Stream.DRAFT_DRAW)
             steps.append(st)
             ps, pl = st.score, st.valid
         t1 = time.perf_counter()
         forest = Forest.from_steps(steps, params.depth, W)
         forest_layout(forest, ctx)
         t2 = time.perf_counter()
-        tl = base[:, None] + 0.5 * torch.randn(R, G + 1, W, V, generator=g)
         res = verify_forest(forest, tl, scores, live, params, ctx)
         t3 = time.perf_counter()
         iteration_outputs(forest, res, params)
