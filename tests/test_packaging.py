@@ -26,3 +26,12 @@ def test_vllm_does_not_take_our_folder_for_triton_kernels():
     r = run("from vllm.utils.import_utils import _has_module; print(_has_module('triton_kernels'))")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_vllm_cli_runs_and_offers_speculative_method():
+    """The CLI needs the `vllm` metadata stub of scripts/setup_env.sh (with its +cpu tag, which vLLM's platform
+    detection reads) and shows the plugin's alias."""
+    r = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--help=all"],
+                       cwd="/", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--speculative-method" in r.stdout and "dsbd" in r.stdout

