@@ -71,32 +71,38 @@ def verify_layer(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch
         out[rows, torch.where(acc, n_out, kmax)] = torch.where(acc, z, -1)
         emitted[rows[acc], z[acc]] = True
         n_out = n_out + acc.long()
+        # update T only on the rows concerned (row-wise arithmetic, the same as on the whole batch)
         if bool(rej.any()):
-            qj = torch.where(drawn, 0.0, q) / denom[:, None]
-            res = (t - qj).clamp(min=0.0)
+            ri = rej.nonzero().squeeze(1)
+            qj = torch.where(drawn[ri], 0.0, q[ri]) / denom[ri, None]
+            res = (t[ri] - qj).clamp(min=0.0)
             tot = res.sum(1, keepdim=True)
-            t = torch.where(rej[:, None] & (tot > _TINY), res / tot.clamp(min=_TINY), t)
+            t[ri] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t[ri])
         if bool(acc.any()):
-            pm = torch.where(emitted, 0.0, p)
-            t = torch.where(acc[:, None], pm / pm.sum(1, keepdim=True).clamp(min=_TINY), t)
+            ai = acc.nonzero().squeeze(1)
+            pm = torch.where(emitted[ai], 0.0, p[ai])
+            t[ai] = pm / pm.sum(1, keepdim=True).clamp(min=_TINY)
         drawn[rows[draft_valid[:, j]], z[draft_valid[:, j]]] = True
         q_cum = q_cum + torch.where(draft_valid[:, j], qz.double(), 0.0)
     # drafts ran out: one draw from the residual T, then the rest straight from P minus the emitted pairs
     need = n_out < k
     if bool(need.any()):
-        t = torch.where(t.sum(1, keepdim=True) > _TINY, t, torch.where(emitted, 0.0, p))
-        y = categorical(torch.log(t), rng.request_key(key_seed, position, rng.Stream.RESIDUAL))
-        out[rows, torch.where(need, n_out, kmax)] = torch.where(need, y, -1)
-        emitted[rows[need], y[need]] = True
-        n_out = n_out + need.long()
+        ni = need.nonzero().squeeze(1)
+        tn = t[ni]
+        tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, torch.where(emitted[ni], 0.0, p[ni]))
+        y = categorical(torch.log(tn), rng.request_key(key_seed[ni], position[ni], rng.Stream.RESIDUAL))
+        out[ni, n_out[ni]] = y
+        emitted[ni, y] = True
+        n_out[ni] += 1
     need = n_out < k
     if bool(need.any()):
-        rest, _ = gumbel_topk(torch.where(emitted, NEG_INF, logp), kmax,
-                              rng.request_key(key_seed, position, rng.Stream.DIRECT))
+        ni = need.nonzero().squeeze(1)
+        rest, _ = gumbel_topk(torch.where(emitted[ni], NEG_INF, logp[ni]), kmax,
+                              rng.request_key(key_seed[ni], position[ni], rng.Stream.DIRECT))
         cols = torch.arange(kmax, device=dev)[None, :]
-        src = (cols - n_out[:, None]).clamp(0, rest.shape[1] - 1)
-        fill = (cols >= n_out[:, None]) & (cols < k[:, None])
-        out[:, :kmax] = torch.where(fill, rest.gather(1, src), out[:, :kmax])
+        src = (cols - n_out[ni, None]).clamp(0, rest.shape[1] - 1)
+        fill = (cols >= n_out[ni, None]) & (cols < k[ni, None])
+        out[ni, :kmax] = torch.where(fill, rest.gather(1, src), out[ni, :kmax])
     out = out[:, :kmax]
     return out, torch.arange(kmax, device=dev)[None, :] < k[:, None]
 
