@@ -53,3 +53,20 @@ def report(name: str, stat: float, df: int, thr: float) -> str:
     line = f"{name}: chi2={stat:.1f} df={df} threshold={thr:.1f}"
     print(line)
     return line
+
+
+def ordered_without_replacement_law(p, k: int) -> dict:
+    """Exact law of the ordered k-tuple of sequential draws without replacement from the probabilities p [J]."""
+    p = [float(x) for x in p]
+    out = {}
+
+    def rec(prefix, mass, left):
+        if len(prefix) == k:
+            out[tuple(prefix)] = mass
+            return
+        for z, pz in enumerate(p):
+            if pz > 0 and z not in prefix:
+                rec(prefix + [z], mass * pz / left, left - pz)
+
+    rec([], 1.0, 1.0)
+    return out

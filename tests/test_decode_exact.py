@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from chisq import goodness_of_fit, report, two_sample
+from chisq import goodness_of_fit, ordered_without_replacement_law, report, two_sample
 from vllm_dsbd.core import BatchParams, Forest, beam_step, reference, verify_forest
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.synthetic import NGramLM, draft_of, random_table
@@ -84,20 +84,6 @@ def test_single_mode_width_one_equals_sampling(depth):
     assert stat < thr
 
 
-def ordered_wor_law(p: torch.Tensor, k: int) -> dict:
-    p = p.double().tolist()
-    out = {}
-    def rec(prefix, mass, left):
-        if len(prefix) == k:
-            out[tuple(prefix)] = mass
-            return
-        for z, pz in enumerate(p):
-            if pz > 0 and z not in prefix:
-                rec(prefix + [z], mass * pz / left, left - pz)
-    rec([], 1.0, 1.0)
-    return out
-
-
 @pytest.mark.parametrize("tau", [0.3, 0.6, 0.9])
 def test_dynamic_width_layer_exact_given_width(tau):
     """N copies of one request: same roots, so the same P_1 and Q_1 in every row; the policy must pick the same
@@ -124,7 +110,7 @@ def test_dynamic_width_layer_exact_given_width(tau):
     counts = Counter(map(tuple, outs.tolist()))
     p = torch.zeros(W * V, dtype=torch.float64)
     p[:V] = tl.double().exp()
-    stat, df, thr = goodness_of_fit(counts, ordered_wor_law(p / p.sum(), k), n)
+    stat, df, thr = goodness_of_fit(counts, ordered_without_replacement_law((p / p.sum()).tolist(), k), n)
     report(f"dynamic width tau={tau} K={k}", stat, df, thr)
     assert stat < thr
 

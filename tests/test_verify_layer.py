@@ -8,25 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from chisq import goodness_of_fit, report
+from chisq import goodness_of_fit, ordered_without_replacement_law as exact_ordered_law, report
 from vllm_dsbd.core import verify_layer
 
 N = 60_000
-
-
-def exact_ordered_law(p: torch.Tensor, k: int) -> dict:
-    """Law of the ordered K-tuple of sequential draws without replacement from p [J]."""
-    p = p.double().tolist()
-    out = {}
-    def rec(prefix, mass, left):
-        if len(prefix) == k:
-            out[tuple(prefix)] = mass
-            return
-        for z, pz in enumerate(p):
-            if pz > 0 and z not in prefix:
-                rec(prefix + [z], mass * pz / left, left - pz)
-    rec([], 1.0, 1.0)
-    return out
 
 
 def draft_draws(q: torch.Tensor, m: int, n: int, seed: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ class Forest:
         def pad(t, fill):
             return torch.nn.functional.pad(t, (0, wm - t.shape[1]), value=fill)
         def pad_joint(j):
-            return torch.nn.functional.pad(j, (0, slots * _vocab(steps) - j.shape[1]), value=NEG_INF)
+            return torch.nn.functional.pad(j, (0, slots * steps[0].vocab - j.shape[1]), value=NEG_INF)
         if not steps:
             z = torch.zeros(R, 0, 1, dtype=torch.int64, device=depth.device)
             return Forest(z, z, z.bool(), z.float(), z.float(), depth)
@@ -54,11 +54,6 @@ class Forest:
                       score=torch.stack([pad(s.score, NEG_INF) for s in steps], 1),
                       q_joint=torch.stack([pad_joint(s.joint) for s in steps], 1),
                       depth=depth)
-
-
-def _vocab(steps: list[BeamStep]) -> int:
-    s = steps[0]
-    return s.joint.shape[1] // s.eos_done.shape[1]
 
 
 @dataclass

@@ -28,6 +28,10 @@ class BeamStep:
     eos_done: torch.Tensor  # [R, S] bool deterministic rows: (b, EOS) finishes
     eos_score: torch.Tensor  # [R, S] float32 its score
 
+    @property
+    def vocab(self) -> int:
+        return self.joint.shape[1] // self.eos_done.shape[1]
+
 
 def gumbel_topk(logp: torch.Tensor, k: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k draws without replacement from softmax(logp) per row, in draw order. logp [R, J], key [R] int64.
