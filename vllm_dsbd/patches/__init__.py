@@ -61,6 +61,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
    How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
    and slot count.
+
+8. ``dsbd_worker`` - target ``vllm.engine.arg_utils.EngineArgs.create_engine_config``.
+   What: a "dsbd" engine's ``parallel_config.worker_cls`` is the DSBD subclass of the worker vLLM's platform picked
+   (``vllm_dsbd.engine.worker``: CPUWorker / gpu_worker.Worker), whose ``init_device`` swaps in the DSBD model
+   runner (vLLM's V1 runner + ``DSBDRunnerMixin``: forest drafter, forest attention, verification sampler, KV
+   commit). Why: vLLM 0.26 has no hook to choose the runner class (``init_device`` builds it by name, cpu_worker.py:181,
+   gpu_worker.py:411-416); the worker class is configurable, but the platform resolves "auto" inside ``VllmConfig``.
+   How: after the original builds the config, map the platform's worker to ours (other worker classes are refused
+   for "dsbd"). When it can go: vLLM lets a plugin choose the model runner (or a speculative-method registry brings
+   its own runner hooks).
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ PATCHES = (
     "proposer_returns_tuple",
     "cli_alias",
     "dsbd_knobs",
+    "dsbd_worker",
 )
 
 

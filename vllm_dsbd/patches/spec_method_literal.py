@@ -56,6 +56,8 @@ def _patch(sp: types.ModuleType) -> None:
     if METHOD not in literal_values(cls.__pydantic_fields__["method"].annotation):
         raise PatchError(f"rebuilding SpeculativeConfig's validator did not pick up {METHOD!r}: pydantic changed")
 
-    arg_utils = sys.modules.get("vllm.engine.arg_utils")
-    if arg_utils is not None:  # CLI kwargs computed before the patch would lack "dsbd" in --spec-method's choices
-        arg_utils._compute_kwargs.cache_clear()
+    # CLI kwargs computed before the patch would lack "dsbd" in --spec-method's choices; arg_utils may also be only
+    # partially imported (its import is what imported vllm.config.speculative), then there is no cache yet
+    compute_kwargs = getattr(sys.modules.get("vllm.engine.arg_utils"), "_compute_kwargs", None)
+    if compute_kwargs is not None:
+        compute_kwargs.cache_clear()

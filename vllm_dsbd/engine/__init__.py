@@ -1,0 +1,17 @@
+"""The DSBD engine inside vLLM 0.26.0 (single-output-beam mode).
+
+Following one request from the plugin to the kernels:
+
+* ``vllm_dsbd.plugin.register()`` applies the patches; ``dsbd_knobs`` turns ``speculative_config={"method": "dsbd",
+  "model": DRAFT, "num_speculative_tokens": G, "width": W}`` into vLLM's draft-model configuration with
+  ``num_speculative_tokens = W * G`` (one scheduler slot per forest node) and ``additional_config["dsbd"]``;
+  ``dsbd_worker`` makes the engine's workers :mod:`.worker`'s, which build :mod:`.runner`'s DSBD runner.
+* :mod:`.runner` (``DSBDRunnerMixin``) hooks the five places of an engine step: request states (:mod:`.state`),
+  positions and the forest attention batch of the target pass, the forward pass under forest attention
+  (:mod:`.attention`), verification instead of rejection sampling (:mod:`.sampler`, over ``core.verify_forest``)
+  followed by the KV commit (:mod:`.kv`), and the next forests (:mod:`.drafter`, over ``core.beam_step``).
+* :mod:`.attention` and :mod:`.kv` call ``dsbd_kernels`` (forest attention, KV commit): their torch references on CPU.
+* :mod:`.metrics`: layers passed per iteration and width per layer.
+
+Importing this package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do.
+"""

@@ -1,0 +1,156 @@
+"""Forest attention inside vLLM's attention layers.
+
+vLLM 0.26 has no tree attention: every backend computes causal attention over a request's linear positions. A DSBD
+forest node must instead see the context and its own ancestors only. The engine therefore wraps the platform's
+attention implementation of every attention layer (target and draft): the base implementation runs as usual (it
+writes the K/V of every query token to its slot and computes causal outputs), then, when a :class:`ForestBatch` is
+active (:func:`forest_scope`), the outputs of the forest query tokens are recomputed with forest attention over the
+paged cache and written over the causal ones.
+
+The wrapping is an in-place subclass of each layer's ``impl`` object (:func:`install`), done by the DSBD runner on its
+own model's layers after loading; vLLM's classes are not modified. On CPU the recompute is
+``dsbd_kernels.forest_attention.forest_attention_ref`` (the torch reference) over a compact copy of the blocks the
+forest requests use (the CPU cache layout is not the kernels' layout, see ``kv.py``). On a GPU the same reference
+would run over ``kv.layer_planes`` of a ``[2, blocks, block_size, heads, dim]`` cache; wiring the Triton kernel
+``dsbd_kernels.forest_attention.forest_attention`` there (it takes those planes as they are) is not done: never run on
+a GPU yet.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_ref
+
+from .kv import layer_planes
+
+
+@dataclass
+class ForestBatch:
+    """The forest query tokens of one forward pass, for the requests that have them (Rf requests, Tf tokens).
+
+    token_index: int64 [Tf] rows of the pass's query tokens that are forest nodes (grouped by request, in order).
+    cu_seqlens_q: int32 [Rf + 1] offsets of each request's forest queries in ``token_index``.
+    req_rows: int64 [Rf] row of each request in the pass's attention metadata (its block-table row).
+    context_lens: int32 [Rf] tokens before the forest (positions [0, ctx) are visible to every node).
+    forest_lens: int32 [Rf] forest nodes whose K/V are in the cache at logical positions ctx + j.
+    ancestor_mask: int64 [Tf, words] ancestor-or-self bits of each query over its request's forest nodes.
+    """
+
+    token_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    req_rows: torch.Tensor
+    context_lens: torch.Tensor
+    forest_lens: torch.Tensor
+    ancestor_mask: torch.Tensor
+
+    @staticmethod
+    def build(entries: list[tuple[int, list[int], int, list[int], list[int]]], max_nodes: int) -> "ForestBatch | None":
+        """From per-request entries ``(req_row, token_rows, context_len, parents, query_nodes)``:
+
+        ``parents``: compact parent index of each of the request's forest nodes so far (-1 = hangs off the context),
+        ``query_nodes``: which of those nodes the pass queries (``token_rows[i]`` queries node ``query_nodes[i]``).
+        Returns None when no entry has a query token."""
+        entries = [e for e in entries if e[1]]
+        if not entries:
+            return None
+        rows, cu, ctx, flen, masks = [], [0], [], [], []
+        for req_row, token_rows, ctx_len, parents, query_nodes in entries:
+            m = ancestor_bitmask(torch.tensor(parents, dtype=torch.int64), max_nodes=max_nodes)
+            masks.append(m[torch.tensor(query_nodes, dtype=torch.int64)])
+            rows.extend(token_rows)
+            cu.append(cu[-1] + len(token_rows))
+            ctx.append(ctx_len)
+            flen.append(len(parents))
+        return ForestBatch(
+            token_index=torch.tensor(rows, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            req_rows=torch.tensor([e[0] for e in entries], dtype=torch.int64),
+            context_lens=torch.tensor(ctx, dtype=torch.int32),
+            forest_lens=torch.tensor(flen, dtype=torch.int32),
+            ancestor_mask=torch.cat(masks, 0),
+        )
+
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def forest_scope(batch: ForestBatch | None):
+    """Makes ``batch`` the forest of the forward passes run inside the block (None: plain causal attention)."""
+    old = getattr(_ACTIVE, "batch", None)
+    _ACTIVE.batch = batch
+    try:
+        yield
+    finally:
+        _ACTIVE.batch = old
+
+
+def active_batch() -> ForestBatch | None:
+    return getattr(_ACTIVE, "batch", None)
+
+
+def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: torch.Tensor,
+                             block_table: torch.Tensor, scale: float, output: torch.Tensor) -> None:
+    """Overwrites ``output[batch.token_index]`` with forest attention of those query tokens over the paged cache.
+
+    query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's
+    [num_reqs, max_blocks] int32 block table (rows in attention-metadata order)."""
+    k_plane, v_plane = layer_planes(kv_cache)
+    bs = k_plane.shape[1]
+    bt = block_table[batch.req_rows].long()
+    need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
+    used = bt[:, :need]
+    # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
+    # plane would copy the whole cache
+    uniq, local = torch.unique(used, return_inverse=True)
+    k_small = k_plane[uniq].contiguous()
+    v_small = v_plane[uniq].contiguous()
+    q = query[batch.token_index]
+    out = forest_attention_ref(q, k_small, v_small, local.to(torch.int32), batch.cu_seqlens_q,
+                               batch.context_lens, batch.forest_lens, batch.ancestor_mask, scale)
+    output[batch.token_index] = out.to(output.dtype)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _forest_impl_class(base: type) -> type:
+    """A subclass of an attention impl class whose ``forward`` adds the forest recompute."""
+    if base in _SUBCLASSES:
+        return _SUBCLASSES[base]
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        batch = active_batch()
+        if batch is not None and attn_metadata is not None:
+            if getattr(self, "alibi_slopes", None) is not None or getattr(self, "sinks", None) is not None \
+                    or (getattr(self, "sliding_window", -1) or -1) > 0 or (getattr(self, "logits_soft_cap", 0) or 0):
+                raise NotImplementedError("DSBD forest attention: alibi, sinks, sliding window and softcap are not "
+                                          "supported")
+            out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
+            q = query.view(query.shape[0], self.num_heads, -1) if query.dim() == 2 else query
+            recompute_forest_outputs(batch, q, kv_cache, attn_metadata.block_table, self.scale, out)
+        return result
+
+    sub = type(f"DSBDForest{base.__name__}", (base,), {"forward": forward, "__dsbd_base__": base})
+    _SUBCLASSES[base] = sub
+    return sub
+
+
+def install(layers: dict) -> int:
+    """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module, e.g. the static forward
+    context) the forest-attention forward. Idempotent. Returns the number of layers changed."""
+    n = 0
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if impl is None or getattr(type(impl), "__dsbd_base__", None) is not None:
+            continue
+        if not hasattr(layer, "kv_cache"):
+            continue
+        impl.__class__ = _forest_impl_class(type(impl))
+        n += 1
+    return n

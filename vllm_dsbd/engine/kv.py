@@ -1,0 +1,74 @@
+"""Paged KV cache access for DSBD: logical position -> slot, per-layer cache planes, and the commit (compaction).
+
+Vocabulary (as in ``triton_kernels/README.md``): *slot* = physical cache row
+``block_table[r, t // block_size] * block_size + t % block_size`` of logical position t of request r; a *plane* is a
+4-D ``[num_blocks, block_size, num_kv_heads, head_size]`` view of one layer's K or V.
+
+Layouts (measured on vLLM 0.26.0):
+
+* CPU (``CPU_ATTN``): one tensor per layer, logical shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
+  but ``ops.cpu_attn_reshape_and_cache`` does NOT store a token's K and V side by side in that last dimension: per
+  (block, head) the first ``block_size * head_size`` elements hold K **transposed** (``[head_size, block_size]``) and
+  the rest hold V (``[block_size, head_size]``). ``cpu_planes`` returns strided views in the plane convention over
+  exactly those elements (the K plane's head_size stride is ``block_size``, not 1, so the Triton kernels, which want a
+  unit stride there, cannot take it; the torch references can). Checked by ``tests/test_engine_units.py``.
+* GPU backends that keep ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (FlashAttention, Triton):
+  ``kv.unbind(0)``. Not exercised yet (no GPU in CI).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from dsbd_kernels.kv_commit import copy_kv_slots_ref
+
+
+def slots_of(block_row: np.ndarray | torch.Tensor, positions: Sequence[int] | np.ndarray, block_size: int,
+             num_blocks: int | None = None) -> np.ndarray:
+    """Slots of logical ``positions`` of one request whose block-table row is ``block_row`` (int64 numpy).
+    ``num_blocks``: blocks the request owns; a position beyond them raises (it would write another request's KV)."""
+    pos = np.asarray(positions, dtype=np.int64)
+    row = block_row.numpy() if isinstance(block_row, torch.Tensor) else np.asarray(block_row)
+    if num_blocks is not None and pos.size and int(pos.max()) // block_size >= num_blocks:
+        raise RuntimeError(f"DSBD: position {int(pos.max())} is beyond the request's {num_blocks} KV blocks")
+    return row[pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
+def cpu_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) planes ``[num_blocks, block_size, num_kv_heads, head_size]`` of a CPU_ATTN layer cache (views, no copy).
+
+    ``kv_cache``: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as vLLM allocates it (contiguous)."""
+    nb, kvh, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    if not kv_cache.is_contiguous():
+        raise ValueError("expected a contiguous CPU_ATTN KV cache")
+    s_block, s_head = kv_cache.stride(0), kv_cache.stride(1)
+    off = kv_cache.storage_offset()
+    # K^T: element (block, head, dim, token) at dim * bs + token; as a plane (block, token, head, dim)
+    k = kv_cache.as_strided((nb, bs, kvh, d), (s_block, 1, s_head, bs), off)
+    # V: element (block, head, token, dim) at bs * d + token * d + dim
+    v = kv_cache.as_strided((nb, bs, kvh, d), (s_block, d, s_head, 1), off + bs * d)
+    return k, v
+
+
+def layer_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) planes of one attention layer's cache, for the layouts this engine knows (see the module docstring)."""
+    if kv_cache.device.type == "cpu" and kv_cache.dim() == 4:
+        return cpu_planes(kv_cache)
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        k, v = kv_cache.unbind(0)
+        return k, v
+    raise NotImplementedError(f"DSBD: unknown KV cache layout {tuple(kv_cache.shape)} on {kv_cache.device}")
+
+
+def commit(planes: Iterable[torch.Tensor], src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+    """Copies every plane's rows ``src_slots`` to ``dst_slots`` (all sources read before any write): the
+    ``dsbd_kernels.kv_commit`` reference, which is the CPU path. Pairs with src == dst are dropped first."""
+    keep = src_slots != dst_slots
+    if not keep.any():
+        return
+    src = torch.from_numpy(np.ascontiguousarray(src_slots[keep]))
+    dst = torch.from_numpy(np.ascontiguousarray(dst_slots[keep]))
+    copy_kv_slots_ref(list(planes), src, dst)

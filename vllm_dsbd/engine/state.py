@@ -1,0 +1,119 @@
+"""What the DSBD engine remembers about each request between engine steps.
+
+A request is *registered* (:meth:`Requests.register`) the first time the runner sees it (new or resumed after a
+preemption): its seed is fixed then, once (``SamplingParams.seed``, or a number drawn from the engine's own
+generator, seeded by ``model_config.seed`` so that every tensor-parallel rank and every rerun draws the same), and its
+sampling settings are read. Between steps it carries the forest drafted at the end of the last step (the tokens vLLM
+schedules as the request's "draft tokens") and how far the draft model's KV cache is valid.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from vllm_dsbd.config import DSBDConfig, request_width
+from vllm_dsbd.core.forest import Forest
+
+_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+_WARNED: set[str] = set()
+
+
+def unsupported_settings(sp) -> list[str]:
+    """Sampling settings the DSBD sampler does not apply (it samples from the raw target/draft logits with
+    temperature, top-k and top-p only)."""
+    out = []
+    if (sp.presence_penalty or 0) != 0 or (sp.frequency_penalty or 0) != 0 or (sp.repetition_penalty or 1) != 1:
+        out.append("penalties")
+    if (sp.min_p or 0) > 0:
+        out.append("min_p")
+    for name in ("logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "logits_processors"):
+        if getattr(sp, name, None):
+            out.append(name)
+    if sp.logprobs is not None or getattr(sp, "prompt_logprobs", None) is not None:
+        out.append("logprobs")
+    if (sp.min_tokens or 0) > 0:
+        out.append("min_tokens")
+    return out
+
+
+@dataclass
+class PendingForest:
+    """A drafted forest waiting for the target's verification pass."""
+
+    forest: Forest  # one request: [1, G, W]
+    tokens: list[int]  # node tokens in compact (depth-major) order: what vLLM schedules as draft tokens
+    parents: list[int]  # compact parent index of each node (-1 = child of the root)
+    depths: list[int]  # 1-based depth of each node
+    root_pos: int  # position of the root token (the last emitted token, not yet in the target cache)
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    seed: int
+    width: int  # W of this request (<= the engine's width)
+    temperature: float  # 0 = deterministic
+    top_k: int  # 0 = off
+    top_p: float  # 1 = off
+    eos: int  # -1 = EOS is an ordinary token (ignore_eos or none)
+    max_tokens: int | None
+    draft_len: int = 0  # positions [0, draft_len) have valid draft-model K/V
+    pending: PendingForest | None = None
+    # statistics (M3)
+    iterations: int = 0
+    layers_passed: int = 0
+    widths: list[int] = field(default_factory=list)
+
+
+class Requests:
+    """The engine's per-request states, keyed by request id."""
+
+    def __init__(self, cfg: DSBDConfig, seed: int | None):
+        self.cfg = cfg
+        self._rng = random.Random(0 if seed is None else seed)
+        self._states: dict[str, RequestState] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._states
+
+    def get(self, req_id: str) -> RequestState | None:
+        return self._states.get(req_id)
+
+    def register(self, req_id: str, sampling_params, num_computed_tokens: int) -> RequestState:
+        """(Re)registers a request that starts (or restarts after a preemption) with ``num_computed_tokens`` tokens
+        already in the cache (a prefix-cache hit; their draft K/V are assumed valid too)."""
+        old = self._states.get(req_id)
+        if old is not None:  # resumed: keep the seed, forget the forest and the draft cache beyond the prefix
+            old.pending = None
+            old.draft_len = min(old.draft_len, num_computed_tokens)
+            return old
+        sp = sampling_params
+        for name in unsupported_settings(sp):
+            if name not in _WARNED:
+                _WARNED.add(name)
+                logger.warning("DSBD: SamplingParams %s are not applied by the DSBD sampler (ignored)", name)
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        temp = float(sp.temperature)
+        eos = getattr(sp, "eos_token_id", None)
+        st = RequestState(
+            req_id=req_id,
+            seed=int(seed),
+            width=request_width(sp, self.cfg),
+            temperature=0.0 if temp < _EPS else temp,
+            top_k=int(sp.top_k) if sp.top_k and sp.top_k > 0 else 0,
+            top_p=float(sp.top_p),
+            eos=-1 if (sp.ignore_eos or eos is None) else int(eos),
+            max_tokens=sp.max_tokens,
+            draft_len=num_computed_tokens,
+        )
+        self._states[req_id] = st
+        return st
+
+    def drop(self, req_ids) -> None:
+        for r in req_ids:
+            self._states.pop(r, None)
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -1,0 +1,60 @@
+"""DSBD workers: vLLM's CPU and GPU workers, building the DSBD model runner.
+
+vLLM 0.26 has no hook to choose the model runner class (``init_device`` builds ``CPUModelRunner`` /
+``GPUModelRunner`` by name), but it does let the config choose the worker class (``parallel_config.worker_cls``).
+The plugin's ``dsbd_worker`` patch points a "dsbd" engine's ``worker_cls`` at the classes here. Their ``init_device``
+runs vLLM's (device, distributed environment, seeds and vLLM's own runner), then replaces the runner with the DSBD
+runner of the same kind before anything was loaded into it. (vLLM's runner is built and dropped once at start-up; the
+alternative, rebinding vLLM's module globals while ``init_device`` runs, would be one more patch of vLLM.)
+"""
+from __future__ import annotations
+
+# the worker vLLM's platform picked -> ours
+WORKERS = {
+    "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_dsbd.engine.worker.DSBDCPUWorker",
+    "vllm.v1.worker.gpu_worker.Worker": "vllm_dsbd.engine.worker.DSBDGPUWorker",
+}
+
+
+def dsbd_worker_cls(worker_cls: str) -> str:
+    """The DSBD worker for the worker class vLLM's platform chose (ValueError for any other)."""
+    if worker_cls in WORKERS.values():
+        return worker_cls
+    if worker_cls not in WORKERS:
+        raise ValueError(f"speculative method 'dsbd' supports vLLM's CPU and GPU workers only, not {worker_cls!r}")
+    return WORKERS[worker_cls]
+
+
+def _check_runner_v1(worker) -> None:
+    if getattr(worker, "use_v2_model_runner", False):
+        raise ValueError("speculative method 'dsbd' runs on the V1 model runner only; unset VLLM_USE_V2_MODEL_RUNNER")
+
+
+def __getattr__(name):  # the worker classes import vLLM's worker modules: only where a worker is built
+    if name == "DSBDCPUWorker":
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        from .runner import cpu_runner_class
+
+        class DSBDCPUWorker(CPUWorker):
+            def init_device(self):
+                _check_runner_v1(self)
+                super().init_device()
+                self.model_runner = cpu_runner_class()(self.vllm_config, self.device)
+
+        globals()[name] = DSBDCPUWorker
+        return DSBDCPUWorker
+    if name == "DSBDGPUWorker":
+        from vllm.v1.worker.gpu_worker import Worker
+
+        from .runner import gpu_runner_class
+
+        class DSBDGPUWorker(Worker):
+            def init_device(self):
+                _check_runner_v1(self)
+                super().init_device()
+                self.model_runner = gpu_runner_class()(self.vllm_config, self.device)
+
+        globals()[name] = DSBDGPUWorker
+        return DSBDGPUWorker
+    raise AttributeError(name)
