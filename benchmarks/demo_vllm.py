@@ -1,0 +1,132 @@
+"""The main job: DSBD through vLLM 0.26 on a real model (SmolLM2-135M-Instruct, offline), side by side with plain
+sampling on the same prompts, printing the outputs and a table of speed and acceptance.
+
+    scripts/demo.sh            (sets up the environment, then runs this)
+    .venv/bin/python benchmarks/demo_vllm.py [--width 2] [--depth 3] [--max-tokens 48] [--temperature 1.0]
+
+Draft: the distilled SmolLM2 draft when its artifact is in the repository (drafts/), otherwise the target's first
+layers, untrained (low acceptance; say so in the table). Both engines run in this process, one after the other.
+Tokens per target pass = generated tokens / target forward passes (one per engine step for a request).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain in one sentence why the sky is blue.",
+    "List three primary colors:",
+    "Once upon a time, in a small village,",
+    "The best way to learn a new language is",
+    "Translate to French: Good morning, how are you?",
+]
+
+
+def draft_folder(target: Path, n_layers: int) -> tuple[Path, str]:
+    """The best draft available offline: the distilled one if its artifact is committed, else truncated layers."""
+    root = Path(__file__).resolve().parents[1]
+    artifacts = sorted((root / "drafts").glob("smollm2-*")) if (root / "drafts").exists() else []
+    if artifacts:
+        try:
+            from vllm_dsbd.distill import assemble
+            out = target.parent / f"draft-{artifacts[0].name}"
+            if not (out / "config.json").exists():
+                assemble(target, artifacts[0], out)
+            return out, f"distilled ({artifacts[0].name})"
+        except ImportError:
+            pass
+    out = target.parent / f"smollm2-first{n_layers}"
+    if not (out / "config.json").exists():
+        from vllm_dsbd import models
+        model = models.truncated_draft(models.load_hf(target), n_layers)
+        tmp = out.with_name(out.name + ".tmp")
+        model.save_pretrained(tmp)
+        models.load_tokenizer(target).save_pretrained(tmp)
+        tmp.rename(out)
+    return out, f"first {n_layers} layers of the target, untrained"
+
+
+def metric(llm, name):
+    for m in llm.get_metrics():
+        if m.name == name:
+            return getattr(m, "value", None)
+    return None
+
+
+def run(target: Path, prompts, params, speculative_config=None):
+    import vllm
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+                   disable_log_stats=False, speculative_config=speculative_config)
+    llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2))  # warm-up
+    before = {k: metric(llm, k) or 0 for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                                               "vllm:spec_decode_num_draft_tokens")}
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    secs = time.perf_counter() - t0
+    after = {k: (metric(llm, k) or 0) - before[k] for k in before}
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    texts = [o.outputs[0].text for o in outs]
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    return texts, n_tok, secs, after
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--draft-layers", type=int, default=8, help="layers of the untrained fallback draft")
+    args = ap.parse_args()
+
+    import torch
+    import vllm
+    from vllm_dsbd import models
+
+    torch.manual_seed(0)
+    target = models.smollm2_dir()
+    draft, draft_kind = draft_folder(target, args.draft_layers)
+    tok = models.load_tokenizer(target)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for p in PROMPTS]
+    params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i)
+              for i in range(len(prompts))]
+    print(f"target: SmolLM2-135M-Instruct ({target}); draft: {draft_kind}")
+    plain = run(target, prompts, params)
+    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": args.width}
+    dsbd = run(target, prompts, params, spec)
+
+    for p, a, b in zip(PROMPTS, plain[0], dsbd[0]):
+        print(f"\n### {p}\n  plain: {a.strip()[:200]!r}\n  dsbd:  {b.strip()[:200]!r}")
+    rows = []
+    for name, (texts, n_tok, secs, m) in (("plain sampling", plain), (f"DSBD W={args.width} depth={args.depth}", dsbd)):
+        drafts = m["vllm:spec_decode_num_drafts"]
+        acc = m["vllm:spec_decode_num_accepted_tokens"]
+        # target passes: one per engine step of a request = the prefill step + one per verified forest
+        passes = len(prompts) + drafts if drafts else n_tok
+        rows.append((name, n_tok, n_tok / secs, n_tok / passes,
+                     f"{acc / drafts:.2f}" if drafts else "-", secs))
+    print(f"\n{'method':24s} {'tokens':>7s} {'tok/s':>7s} {'tok/target pass':>16s} {'accepted/forest':>16s} "
+          f"{'wall s':>7s}")
+    for r in rows:
+        print(f"{r[0]:24s} {r[1]:7d} {r[2]:7.1f} {r[3]:16.2f} {r[4]:>16s} {r[5]:7.1f}")
+    print(f"\n(CPU, {torch.get_num_threads()} threads; temperature {args.temperature}; draft: {draft_kind})")
+
+
+if __name__ == "__main__":
+    main()
