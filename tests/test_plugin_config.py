@@ -68,7 +68,8 @@ def test_entry_point_is_declared():
 
 
 def test_register_is_reentrant():
-    import vllm.v1.spec_decode.llm_base_proposer  # noqa: F401  (its patch waits for this import)
+    import vllm.v1.engine.input_processor  # noqa: F401  (their patches wait for these imports)
+    import vllm.v1.spec_decode.llm_base_proposer  # noqa: F401
 
     before = patches.applied()
     plugin.register()
@@ -166,6 +167,8 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         assert SpecDecodeBaseProposer.model_returns_tuple.__dsbd_patch__ == "proposer_returns_tuple"
         from vllm.engine.arg_utils import EngineArgs
         assert EngineArgs.create_speculative_config.__dsbd_patch__ == "dsbd_knobs"
+        from vllm.v1.engine.input_processor import InputProcessor
+        assert InputProcessor._validate_params.__dsbd_patch__ == "request_validation"
         print(sorted({r.patch_id for r in patches.applied()}))
         """,
         tmp_path, VLLM_DSBD_DISABLE="0",

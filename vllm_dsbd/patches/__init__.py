@@ -71,6 +71,13 @@ to add a speculative method with its own config keys and proposer; no such regis
    How: after the original builds the config, map the platform's worker to ours (other worker classes are refused
    for "dsbd"). When it can go: vLLM lets a plugin choose the model runner (or a speculative-method registry brings
    its own runner hooks).
+
+9. ``request_validation`` - target ``vllm.v1.engine.input_processor.InputProcessor._validate_params``.
+   What: for a "dsbd" engine, also validate ``SamplingParams.extra_args["dsbd_width"]`` (``config.request_width``).
+   Why: checked only in the worker, a bad width raised inside the engine core and killed it (HTTP 500, server down);
+   in the front end it is a ``ValueError``: 400 from the server, an exception offline, and the engine keeps serving.
+   How: wrap the method; other methods and pooling params pass through unchanged. When it can go: vLLM lets a
+   speculative method validate its request arguments (or extra_args get a validation hook).
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ PATCHES = (
     "cli_alias",
     "dsbd_knobs",
     "dsbd_worker",
+    "request_validation",
 )
 
 

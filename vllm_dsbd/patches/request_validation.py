@@ -1,0 +1,40 @@
+"""Patch: a DSBD engine rejects a bad per-request width in the front end, before the request reaches the engine.
+
+``InputProcessor._validate_params`` (v1/engine/input_processor.py) is where vLLM raises ``ValueError`` for bad
+``SamplingParams``: offline ``LLM.generate`` raises it to the caller, the OpenAI server answers 400, and the engine
+keeps serving. Without this patch the width in ``extra_args["dsbd_width"]`` is only checked in the worker, where the
+ValueError kills the engine core (HTTP 500 and a dead server).
+"""
+
+from __future__ import annotations
+
+import types
+
+from vllm_dsbd.config import METHOD, DSBDConfig, request_width
+from vllm_dsbd.patches._patching import when_imported, wrap_method
+
+PATCH_ID = "request_validation"
+MODULE = "vllm.v1.engine.input_processor"
+
+
+def apply() -> None:
+    when_imported(MODULE, _patch)
+
+
+def _patch(mod: types.ModuleType) -> None:
+    from vllm.sampling_params import SamplingParams
+
+    def make(orig):
+        def _validate_params(self, params, supported_tasks):
+            orig(self, params, supported_tasks)
+            spec = self.speculative_config
+            if spec is None or spec.method != METHOD or not isinstance(params, SamplingParams):
+                return
+            cfg = getattr(self, "_dsbd_config", None)
+            if cfg is None:
+                cfg = self._dsbd_config = DSBDConfig.from_vllm_config(self.vllm_config)
+            request_width(params, cfg)  # ValueError naming extra_args['dsbd_width']
+
+        return _validate_params
+
+    wrap_method(PATCH_ID, mod.InputProcessor, "_validate_params", make)
