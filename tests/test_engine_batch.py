@@ -12,18 +12,12 @@ block size 16) and a large ``max_num_seqs``, so the scheduler preempts running r
 """
 from __future__ import annotations
 
-import gc
-import os
 import random
 
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
-torch.set_num_threads(1)
+from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 vllm = pytest.importorskip("vllm")
 
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
@@ -42,22 +36,6 @@ REQS = [(p, w) for p, w in zip(PROMPTS, [1, 2, 4, 4, 2, 1, 4, 2])] + [(LONG[0], 
 def _llm(target, **kw):
     return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
                     disable_log_stats=False, enable_prefix_caching=False, **kw)
-
-
-def _shutdown(llm):
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
-def metric(llm, name):
-    for m in llm.get_metrics():
-        if m.name == name:
-            return getattr(m, "value", None)
-    return None
 
 
 def _params(width=None):
@@ -104,7 +82,7 @@ def dsbd_runs(pair):
         yield {"batch": batch, "one_by_one": one_by_one, "preempted": preempted, "w1": w1, "spec": spec,
                "bad": bad, "after_bad": list(after.outputs[0].token_ids)}
     finally:
-        _shutdown(llm)
+        shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +95,7 @@ def draft_model_run(pair, dsbd_runs):  # after dsbd_runs: one engine at a time
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         yield tokens, {name: metric(llm, name) for name in SPEC_METRICS}
     finally:
-        _shutdown(llm)
+        shutdown(llm)
 
 
 def test_preemption_happened(dsbd_runs):

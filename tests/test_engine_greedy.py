@@ -16,17 +16,11 @@ the greedy tokens, so iterations both pass and fail layers).
 """
 from __future__ import annotations
 
-import gc
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2 shared cores: OpenMP spin-waits oversubscribe
-
-torch.set_num_threads(1)  # tiny models; with more threads OpenMP spin-waits slow everything on shared cores
+from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 vllm = pytest.importorskip("vllm")
 
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
@@ -42,28 +36,12 @@ def _llm(target, **kw):
                     disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=4, **kw)
 
 
-def _shutdown(llm):
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 def reference_tokens(target_fn, draft_fn, prompt, width, n, *, temperature=0.0, seed=0, dynamic=False):
     """``dsbd_decode`` with vLLM's iteration structure: one depth-0 step (the prefill), then DSBD from there."""
     kw = dict(width=width, depth=DEPTH, temperature=temperature, mode="single", seed=seed, dynamic_width=dynamic)
     first = dsbd_decode(target_fn, draft_fn, prompt, max_new_tokens=1, **kw).beams[0][0]
     rest = dsbd_decode(target_fn, draft_fn, prompt + first, max_new_tokens=n - 1, **kw).beams[0][0]
     return first + rest
-
-
-def metric(llm, name):
-    for m in llm.get_metrics():
-        if m.name == name:
-            return getattr(m, "value", None) if hasattr(m, "value") else m
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +57,7 @@ def plain_greedy(pair):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    _shutdown(llm)
+    shutdown(llm)
     return tokens
 
 
@@ -99,7 +77,7 @@ def dsbd_run(pair, plain_greedy):  # plain_greedy first: one engine at a time
         "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens")}
     metrics["layers_passed"] = metric(llm, "vllm:dsbd_layers_passed")
     yield tokens, metrics
-    _shutdown(llm)
+    shutdown(llm)
 
 
 @pytest.fixture(scope="module")

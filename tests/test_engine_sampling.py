@@ -14,18 +14,12 @@ commit then moves K/V).
 """
 from __future__ import annotations
 
-import gc
-import os
 from collections import Counter
 
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
-torch.set_num_threads(1)
+from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 vllm = pytest.importorskip("vllm")
 
 import chisq  # noqa: E402
@@ -37,13 +31,6 @@ WIDTH, DEPTH = 2, 2
 PROMPT = [5, 6, 7]
 N_LAW, LAW_TOKENS = 600, 3
 SEEDS = range(100, 106)
-
-
-def _metric(llm, name):
-    for m in llm.get_metrics():
-        if m.name == name:
-            return getattr(m, "value", m)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +53,7 @@ def llm(pair):
                       speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                           "width": WIDTH})
     yield engine
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    engine.llm_engine.engine_core.shutdown()
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    shutdown(engine)
 
 
 def _reference(target_fn, draft_fn, prompt, width, n, seed):
@@ -135,10 +117,10 @@ def test_law_of_first_tokens_equals_reference(llm, hf_fns):
 
 def test_not_vacuous(llm):
     # runs last in this module: the counters include every request above
-    assert _metric(llm, "vllm:spec_decode_num_drafts") > 0
-    assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") > 0
-    assert _metric(llm, "vllm:dsbd_iterations") > 0
-    assert _metric(llm, "vllm:dsbd_kv_commit_slots") > 0, "no accepted path ever needed moving: commit untested"
+    assert metric(llm, "vllm:spec_decode_num_drafts") > 0
+    assert metric(llm, "vllm:spec_decode_num_accepted_tokens") > 0
+    assert metric(llm, "vllm:dsbd_iterations") > 0
+    assert metric(llm, "vllm:dsbd_kv_commit_slots") > 0, "no accepted path ever needed moving: commit untested"
     widths = [m for m in llm.get_metrics() if m.name == "vllm:dsbd_layer_width"]
     assert widths and any(m.count > 0 for m in widths)
     assert {m.labels.get("layer") for m in widths} <= {str(d) for d in range(1, DEPTH + 1)}

@@ -1,0 +1,32 @@
+"""What every test that starts a real vLLM engine on CPU shares. Import it before vllm.
+
+- in-process engine core (fast start), 1 GiB of KV cache, no OpenMP core binding and one torch thread: on 2 shared
+  cores OpenMP spin-waits otherwise make generation about 100x slower (these settings last for the pytest session);
+- ``shutdown``: frees an engine so the next one in the same process can start;
+- ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram).
+"""
+import gc
+import os
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+torch.set_num_threads(1)
+
+
+def shutdown(llm) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def metric(llm, name: str):
+    for m in llm.get_metrics():
+        if m.name == name:
+            return getattr(m, "value", m)
+    return None
