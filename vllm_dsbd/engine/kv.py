@@ -12,8 +12,12 @@ Layouts (measured on vLLM 0.26.0):
   the rest hold V (``[block_size, head_size]``). ``cpu_planes`` returns strided views in the plane convention over
   exactly those elements (the K plane's head_size stride is ``block_size``, not 1, so the Triton kernels, which want a
   unit stride there, cannot take it; the torch references can). Checked by ``tests/test_engine_units.py``.
-* GPU backends that keep ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (FlashAttention, Triton):
-  ``kv.unbind(0)``. Not exercised yet (no GPU in CI).
+* GPU backends of vLLM 0.26 (FlashAttention, Triton, FlexAttention): logical shape
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` with K and V of a token side by side in the last
+  dimension (memory order NHD by default: ``[num_blocks, block_size, num_kv_heads, 2 * head_size]``); the backends
+  read ``kv.transpose(1, 2).split(head_size, -1)``, and so does :func:`layer_planes`. Unit stride in head_size: the
+  Triton kernels take these views as they are (:func:`commit` uses ``dsbd_kernels.kv_commit.copy_kv_slots`` on
+  CUDA). An older ``[2, num_blocks, block_size, num_kv_heads, head_size]`` layout is ``kv.unbind(0)``.
 """
 from __future__ import annotations
 
@@ -53,22 +57,58 @@ def cpu_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
+def gpu_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) planes of a vLLM 0.26 GPU layer cache, logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+    (any memory order): the views FlashAttention / Triton / FlexAttention read, ``kv.transpose(1, 2).split(d, -1)``."""
+    k, v = kv_cache.transpose(1, 2).split(kv_cache.shape[-1] // 2, dim=-1)
+    return k, v
+
+
 def layer_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(K, V) planes of one attention layer's cache, for the layouts this engine knows (see the module docstring)."""
     if kv_cache.device.type == "cpu" and kv_cache.dim() == 4:
         return cpu_planes(kv_cache)
+    if kv_cache.dim() == 4 and kv_cache.shape[-1] % 2 == 0:
+        return gpu_planes(kv_cache)
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
         k, v = kv_cache.unbind(0)
         return k, v
     raise NotImplementedError(f"DSBD: unknown KV cache layout {tuple(kv_cache.shape)} on {kv_cache.device}")
 
 
-def commit(planes: Iterable[torch.Tensor], src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
-    """Copies every plane's rows ``src_slots`` to ``dst_slots`` (all sources read before any write): the
-    ``dsbd_kernels.kv_commit`` reference, which is the CPU path. Pairs with src == dst are dropped first."""
+class PlaneSet:
+    """The K/V planes of one KV-cache group, with the kernel's table of them built once (CUDA only)."""
+
+    def __init__(self, planes: Sequence[torch.Tensor]):
+        self.planes = list(planes)
+        self.table = None
+        if self.planes and self.planes[0].is_cuda and _same_geometry(self.planes):
+            from dsbd_kernels.kv_commit import KVCacheTable
+
+            self.table = KVCacheTable.from_caches(self.planes)
+
+
+def _same_geometry(planes: Sequence[torch.Tensor]) -> bool:
+    first = planes[0]
+    return all(p.shape == first.shape and p.stride() == first.stride() and p.dtype == first.dtype for p in planes)
+
+
+def commit(planes: "PlaneSet | Iterable[torch.Tensor]", src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+    """Copies every plane's rows ``src_slots`` to ``dst_slots`` (all sources read before any write). On CUDA one
+    launch of ``dsbd_kernels.kv_commit.copy_kv_slots`` (commit pairs satisfy its ordering condition: destinations
+    ``ctx + k`` from sources ``ctx + n_k``, n increasing); elsewhere its torch reference. Pairs with src == dst are
+    dropped first."""
     keep = src_slots != dst_slots
     if not keep.any():
         return
     src = torch.from_numpy(np.ascontiguousarray(src_slots[keep]))
     dst = torch.from_numpy(np.ascontiguousarray(dst_slots[keep]))
-    copy_kv_slots_ref(list(planes), src, dst)
+    if isinstance(planes, PlaneSet) and planes.table is not None:
+        from dsbd_kernels.kv_commit import copy_kv_slots
+
+        dev = planes.table.device
+        copy_kv_slots(planes.table, src.to(dev, non_blocking=True), dst.to(dev, non_blocking=True))
+        return
+    plane_list = planes.planes if isinstance(planes, PlaneSet) else list(planes)
+    dev = plane_list[0].device
+    copy_kv_slots_ref(plane_list, src.to(dev), dst.to(dev))

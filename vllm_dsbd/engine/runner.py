@@ -51,7 +51,7 @@ class DSBDRunnerMixin:
         self._dsbd_plan: list[sampler.RowPlan] | None = None
         self._dsbd_forest: attention.ForestBatch | None = None
         self._dsbd_results: list[sampler.RowResult] | None = None
-        self._dsbd_planes: dict[int, list[torch.Tensor]] | None = None
+        self._dsbd_planes: dict[int, kv.PlaneSet] | None = None
         logger.info("DSBD engine: width %d, depth %d, %s width, mode %s", self.dsbd_cfg.width, self.dsbd_cfg.depth,
                     "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode)
 
@@ -156,7 +156,7 @@ class DSBDRunnerMixin:
         ids = sampler.sampled_token_ids(results, len(plan)).to(logits.device)
         return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
 
-    def _kv_planes(self) -> dict[int, list[torch.Tensor]]:
+    def _kv_planes(self) -> dict[int, kv.PlaneSet]:
         if self._dsbd_planes is None:
             ctx = self.compilation_config.static_forward_context
             planes: dict[int, list[torch.Tensor]] = {}
@@ -165,7 +165,7 @@ class DSBDRunnerMixin:
                     cache = getattr(ctx.get(name), "kv_cache", None)
                     if isinstance(cache, torch.Tensor) and cache.numel():
                         planes.setdefault(gid, []).extend(kv.layer_planes(cache))
-            self._dsbd_planes = planes
+            self._dsbd_planes = {gid: kv.PlaneSet(p) for gid, p in planes.items()}
         return self._dsbd_planes
 
     def _commit_kv(self, plan, results) -> None:

@@ -77,7 +77,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass."""
     R, G, W = len(rows), cfg.depth, cfg.width
     V = logits.shape[-1]
-    logits = logits.float()
+    # the core runs on the host (the drafter keeps its forests there too): one copy of the pass's logits rows
+    logits = logits.float().cpu()
     forests, depth = [], []
     for row in rows:
         f = row.forest.forest if row.forest is not None else empty_forest(G, W, V)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU measurement: the Triton kernels compiled (their tests against the torch references, bf16 included), the
+# kernel benchmarks, and the engine's end-to-end tests through vLLM on the GPU. Logs and CSVs go to $OUT; a short
+# table comes last. Run on the GPU machine from the repository root after
+#   source .gpu/gpu_setup.sh && pip install --no-deps --no-build-isolation -e .
+# (see ../shared/ENV.md "GPU runs"; pytest comes from .gpu/wheels when the image lacks it).
+set -u
+OUT=${OUT:-/tmp/dsbd-gpu-out}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+if ! python -c "import pytest" 2>/dev/null && ls .gpu/wheels/pytest-*.whl >/dev/null 2>&1; then
+  pip install -q --no-deps .gpu/wheels/{pytest,pluggy,iniconfig}-*.whl
+fi
+# -P: do not put the repository root on sys.path (our kernels folder must import as dsbd_kernels only)
+PYTEST=(python -P -m pytest -q -p no:cacheprovider -rfE)
+
+STEPS=${DSBD_GPU_STEPS:-kernel_tests bench_kernels bench_verify engine_tests}  # a subset may be chosen
+step() {  # step NAME SECONDS CMD...: runs CMD with a time limit, logs to $OUT/NAME.log, one summary line
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
+  t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  printf '%-16s rc=%-4s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" \
+    "$(grep -E '^[0-9]+ (passed|failed)|passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)" \
+    | tee -a "$OUT/summary.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+
+step kernel_tests "${DSBD_KERNEL_TEST_S:-240}" "${PYTEST[@]}" tests/test_kernel_forest_attention.py \
+  tests/test_kernel_kv_commit.py tests/test_kernel_verify.py
+step bench_kernels 120 python benchmarks/bench_kernels.py --quick --csv "$OUT/bench_kernels.csv"
+step bench_verify 90 python benchmarks/bench_verify.py --quick --out "$OUT/verify"
+step engine_tests "${DSBD_ENGINE_TEST_S:-240}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \
+  tests/test_engine_sampling.py tests/test_engine_batch.py
+
+for f in bench_kernels bench_verify; do [[ -f $OUT/$f.log ]] && { echo "== $f (last lines)"; tail -25 "$OUT/$f.log"; }; done
+for f in kernel_tests engine_tests; do
+  [[ -f $OUT/$f.log ]] && { echo "== $f (failures)"; grep -E "^(FAILED|ERROR) |^E  +[A-Za-z]*Error" "$OUT/$f.log" | head -15 | cut -c1-300; }
+done
+echo "== summary"
+cat "$OUT/summary.txt"
