@@ -3,7 +3,9 @@
 One server (module fixture) in a subprocess, tiny random Llama pair (target 3 layers, draft = its first 2), DSBD
 width 2, depth 2. Checked over HTTP with the stdlib only: completions (temperature 0), chat completions (with a
 trivial chat template: the tiny tokenizer has none), streaming, the per-request width ``vllm_xargs.dsbd_width``, and
-``/metrics`` showing speculative drafts. Separately, a misspelt DSBD key makes ``serve`` exit non-zero naming it.
+``/metrics`` showing speculative drafts and DSBD's own metrics. The server runs as ``vllm serve`` does by default: the
+engine core in a child process of the API server, so DSBD's metrics must cross processes to reach ``/metrics``.
+Separately, a misspelt DSBD key makes ``serve`` exit non-zero naming it (in-process engine: faster to fail).
 """
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ STARTUP_TIMEOUT_S = 240
 MODEL_NAME = "tiny-dsbd"
 
 
-def _env() -> dict[str, str]:
+def _env(multiprocessing: bool = False) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+    for key in ("VLLM_DSBD_PROMETHEUS_DIR", "VLLM_DSBD_PROMETHEUS_PID"):  # the server is its own front end
+        env.pop(key, None)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                PYTHONUNBUFFERED="1")
     return env
@@ -74,7 +78,7 @@ def server(pair, tmp_path_factory):
                         "{% if add_generation_prompt %}assistant:{% endif %}")
     port = _free_port()
     log = open(tmp / "server.log", "w+b")
-    proc = subprocess.Popen(_serve_cmd(target, draft, port, '{"width": 2}', template), env=_env(),
+    proc = subprocess.Popen(_serve_cmd(target, draft, port, '{"width": 2}', template), env=_env(multiprocessing=True),
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -171,6 +175,32 @@ def test_metrics_show_drafts(server):
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith(("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts{"))]
     assert values and sum(values) > 0, [l for l in text.splitlines() if "spec_decode" in l][:20]
+
+
+def _samples(text: str, prefix: str) -> list[tuple[str, float]]:
+    return [(line.rsplit(" ", 1)[0], float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+            if line.startswith(prefix)]
+
+
+def test_dsbd_metrics_cross_processes(server):
+    """DSBD's own Prometheus metrics, recorded in the engine core process, are on the API server's ``/metrics``:
+    forest iterations, layers passed, per-layer widths and emitted tokens, counted for the requests made."""
+    base, _, _ = server
+    for _ in range(2):
+        _completion(base)
+    with _request(base + "/metrics") as r:
+        text = r.read().decode()
+    iters = _samples(text, "vllm:dsbd_iterations_total")
+    tokens = _samples(text, "vllm:dsbd_emitted_tokens_total")
+    passed = _samples(text, "vllm:dsbd_layers_passed_count")
+    widths = _samples(text, 'vllm:dsbd_layer_width_count{layer="1"}')
+    assert iters and iters[0][1] > 0, [l for l in text.splitlines() if "dsbd" in l][:20]
+    assert tokens and tokens[0][1] >= 2 * 12  # at least the two 12-token completions just made
+    assert passed and passed[0][1] == iters[0][1]  # one layers-passed observation per forest iteration
+    assert widths and 0 < widths[0][1] <= iters[0][1]
+    # the width of a verified layer is between 1 and the engine's width 2
+    buckets = dict(_samples(text, 'vllm:dsbd_layer_width_bucket{layer="1",'))
+    assert buckets['vllm:dsbd_layer_width_bucket{layer="1",le="2.0"}'] == widths[0][1]
 
 
 def test_bad_startup_config_exits_naming_key(pair):

@@ -11,15 +11,24 @@ default registry of the process that runs the model runner):
 * ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
 * ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place).
 
-They reach ``LLM.get_metrics()`` and ``/metrics`` when the runner lives in the process that serves them (in-process
-engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or when Prometheus multiprocess mode covers the engine process
-(``PROMETHEUS_MULTIPROC_DIR`` set before the engine starts; vLLM sets it itself for ``--api-server-count > 1``).
+How they reach ``LLM.get_metrics()`` and ``/metrics``:
+
+* in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): collectors in the default registry of that process;
+* engine core in a child process (the default of ``vllm serve`` and ``LLM``): the plugin's ``register()`` in the
+  first (front-end) process calls :func:`setup_frontend`, which makes a temporary directory, exports it to the
+  processes it starts (``VLLM_DSBD_PROMETHEUS_DIR``, with its own pid in ``VLLM_DSBD_PROMETHEUS_PID``) and registers a
+  ``prometheus_client`` ``MultiProcessCollector`` over it in its default registry; an engine in another process then
+  creates its collectors with memory-mapped values in that directory (prometheus_client's multiprocess mode, for
+  these collectors only), and the front end serves them with its own metrics. Not covered: ``--api-server-count > 1``
+  (vLLM then serves only its own multiprocess directory).
 The layers-passed law is also in vLLM's own ``vllm:spec_decode_num_accepted_tokens_per_pos`` (position p counts the
 iterations that passed more than p layers), which crosses processes through the scheduler's statistics.
 """
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -32,11 +41,63 @@ _LOCK = threading.Lock()
 _OWNER: "DSBDStats | None" = None  # the engine whose collectors are registered in this process
 
 
-def _collectors() -> dict | None:
+PROMETHEUS_DIR_ENV = "VLLM_DSBD_PROMETHEUS_DIR"
+PROMETHEUS_PID_ENV = "VLLM_DSBD_PROMETHEUS_PID"
+_FRONTEND_DIR: tempfile.TemporaryDirectory | None = None
+
+
+def setup_frontend() -> None:
+    """In the first process that registers the plugin (the front end): a directory for the DSBD metrics of engines in
+    child processes, exported to them, and a collector over it in this process's default registry. Idempotent."""
+    global _FRONTEND_DIR
+    if os.environ.get(PROMETHEUS_DIR_ENV) or _FRONTEND_DIR is not None:
+        return
     try:
-        from prometheus_client import Counter as PCounter, Histogram
+        from prometheus_client import REGISTRY
+        from prometheus_client.multiprocess import MultiProcessCollector
+    except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+        return
+    _FRONTEND_DIR = tempfile.TemporaryDirectory(prefix="vllm-dsbd-metrics-")
+    os.environ[PROMETHEUS_DIR_ENV] = _FRONTEND_DIR.name
+    os.environ[PROMETHEUS_PID_ENV] = str(os.getpid())
+    MultiProcessCollector(REGISTRY, path=_FRONTEND_DIR.name)
+
+
+def _child_dir() -> str | None:
+    """The front end's metrics directory when this process is not the front end (an engine core child)."""
+    d, pid = os.environ.get(PROMETHEUS_DIR_ENV), os.environ.get(PROMETHEUS_PID_ENV)
+    return d if d and pid and pid != str(os.getpid()) and os.path.isdir(d) else None
+
+
+def _collectors(mmap_dir: str | None = None, depth: int = 0) -> dict | None:
+    """The DSBD collectors (not registered). ``mmap_dir``: create them with memory-mapped values in that directory
+    (prometheus_client's multiprocess mode, switched on only while these are built), with the per-layer width
+    children of layers 1..depth made up front (a child made later would not be memory-mapped)."""
+    try:
+        from prometheus_client import values
     except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
         return None
+    if mmap_dir is None:
+        return _build_collectors()
+    old_cls, old_env = values.ValueClass, os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    values.ValueClass = values.MultiProcessValue()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = mmap_dir
+    try:
+        out = _build_collectors()
+        for d in range(1, depth + 1):
+            out["width"].labels(layer=str(d))
+        return out
+    finally:
+        values.ValueClass = old_cls
+        if old_env is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = old_env
+
+
+def _build_collectors() -> dict:
+    from prometheus_client import Counter as PCounter, Histogram
+
     kw = {"registry": None}
     return {
         "iterations": PCounter("vllm:dsbd_iterations", "DSBD iterations that verified a forest", **kw),
@@ -73,6 +134,12 @@ class DSBDStats:
         from prometheus_client import REGISTRY
 
         with _LOCK:
+            if self._prom is None and (child_dir := _child_dir()) is not None:
+                # engine core in a child of the front end: values go to the front end's directory, no registry here
+                self._prom = _collectors(child_dir, self.cfg.depth)
+                self._mmap = True
+            if getattr(self, "_mmap", False):
+                return self._prom
             if self._prom is None:
                 self._prom = _collectors()
                 if self._prom is None:
