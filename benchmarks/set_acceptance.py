@@ -1,0 +1,77 @@
+"""BENCHMARK ONLY: makes a DSBD engine's accepted-path lengths follow a set per-layer acceptance rate instead of
+DSBD's verification, so the system's speed can be measured at realistic model sizes with random weights (whose real
+acceptance would be near zero). The output is NOT DSBD's law and is meaningless as text.
+
+It lives under ``benchmarks/``, not in the package, and acts only when a benchmark calls :func:`install` in the
+process that runs the engine (in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); nothing in ``vllm_dsbd``
+imports it, so the serving path cannot reach it.
+
+What stays real: the draft passes, the target's forest pass, DSBD's verification itself (it still runs, so its cost
+is counted), the KV commit of the accepted path and vLLM's rollback. What is replaced: which path is accepted. Per
+forest, layer d is accepted with probability ``rate`` independently, stopping at the first rejection; the accepted
+path is a prefix of the path to the first deepest node; the emitted tokens are that path's
+draft tokens plus the real verification's last token.
+"""
+from __future__ import annotations
+
+import random
+
+_STATE = {"rate": None, "rng": random.Random(0), "orig": None}
+
+
+def set_rate(rate: float) -> None:
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1], got {rate}")
+    _STATE["rate"] = rate
+
+
+def install(rate: float, seed: int = 0) -> None:
+    """Replaces ``vllm_dsbd.engine.sampler.verify`` in this process (idempotent; :func:`uninstall` restores it)."""
+    from vllm_dsbd.engine import sampler
+
+    set_rate(rate)
+    _STATE["rng"] = random.Random(seed)
+    if _STATE["orig"] is None:
+        _STATE["orig"] = sampler.verify
+        sampler.verify = _verify_at_set_rate
+
+
+def uninstall() -> None:
+    from vllm_dsbd.engine import sampler
+
+    if _STATE["orig"] is not None:
+        sampler.verify = _STATE["orig"]
+        _STATE["orig"] = None
+
+
+def chain(parents: list[int], depths: list[int]) -> list[int]:
+    """Compact indices of a root-to-leaf path of greatest depth: the ancestors of the first deepest node."""
+    if not depths:
+        return []
+    c = depths.index(max(depths))
+    path = []
+    while c >= 0:
+        path.append(c)
+        c = parents[c]
+    return path[::-1]
+
+
+def _verify_at_set_rate(logits, rows, cfg):
+    from vllm_dsbd.engine.sampler import RowResult
+
+    real = _STATE["orig"](logits, rows, cfg)
+    rng, rate = _STATE["rng"], _STATE["rate"]
+    out = []
+    for row, res in zip(rows, real):
+        pf = row.forest
+        if pf is None:
+            out.append(res)
+            continue
+        full = chain(pf.parents, pf.depths)
+        k = 0
+        while k < len(full) and rng.random() < rate:
+            k += 1
+        path = full[:k]
+        out.append(RowResult(tokens=[pf.tokens[c] for c in path] + [res.tokens[-1]], path=path, passed=k,
+                             widths=res.widths))
+    return out
