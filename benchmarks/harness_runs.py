@@ -91,7 +91,10 @@ def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *
 
     spec = None
     if cfg.kind == "draft_model":
-        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": cfg.depth}
+        # vLLM's default draft proposes its argmax ("greedy"); at temperature > 0 the fair baseline is standard
+        # speculative sampling: the draft samples, and its probabilities enter the rejection test
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": cfg.depth,
+                "draft_sample_method": "probabilistic" if temperature > 0 else "greedy"}
     elif cfg.kind == "dsbd":
         spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": cfg.depth, "width": cfg.width,
                 "dynamic_width": cfg.dynamic}
