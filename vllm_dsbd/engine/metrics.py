@@ -16,7 +16,8 @@ How they reach ``LLM.get_metrics()`` and ``/metrics``:
 * in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): collectors in the default registry of that process;
 * engine core in a child process (the default of ``vllm serve`` and ``LLM``): the plugin's ``register()`` in the
   first (front-end) process calls :func:`setup_frontend`, which makes a temporary directory, exports it to the
-  processes it starts (``VLLM_DSBD_PROMETHEUS_DIR``, with its own pid in ``VLLM_DSBD_PROMETHEUS_PID``) and registers a
+  processes it starts (``VLLM_DSBD_PROMETHEUS_DIR``, with its own pid in ``VLLM_DSBD_PROMETHEUS_PID``; a program
+  started as a separate program, not by ``multiprocessing``, makes its own) and registers a
   ``prometheus_client`` ``MultiProcessCollector`` over it in its default registry; an engine in another process then
   creates its collectors with memory-mapped values in that directory (prometheus_client's multiprocess mode, for
   these collectors only), and the front end serves them with its own metrics. Not covered: ``--api-server-count > 1``
@@ -50,8 +51,14 @@ def setup_frontend() -> None:
     """In the first process that registers the plugin (the front end): a directory for the DSBD metrics of engines in
     child processes, exported to them, and a collector over it in this process's default registry. Idempotent."""
     global _FRONTEND_DIR
-    if os.environ.get(PROMETHEUS_DIR_ENV) or _FRONTEND_DIR is not None:
+    import multiprocessing
+
+    if _FRONTEND_DIR is not None:
         return
+    if multiprocessing.parent_process() is not None and os.environ.get(PROMETHEUS_DIR_ENV):
+        return  # a multiprocessing child of a front end (an engine core): it writes to the front end's directory
+    # a program of its own (even one started by another front end, e.g. a benchmark run from a test): its own
+    # directory, replacing any inherited one
     try:
         from prometheus_client import REGISTRY
         from prometheus_client.multiprocess import MultiProcessCollector
