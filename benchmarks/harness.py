@@ -145,9 +145,9 @@ def main(argv=None) -> int:
                 target=target_name, draft=f"{draft_kind}", prompts=prompt_desc, max_tokens=args.max_tokens,
                 temperature=args.temperature, torch=torch.__version__, vllm=vllm.__version__,
                 note=("On CPU the wall-clock columns measure the torch reference path (forest attention recomputed "
-                      "in torch, verification on the host) and 2 shared cores; the pass counts are hardware-free. vLLM's "
-                      "draft_model row is standard speculative sampling (the draft samples); on CPU it is right only "
-                      "with the plugin's ledger patch 10 (vLLM issue #55005)."
+                      f"in torch, verification on the host) and {os.cpu_count()} shared cores; the pass counts are "
+                      "hardware-free. vLLM's draft_model row is standard speculative sampling (the draft samples); "
+                      "on CPU it is right only with the plugin's ledger patch 10 (vLLM issue #55005)."
                       if args.profile == "cpu" else ""))
     out = Path(args.out)
     harness_report.write_tables(rows, meta, out)
