@@ -45,7 +45,7 @@ class PowerSampler:
         return sum(watts) * 0.1
 
 
-def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool):
+def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool, sharegpt: str = "sharegpt"):
     """(prompt token ids, description, {prompt index: HumanEval problem}) ."""
     if token_prompts:  # tiny test models: their tokenizers know no real text
         import random
@@ -56,7 +56,7 @@ def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool):
 
     from vllm_dsbd.distill import data
 
-    chat = [data.encode_prompt(tokenizer, t, max_prompt_len) for t in data.load_prompts("sharegpt", "eval")[:n]]
+    chat = [data.encode_prompt(tokenizer, t, max_prompt_len) for t in data.load_prompts(sharegpt, "eval")[:n]]
     by_text = {pr["prompt"]: pr for pr in read_problems().values()}
     code_texts = data.load_prompts("humaneval", "eval")[:n]
     code = [tokenizer(t).input_ids[-max_prompt_len:] for t in code_texts]
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="HF folder (default: the committed distilled draft)")
     ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")
+    ap.add_argument("--sharegpt", default="sharegpt", help="ShareGPT source: the PyPI package (default) or a .jsonl "
+                    "of {id, prompt} records (same held-out split by id; for machines without the package)")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
 
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
     else:
         target, draft, target_name = Path(args.target), Path(args.draft), args.target
     tok = models.load_tokenizer(target)
-    prompts, prompt_desc, problems = load_prompts(tok, args.num_prompts, args.max_prompt_len, args.token_prompts)
+    prompts, prompt_desc, problems = load_prompts(tok, args.num_prompts, args.max_prompt_len, args.token_prompts,
+                                               args.sharegpt)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     configs = harness_runs.configurations(ints(args.widths), ints(args.depths), ints(args.beam_widths))
     if args.configs:
