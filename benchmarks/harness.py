@@ -83,6 +83,8 @@ def main(argv=None) -> int:
                     "of {id, prompt} records (same held-out split by id; for machines without the package)")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
+    if args.sharegpt != "sharegpt" and not Path(args.sharegpt).is_file():
+        ap.error(f"--sharegpt: {args.sharegpt!r} is neither 'sharegpt' nor an existing .jsonl file")
 
     if args.profile == "cpu":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -54,7 +54,8 @@ def test_expand_writes_the_callers_buffer(dtype, values, replace_from, replace_t
         from vllm_dsbd.patches._patching import original
 
         buggy = torch.full((6,), -7.0)
-        original(cpu_tl, "expand_kernel")[(3,)](buggy, x, cu, replace_from, replace_to, MAX_NUM_TOKENS=16)
+        original(cpu_tl, "expand_kernel")[(3,)](buggy, x, cu, replace_from, replace_to,
+                                                MAX_NUM_TOKENS=rs.MAX_SPEC_LEN)
         assert torch.equal(buggy, torch.full((6,), -7.0)), "vLLM's CPU expand now writes its output: drop patch 10"
 
 

@@ -29,11 +29,8 @@ def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_T
     ``rejection_sampler.expand_kernel`` does on a GPU."""
     import torch
 
-    if input_val.numel() == 0:
-        return
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
-    values = torch.where(input_val == replace_from, torch.tensor(replace_to, dtype=input_val.dtype), input_val)
-    expanded = values.repeat_interleave(counts)
+    expanded = torch.where(input_val == replace_from, replace_to, input_val).repeat_interleave(counts)
     output[: expanded.numel()].copy_(expanded)
 
 
