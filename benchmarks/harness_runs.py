@@ -82,7 +82,7 @@ def _delta_hist(after, before):
 
 
 def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *, max_tokens: int,
-               temperature: float, engine_kw: dict, power=None):
+               temperature: float, engine_kw: dict, top_k: int = 0, top_p: float = 1.0, power=None):
     """Runs one configuration; returns its Run and the engine, still up (the caller may run beam search on it and
     must :func:`shutdown` it)."""
     import vllm
@@ -101,7 +101,7 @@ def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *
     llm = vllm.LLM(model=target, speculative_config=spec, disable_log_stats=False, seed=0, **engine_kw)
     try:
         toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        params = [vllm.SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i)
+        params = [vllm.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=i)
                   for i in range(len(prompts))]
         llm.generate(toks[:1], vllm.SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         before = llm.get_metrics()

@@ -56,3 +56,37 @@ def test_harness_runs_and_reports(tmp_path):
     assert all(1 <= int(w) <= 2 for h in hist.values() for w in h)
     page = (out / "README.md").read_text()
     assert "## Goals (issue 5)" in page and "dsbd W=2 g=2 dyn" in page
+
+
+def test_harness_top_k_reaches_every_engine(tmp_path):
+    """``--top-k 1`` at temperature 1 leaves one token per step: plain sampling, vLLM ``draft_model`` and DSBD W = 1
+    must then all give the target's greedy tokens, although their seeds and random streams differ. On these flat
+    laws any engine that sampled without the truncation would leave the greedy path within a few tokens."""
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "harness.py"), "--target", str(target), "--draft", str(draft),
+           "--token-prompts", "--num-prompts", "1", "--max-tokens", "16", "--widths", "1", "--depths", "2",
+           "--beam-widths", "", "--top-k", "1", "--configs", "^(plain|draft_model g=3|dsbd W=1 g=2 fixed)$",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["top_k"] == 1 and "top-k 1" in (out / "README.md").read_text()
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"plain", "draft_model g=3", "dsbd W=1 g=2 fixed"}
+    assert rows["dsbd W=1 g=2 fixed"]["drafts"] > 0 and rows["draft_model g=3"]["drafts"] > 0
+    greedy = rows["plain"]["outputs"]
+    assert sum(len(o) for o in greedy) >= 16, greedy  # 2 prompts x 16 tokens; EOS may end one early
+    assert rows["draft_model g=3"]["outputs"] == greedy and rows["dsbd W=1 g=2 fixed"]["outputs"] == greedy
+
+
+@pytest.mark.parametrize("flag", [["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-1"]])
+def test_harness_rejects_bad_truncation(flag, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import harness
+
+    with pytest.raises(SystemExit) as e:
+        harness.main(flag)
+    assert e.value.code == 2 and "--top-k must be >= 0" in capsys.readouterr().err

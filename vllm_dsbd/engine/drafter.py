@@ -17,8 +17,6 @@ so after verification one commit moves the accepted path's K/V of target and dra
 """
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,8 +62,9 @@ class DSBDDrafter(DraftModelProposer):
 
     def _forward(self, input_ids: list[int], positions: list[int], slots: np.ndarray, query_lens: list[int],
                  seq_lens: list[int], block_rows: torch.Tensor, sample_idx: list[int],
-                 forest: ForestBatch | None) -> torch.Tensor:
-        """One draft forward pass over a ragged batch; returns the draft logits [len(sample_idx), V] (float32)."""
+                 forest: ForestBatch | None, draft_index: int) -> torch.Tensor:
+        """One draft forward pass over a ragged batch (``draft_index``: the forest depth it drafts, 0 = catch-up);
+        returns the draft logits [len(sample_idx), V] (float32)."""
         dev = self.device
         T, R = len(input_ids), len(query_lens)
         qsl = torch.zeros(R + 1, dtype=torch.int32)
@@ -81,12 +80,10 @@ class DSBDDrafter(DraftModelProposer):
             seq_lens_cpu_upper_bound=seq)
         per_layer = {}
         for group in self.draft_attn_groups:
-            md = group.get_metadata_builder().build(common_prefix_len=0, common_attn_metadata=cad)
-            if type(md).__name__ == "FlashAttentionMetadata" and md.scheduler_metadata is not None:
-                # FlashAttention 3's ahead-of-time schedule, built here for a batch the runner never saw, was
-                # rejected by FA3 on an H100 ("scheduler_metadata must have shape (metadata_size)"); without it FA3
-                # schedules inside the call. Not yet re-run on a GPU (see NOTES.md "GPU").
-                md = dataclasses.replace(md, scheduler_metadata=None)
+            # vLLM's own proposers' entry (``llm_base_proposer``): a fast build, which on FlashAttention 3 skips the
+            # ahead-of-time schedule. A full build's schedule, made for this batch, was rejected by FA3 on an H100
+            # ("scheduler_metadata must have shape (metadata_size)"; NOTES.md "GPU"). Not yet re-run on a GPU.
+            md = group.get_metadata_builder().build_for_drafting(common_attn_metadata=cad, draft_index=draft_index)
             for name in group.layer_names:
                 per_layer[name] = md
         ids = torch.tensor(input_ids, dtype=torch.int32, device=dev)
@@ -123,7 +120,7 @@ class DSBDDrafter(DraftModelProposer):
             qlens.append(len(p))
         sample = list(np.cumsum(qlens) - 1)
         root_logits = self._forward(ids, pos, np.concatenate(slots), qlens, [j.root_pos + 1 for j in jobs],
-                                    block_rows, sample, None)
+                                    block_rows, sample, None, 0)
         for j in jobs:
             j.state.draft_len = j.root_pos + 1
         V = root_logits.shape[-1]
@@ -173,7 +170,7 @@ class DSBDDrafter(DraftModelProposer):
             sub_rows = torch.tensor([i for i, j in enumerate(jobs) if int(depth[i]) > d], dtype=torch.int64)
             fb = ForestBatch.build(entries, max_nodes=W * G)
             lg = self._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[sub_rows],
-                               list(range(t)), fb)
+                               list(range(t)), fb, d)
             full = torch.zeros(R, W, V)
             for (i, s), row in zip(which, lg):
                 full[i, s] = row
