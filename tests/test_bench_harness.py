@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +20,23 @@ from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_harness_runs_and_reports(tmp_path):
-    # flat next-token laws (init_std 0.1): the draft's proposals are often accepted at temperature 1
+def _run_harness(tmp_path: Path, *args: str) -> Path:
+    """Runs the harness in a subprocess on a tiny random pair with 1 + 1 token prompts; returns its output folder.
+    Flat next-token laws (init_std 0.1): the draft's proposals are often accepted at temperature 1."""
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "harness.py"), "--target", str(target), "--draft", str(draft),
-           "--token-prompts", "--num-prompts", "1", "--max-tokens", "24", "--widths", "2", "--depths", "2",
-           "--beam-widths", "2", "--configs", "^(plain|beam_search W=2|draft_model g=3|dsbd W=2 g=2 dyn)$",
-           "--out", str(out)]
+           "--token-prompts", "--num-prompts", "1", "--out", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_harness_runs_and_reports(tmp_path):
+    out = _run_harness(tmp_path, "--max-tokens", "24", "--widths", "2", "--depths", "2", "--beam-widths", "2",
+                       "--configs", "^(plain|beam_search W=2|draft_model g=3|dsbd W=2 g=2 dyn)$")
     for name in ("results.csv", "results.json", "README.md", "passes_per_token.png", "tokens_per_s.png",
                  "quality.png", "width_histograms.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -48,8 +54,8 @@ def test_harness_runs_and_reports(tmp_path):
         # passes = prompts + drafts; every accepted token saves one
         assert r["target_passes"] == 2 + r["drafts"] and r["passes_per_token"] <= 1.0, r
         assert r["acceptance_length"] == pytest.approx(1 + r["accepted"] / r["drafts"])
-    # DSBD's beam draft is accepted on these flat laws (vLLM's draft_model proposes the draft's argmax and accepts it
-    # with probability p_target(token), which is small here: its count may be 0)
+    # DSBD's beam draft is accepted on these flat laws (vLLM's draft_model, a sampling draft of the same laws, may
+    # accept none of its few proposals in so short a run: its count is not asserted)
     assert rows["dsbd W=2 g=2 dyn"]["accepted"] > 0 and rows["dsbd W=2 g=2 dyn"]["passes_per_token"] < 1.0
     hist = rows["dsbd W=2 g=2 dyn"]["width_hist"]
     assert set(hist) <= {"1", "2"} and hist, hist  # layers 1..depth
@@ -62,16 +68,8 @@ def test_harness_top_k_reaches_every_engine(tmp_path):
     """``--top-k 1`` at temperature 1 leaves one token per step: plain sampling, vLLM ``draft_model`` and DSBD W = 1
     must then all give the target's greedy tokens, although their seeds and random streams differ. On these flat
     laws any engine that sampled without the truncation would leave the greedy path within a few tokens."""
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    out = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "harness.py"), "--target", str(target), "--draft", str(draft),
-           "--token-prompts", "--num-prompts", "1", "--max-tokens", "16", "--widths", "1", "--depths", "2",
-           "--beam-widths", "", "--top-k", "1", "--configs", "^(plain|draft_model g=3|dsbd W=1 g=2 fixed)$",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = _run_harness(tmp_path, "--max-tokens", "16", "--widths", "1", "--depths", "2", "--beam-widths", "",
+                       "--top-k", "1", "--configs", "^(plain|draft_model g=3|dsbd W=1 g=2 fixed)$")
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["top_k"] == 1 and "top-k 1" in (out / "README.md").read_text()
     rows = {r["config"]: r for r in res["rows"]}
