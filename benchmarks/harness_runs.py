@@ -20,6 +20,7 @@ class Config:
     width: int = 1
     depth: int = 0
     dynamic: bool = False
+    mode: str = "sample"  # DSBD: "sample" (exact target sampling, the default) or "single" (the paper's, opt-in)
 
 
 @dataclass
@@ -51,8 +52,12 @@ def configurations(widths, depths, beam_widths, draft_model_depth: int = 3) -> l
     out.append(Config(f"draft_model g={draft_model_depth}", "draft_model", depth=draft_model_depth))
     for w in widths:
         for g in depths:
-            for dyn in (False, True):
-                out.append(Config(f"dsbd W={w} g={g} {'dyn' if dyn else 'fixed'}", "dsbd", w, g, dyn))
+            # the default mode: a plain request is exact target sampling, W drafts per depth, one output per layer
+            out.append(Config(f"dsbd W={w} g={g}", "dsbd", w, g))
+            if w > 1:  # the paper's single-output-beam mode (opt-in), fixed and dynamic width
+                for dyn in (False, True):
+                    out.append(Config(f"dsbd-single W={w} g={g} {'dyn' if dyn else 'fixed'}", "dsbd", w, g, dyn,
+                                      mode="single"))
     return out
 
 
@@ -97,7 +102,7 @@ def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *
                 "draft_sample_method": "probabilistic" if temperature > 0 else "greedy"}
     elif cfg.kind == "dsbd":
         spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": cfg.depth, "width": cfg.width,
-                "dynamic_width": cfg.dynamic}
+                "dynamic_width": cfg.dynamic, "mode": cfg.mode}
     llm = vllm.LLM(model=target, speculative_config=spec, disable_log_stats=False, seed=0, **engine_kw)
     try:
         toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]

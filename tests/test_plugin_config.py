@@ -17,14 +17,15 @@ from importlib.metadata import entry_points
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd import models, plugin  # noqa: E402
-from vllm_dsbd.config import DSBDConfig, request_width, uses_dsbd  # noqa: E402
+from vllm_dsbd.config import DSBDConfig, check_request, request_width, uses_dsbd  # noqa: E402
 
 plugin.register()  # as vLLM's plugin loader would; everything below runs with the patches applied
 
 from vllm import SamplingParams  # noqa: E402
+from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
 from vllm.config.speculative import SpeculativeConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs, get_kwargs  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
@@ -237,7 +238,7 @@ def test_cli_additional_config_and_bad_method(pair, capsys):
          "--enforce-eager", "--max-model-len", "256", "--additional-config", '{"dsbd": {"width": 4, "mode": "single"}}']
     )
     vc = ea.create_engine_config()
-    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=2)
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=2, mode="single")
     assert vc.speculative_config.num_speculative_tokens == 8
     with pytest.raises(SystemExit):
         serve_parser().parse_args([target, "--speculative-method", "beam"])
@@ -253,7 +254,7 @@ def test_engine_args_dsbd(pair):
     assert spec.draft_model_config.model == draft
     assert spec.num_speculative_tokens == 12 and vc.num_speculative_tokens == 12  # width * depth slots
     assert vc.additional_config["dsbd"] == {
-        "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "single",
+        "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 12) and uses_dsbd(vc)
@@ -296,7 +297,7 @@ def test_knobs_from_additional_config(pair):
         ({"width": 2.5}, r"'width' must be an integer >= 1, got 2.5"),
         ({"width_threshold": 1.5}, r"'width_threshold' must be a number in \(0, 1\], got 1.5"),
         ({"width_threshold": 0}, r"'width_threshold' must be a number in \(0, 1\], got 0"),
-        ({"mode": "beam"}, r"'mode' must be one of \['single', 'full'\], got 'beam'"),
+        ({"mode": "beam"}, r"'mode' must be one of \['sample', 'single', 'full'\], got 'beam'"),
         ({"mode": "full"}, r"full-width mode.*not available in the engine yet"),
         ({"min_width": 3, "width": 2}, r"'min_width' must be <= 'width' \(2\), got 3"),
         ({"dynamic_width": "yes"}, r"'dynamic_width' must be true or false"),
@@ -374,7 +375,7 @@ def test_non_dsbd_configs_unchanged_by_plugin(pair, tmp_path):
 def test_dsbd_config_defaults_and_roundtrip():
     cfg = DSBDConfig()
     assert (cfg.width, cfg.depth, cfg.min_width, cfg.width_threshold, cfg.dynamic_width, cfg.mode) == (
-        2, 3, 1, 0.9, True, "single"
+        2, 3, 1, 0.9, True, "sample"
     )
     assert cfg.num_speculative_slots == 6
     assert list(DSBDConfig.keys()) == ALLOWED
@@ -438,3 +439,26 @@ def test_request_width():
     for bad in (0, 5, -1, 2.0, "2", True):
         with pytest.raises(ValueError, match=r"extra_args\['dsbd_width'\] must be an integer in \[1, 4\]"):
             request_width(SamplingParams(extra_args={"dsbd_width": bad}), cfg)
+
+
+REFUSED_SETTINGS = {
+    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3,
+    "logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2, 3], "bad_words": ["x"], "prompt_logprobs": 1,
+    "structured_outputs": StructuredOutputsParams(regex="[ab]+"), "thinking_token_budget": 8,
+}
+
+
+def test_check_request_refuses_what_dsbd_does_not_apply():
+    cfg = DSBDConfig(width=4)
+    # what the DSBD sampler applies passes
+    ok = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=3, stop=["x"], stop_token_ids=[2], logprobs=5,
+                        max_tokens=7, ignore_eos=True, extra_args={"dsbd_width": 2})
+    assert check_request(ok, cfg) == 2
+    assert check_request(SamplingParams(), cfg) == 4
+    for name, value in REFUSED_SETTINGS.items():
+        with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'"):
+            check_request(SamplingParams(**{name: value}), cfg)
+    with pytest.raises(ValueError, match=r"^presence_penalty, min_p: not supported"):
+        check_request(SamplingParams(presence_penalty=1.0, min_p=0.2), cfg)
+    with pytest.raises(ValueError, match=r"dsbd_width"):
+        check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)

@@ -22,12 +22,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["METHOD", "REQUEST_WIDTH_KEY", "DSBDConfig", "request_width", "uses_dsbd"]
+__all__ = ["METHOD", "REQUEST_WIDTH_KEY", "DSBDConfig", "check_request", "request_width", "uses_dsbd"]
 
 METHOD = "dsbd"  # the value of --speculative-method / speculative_config["method"]
 ADDITIONAL_CONFIG_KEY = "dsbd"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]
 REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
-MODES = ("single", "full")
+MODES = ("sample", "single", "full")
 
 
 def _is_int(value: Any) -> bool:
@@ -44,8 +44,13 @@ class DSBDConfig:
         min_width: the least width the dynamic-width rule may choose (1 <= min_width <= width).
         width_threshold: tau in (0, 1]; dynamic width picks the largest k with Pr[#accepted >= k] >= tau.
         dynamic_width: choose the width per layer (True) or always use ``width`` (False).
-        mode: "single" (one output beam per iteration; KV of one sequence between iterations). "full" (W live beams
-            across iterations) is part of the algorithm but not available in the engine yet, and is rejected.
+        mode: what a request gets (DESIGN.md §1). "sample" (default): exact target sampling (temperature 0: plain
+            greedy decoding) for every width; the draft proposes up to ``width`` nodes per depth and each verified
+            layer emits one token (K = 1), so ``width`` only changes how many drafts are checked. "single": the
+            paper's single-output-beam mode, opt-in: layers keep K <= ``width`` beams (dynamic width) and each
+            iteration emits one of them; for width > 1 its output law depends on how well the draft agrees (no
+            fixed target process; each layer is exact given its width). "full" (W live beams across iterations) is
+            part of the algorithm but not available in the engine yet, and is rejected.
     """
 
     width: int = 2
@@ -53,7 +58,7 @@ class DSBDConfig:
     min_width: int = 1
     width_threshold: float = 0.9
     dynamic_width: bool = True
-    mode: str = "single"
+    mode: str = "sample"
 
     def __post_init__(self) -> None:
         for key in ("width", "depth", "min_width"):
@@ -73,7 +78,7 @@ class DSBDConfig:
         if self.mode == "full":
             raise ValueError(
                 "DSBD config: 'mode'='full' (full-width mode: W live beams across iterations) is not available in "
-                "the engine yet; use mode='single'"
+                "the engine yet; use mode='sample' (exact target sampling) or mode='single'"
             )
         if self.mode not in MODES:
             raise ValueError(f"DSBD config: 'mode' must be one of {list(MODES)}, got {self.mode!r}")
@@ -166,3 +171,41 @@ def request_width(sampling_params: Any, cfg: DSBDConfig) -> int:
             f"got {value!r}"
         )
     return value
+
+
+# SamplingParams a DSBD request may not set: (attribute, what counts as set). The DSBD sampler draws from the target's
+# and the draft's joints with temperature, top-k and top-p only; these would have to act on every forest node with
+# that node's own history (and on the draft alike, for exactness), which is not built. Refused, never ignored.
+_REFUSED = (
+    ("presence_penalty", lambda v: (v or 0.0) != 0.0),
+    ("frequency_penalty", lambda v: (v or 0.0) != 0.0),
+    ("repetition_penalty", lambda v: (1.0 if v is None else v) != 1.0),
+    ("min_p", lambda v: (v or 0.0) > 0.0),
+    ("min_tokens", lambda v: (v or 0) > 0),
+    ("logit_bias", bool),
+    ("allowed_token_ids", lambda v: v is not None),
+    ("bad_words", bool),
+    ("structured_outputs", lambda v: v is not None),
+    ("logprob_token_ids", lambda v: v is not None),
+    ("prompt_logprobs", lambda v: v is not None),
+    ("thinking_token_budget", lambda v: v is not None),
+    ("repetition_detection", lambda v: v is not None),
+)
+
+
+def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
+    """Validates one request for a DSBD engine; returns its width (:func:`request_width`).
+
+    Raises:
+        ValueError: a setting the DSBD engine does not apply is set (the message names the parameter), or the
+            width is bad.
+    """
+    bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
+    if bad:
+        names = ", ".join(bad)
+        raise ValueError(
+            f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
+            "top_p, seed, stop conditions and logprobs only); leave "
+            f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
+        )
+    return request_width(sampling_params, cfg)

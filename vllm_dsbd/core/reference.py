@@ -54,20 +54,23 @@ def dsbd_decode(target: Model, draft: Model, prompt_ids, *, width: int, depth: i
                 width_threshold: float = 0.9, min_width: int = 1, seed: int = 0, length_penalty: float = 1.0,
                 num_beams_out: int | None = None):
     """DSBD decoding (DESIGN.md §1). ``mode="full"``: W live beams persist, the best beams are returned;
-    ``mode="single"``: each iteration emits one beam (W = 1 is speculative sampling). Temperature 0 is the
-    deterministic variant (equals ``beam_decode(temperature=0)``; the width stays W)."""
+    ``mode="sample"``: one sequence, exact target sampling (each layer verifies up to W drafts and emits one token,
+    K = 1; temperature 0 is greedy decoding whatever W); ``mode="single"``: the paper's single-output-beam mode, each
+    iteration emits one beam but layers keep K <= W beams (W = 1 is speculative sampling; for W > 1 the output law
+    depends on the draft). Temperature 0 in full mode is the deterministic variant (equals
+    ``beam_decode(temperature=0)``; the width stays W)."""
     _check_common(width, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, length_penalty)
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an int >= 1, got {depth!r}")
-    if mode not in ("full", "single"):
-        raise ValueError(f"mode must be 'full' or 'single', got {mode!r}")
+    if mode not in ("full", "sample", "single"):
+        raise ValueError(f"mode must be 'full', 'sample' or 'single', got {mode!r}")
     if not 0.0 < float(width_threshold) <= 1.0:
         raise ValueError(f"width_threshold must be in (0, 1], got {width_threshold!r}")
     if not isinstance(min_width, int) or not 1 <= min_width <= width:
         raise ValueError(f"min_width must be an int in [1, width], got {min_width!r}")
     prompts, batched = _prompts(prompt_ids)
     cfg = Settings(width=width, depth=depth, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, eos=eos_token_id, single=mode == "single", dynamic=dynamic_width,
+                   top_p=top_p, eos=eos_token_id, single=mode != "full", sample=mode == "sample", dynamic=dynamic_width,
                    tau=width_threshold, min_width=min_width, length_penalty=length_penalty, n_out=num_beams_out)
     outs = _run(target, draft, prompts, [cfg] * len(prompts), _seeds(seed, len(prompts), batched))
     return outs if batched else outs[0]
@@ -97,6 +100,7 @@ class Settings:
     top_p: float | None = None
     eos: int | None = None
     single: bool = False
+    sample: bool = False  # with single: one output per layer (exact target sampling)
     dynamic: bool = False
     tau: float = 0.9
     min_width: int = 1
@@ -144,7 +148,7 @@ def _run(target, draft, prompts, settings: list[Settings], seeds: list[int]) -> 
             seed=[r.seed for r in act], eos=[-1 if c.eos is None else c.eos for c in cf],
             depth=[min(c.depth, c.max_new_tokens - r.n_gen - 1) for c, r in zip(cf, act)],
             min_width=[c.min_width for c in cf], tau=[c.tau for c in cf], dynamic=[c.dynamic for c in cf],
-            single=[c.single for c in cf])
+            single=[c.single for c in cf], max_k=[1 if c.sample else 0 for c in cf])
         if draft is None:
             _beam_step(target, act, params)
         else:

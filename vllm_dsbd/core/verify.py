@@ -13,6 +13,8 @@ When drafts run out: one draw from T, then the rest from P minus the emitted pai
 The k-th output is then an exact draw from P without the first k - 1 (the speculative-sampling lemma applied
 recursively), so the K outputs are K draws without replacement from P. Deterministic rows (temperature 0) emit the
 target's top-K (EOS excluded, EOS candidates reported) and pass when those are all forest nodes.
+K is at most ``params.layer_width`` (W, or 1 for exact target sampling: then a layer emits one draw from P whatever
+the number of drafts it checks, which is multi-draft speculative sampling).
 """
 from __future__ import annotations
 
@@ -145,6 +147,7 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
     G = L - 1
     dev = target_logits.device
     wm = int(params.width.max())
+    kw = params.layer_width  # [R] the most outputs per layer (W, or 1 for exact target sampling)
     det = params.deterministic
     has_eos = params.eos >= 0
     rec = LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
@@ -180,13 +183,13 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
             logq = torch.full_like(logp, NEG_INF)
         # width: W, or the acceptance-count policy on drafted sampling layers
         support = torch.isfinite(logp).sum(1)
-        k = torch.minimum(params.width, support)
+        k = torch.minimum(kw, support)
         pol = drafted & params.dynamic & ~det
         if bool(pol.any()):
             valid_par = torch.isfinite(logp).reshape(R, S, V).any(2)  # [R, S] parents in V
             q_masked = torch.exp(logq).reshape(R, S, V) * valid_par[:, :, None]
-            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), params.width,
-                              params.min_width, params.tau)
+            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), kw,
+                              torch.minimum(params.min_width, kw), params.tau)
             k = torch.where(pol, kp, k)
         k = torch.where(rows, k, 0)
         out_idx = torch.zeros(R, wm, dtype=torch.int64, device=dev)
@@ -199,8 +202,8 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
             out_val[samp, : ov.shape[1]] = ov
         drow = rows & det
         if bool(drow.any()):
-            st = beam_step(logits[drow], scores[drow], live[drow], params.select(drow), pos[drow],
-                           rng.Stream.DIRECT)
+            st = beam_step(logits[drow], scores[drow], live[drow], params.select(drow).with_(width=kw[drow]),
+                           pos[drow], rng.Stream.DIRECT)
             out_idx[drow, : st.parent.shape[1]] = st.parent * V + st.token
             out_val[drow, : st.valid.shape[1]] = st.valid
             rec.eos_done[drow, d, :S] = st.eos_done

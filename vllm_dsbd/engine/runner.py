@@ -52,6 +52,10 @@ class DSBDRunnerMixin:
         self._dsbd_forest: attention.ForestBatch | None = None
         self._dsbd_results: list[sampler.RowResult] | None = None
         self._dsbd_planes: dict[int, kv.PlaneSet] | None = None
+        mode = vllm_config.model_config.logprobs_mode
+        if mode not in ("raw_logprobs", "raw_logits"):
+            raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
+                             "target's raw logprobs or logits): use 'raw_logprobs' or 'raw_logits'")
         logger.info("DSBD engine: width %d, depth %d, %s width, mode %s", self.dsbd_cfg.width, self.dsbd_cfg.depth,
                     "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode)
 
@@ -153,8 +157,22 @@ class DSBDRunnerMixin:
             if not skip:
                 self.dsbd_stats.record(row, res)
         self._dsbd_results = results
-        ids = sampler.sampled_token_ids(results, len(plan)).to(logits.device)
-        return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
+        ids = sampler.sampled_token_ids(results, len(plan))
+        return SamplerOutput(sampled_token_ids=ids.to(logits.device),
+                             logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
+
+    def _dsbd_logprobs(self, logits, plan, results, max_len: int):
+        """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits
+        (vLLM's default ``raw_logprobs``; ``raw_logits`` gives the logits), as vLLM's rejection sampler returns them
+        (``[num_reqs * max_len]`` rows, padding filtered out by vLLM)."""
+        n = self.input_batch.sampling_metadata.max_num_logprobs
+        if n is None:
+            return None
+        rows, tokens = sampler.emitted_rows(plan, results, max_len)
+        picked = logits[rows.to(logits.device)].float()
+        if self.model_config.logprobs_mode != "raw_logits":
+            picked = self.sampler.compute_logprobs(picked)
+        return self.sampler.gather_logprobs(picked, n if n >= 0 else picked.shape[-1], tokens.to(logits.device))
 
     def _kv_planes(self) -> dict[int, kv.PlaneSet]:
         if self._dsbd_planes is None:

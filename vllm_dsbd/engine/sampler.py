@@ -5,7 +5,8 @@ the root (the last emitted token, or the last prompt token) and, for a request t
 after each of its n forest nodes (in compact depth-major order). The forest of each request is checked with
 ``core.verify_forest`` layer by layer (a request without a forest is a depth-0 iteration: one draw from the target,
 i.e. what ``core.reference.dsbd_decode`` does when ``max_new_tokens`` leaves no room for drafts), and the emitted beam
-is read with ``core.iteration_outputs`` (single-output-beam mode: the first output of the last processed layer).
+is read with ``core.iteration_outputs`` (one output beam: the first output of the last processed layer; in mode
+"sample", the default, every layer has exactly one output, K = 1, so the emitted tokens are exact target samples).
 
 The result goes back to vLLM in its sampled-token format: ``[num_reqs, 1 + max_nodes]`` int32 rows holding the
 accepted path's tokens then the last layer's token, padded with -1. vLLM then counts ``len - 1`` accepted draft
@@ -70,7 +71,7 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
         len(states), temperature=[s.temperature for s in states], top_k=[s.top_k for s in states],
         top_p=[s.top_p for s in states], width=[s.width for s in states], seed=[s.seed for s in states],
         eos=[s.eos for s in states], depth=depth, min_width=[min(cfg.min_width, s.width) for s in states],
-        tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True)
+        tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True, max_k=1 if cfg.mode == "sample" else 0)
 
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[RowResult]:
@@ -135,3 +136,18 @@ def sampled_token_ids(results: list[RowResult], num_reqs: int) -> torch.Tensor:
     for i, r in enumerate(results):
         t[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.int32)
     return t
+
+
+def emitted_rows(rows: list[RowPlan], results: list[RowResult], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the logprobs of the emitted tokens, in the layout of :func:`sampled_token_ids` flattened
+    (``[num_reqs * max_len]``): the logits row each token was drawn from (the root's row for the first token, the row
+    after accepted node ``path[k - 1]`` for the k-th) and the token (0 in the padding, which vLLM filters out)."""
+    idx = torch.zeros(len(rows), max_len, dtype=torch.int64)
+    tok = torch.zeros(len(rows), max_len, dtype=torch.int64)
+    for i, (row, res) in enumerate(zip(rows, results)):
+        src = [row.first_row] + [row.first_row + 1 + c for c in res.path]
+        n = len(res.tokens)
+        idx[i, :n] = torch.tensor(src[:n], dtype=torch.int64)
+        idx[i, n:] = row.first_row
+        tok[i, :n] = torch.tensor(res.tokens, dtype=torch.int64)
+    return idx.flatten(), tok.flatten()

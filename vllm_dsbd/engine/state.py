@@ -8,7 +8,6 @@ schedules as the request's "draft tokens") and how far the draft model's KV cach
 """
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 
@@ -16,26 +15,6 @@ from vllm_dsbd.config import DSBDConfig, request_width
 from vllm_dsbd.core.forest import Forest
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
-logger = logging.getLogger("vllm.vllm_dsbd.engine")
-_WARNED: set[str] = set()
-
-
-def unsupported_settings(sp) -> list[str]:
-    """Sampling settings the DSBD sampler does not apply (it samples from the raw target/draft logits with
-    temperature, top-k and top-p only)."""
-    out = []
-    if (sp.presence_penalty or 0) != 0 or (sp.frequency_penalty or 0) != 0 or (sp.repetition_penalty or 1) != 1:
-        out.append("penalties")
-    if (sp.min_p or 0) > 0:
-        out.append("min_p")
-    for name in ("logit_bias", "bad_words", "allowed_token_ids", "structured_outputs", "logits_processors"):
-        if getattr(sp, name, None):
-            out.append(name)
-    if sp.logprobs is not None or getattr(sp, "prompt_logprobs", None) is not None:
-        out.append("logprobs")
-    if (sp.min_tokens or 0) > 0:
-        out.append("min_tokens")
-    return out
 
 
 @dataclass
@@ -90,10 +69,6 @@ class Requests:
             old.draft_len = min(old.draft_len, num_computed_tokens)
             return old
         sp = sampling_params
-        for name in unsupported_settings(sp):
-            if name not in _WARNED:
-                _WARNED.add(name)
-                logger.warning("DSBD: SamplingParams %s are not applied by the DSBD sampler (ignored)", name)
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
         temp = float(sp.temperature)
         eos = getattr(sp, "eos_token_id", None)

@@ -1,4 +1,6 @@
-"""Patch: a DSBD engine rejects a bad per-request width in the front end, before the request reaches the engine.
+"""Patch: a DSBD engine rejects a bad request in the front end, before the request reaches the engine: a bad
+per-request width, or a sampling setting the DSBD sampler does not apply (``config.check_request``: penalties, min_p,
+min_tokens, logit_bias, allowed_token_ids, bad_words, structured outputs, prompt logprobs, ...).
 
 ``InputProcessor._validate_params`` (v1/engine/input_processor.py) is where vLLM raises ``ValueError`` for bad
 ``SamplingParams``: offline ``LLM.generate`` raises it to the caller, the OpenAI server answers 400, and the engine
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import types
 
-from vllm_dsbd.config import METHOD, DSBDConfig, request_width
+from vllm_dsbd.config import METHOD, DSBDConfig, check_request
 from vllm_dsbd.patches._patching import when_imported, wrap_method
 
 PATCH_ID = "request_validation"
@@ -33,7 +35,7 @@ def _patch(mod: types.ModuleType) -> None:
             cfg = getattr(self, "_dsbd_config", None)
             if cfg is None:
                 cfg = self._dsbd_config = DSBDConfig.from_vllm_config(self.vllm_config)
-            request_width(params, cfg)  # ValueError naming extra_args['dsbd_width']
+            check_request(params, cfg)  # ValueError naming the parameter
 
         return _validate_params
 
