@@ -4,12 +4,16 @@ One DSBD engine (width 4, depth 3) serves every request; each request picks its 
 ``SamplingParams(extra_args={"dsbd_width": w})``. ``max_num_seqs`` is small so that requests join the batch at
 different steps (prefill and decode rows, and different widths, in one batch). Checked:
 
-* every request's tokens are exactly ``core.reference.dsbd_decode`` (single-output-beam mode, temperature 0) on the
-  same float32 weights through Hugging Face, with vLLM's iteration structure: the prefill step is a depth-0
-  iteration (one target token), then DSBD iterations from prompt + that token;
-* width 1 equals plain greedy vLLM (no speculation);
+* every width (1, 2, 4) equals plain greedy vLLM (no speculation): the engine's default mode "sample" verifies each
+  layer's up to W drafts with one output (K = 1), so a plain request is greedy decoding whatever W (DESIGN.md §1);
+* every request's tokens are exactly ``core.reference.dsbd_decode(mode="sample", temperature=0)`` on the same
+  float32 weights through Hugging Face, with vLLM's iteration structure: the prefill step is a depth-0 iteration
+  (one target token), then DSBD iterations from prompt + that token;
+* logprobs (``logprobs=5``) of every emitted token and its top 5 equal plain vLLM's (raw logprobs, 1e-4), so vLLM's
+  own ``LLM.beam_search`` (a front-end loop over one-token requests with logprobs) runs on a DSBD engine and returns
+  the sequences and cumulative log-probabilities of a plain engine;
 * the checks are not vacuous: vLLM's speculative metrics show drafts and accepted tokens, and the DSBD metrics show
-  verified forests.
+  verified forests; at W = 4, more drafts are accepted than at W = 1.
 
 The models: a tiny random Llama target (3 layers) and its first 2 layers as the draft (they agree on about half of
 the greedy tokens, so iterations both pass and fail layers).
@@ -21,14 +25,22 @@ import pytest
 import torch
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
+from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 24
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9]]
 WIDTHS = [1, 2, 4]
+LOGPROBS = 5
+BEAM = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.8)
+
+
+def _beams(llm):
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:3]], BEAM)
+    return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
 
 
 def _llm(target, **kw):
@@ -38,7 +50,7 @@ def _llm(target, **kw):
 
 def reference_tokens(target_fn, draft_fn, prompt, width, n, *, temperature=0.0, seed=0, dynamic=False):
     """``dsbd_decode`` with vLLM's iteration structure: one depth-0 step (the prefill), then DSBD from there."""
-    kw = dict(width=width, depth=DEPTH, temperature=temperature, mode="single", seed=seed, dynamic_width=dynamic)
+    kw = dict(width=width, depth=DEPTH, temperature=temperature, mode="sample", seed=seed, dynamic_width=dynamic)
     first = dsbd_decode(target_fn, draft_fn, prompt, max_new_tokens=1, **kw).beams[0][0]
     rest = dsbd_decode(target_fn, draft_fn, prompt + first, max_new_tokens=n - 1, **kw).beams[0][0]
     return first + rest
@@ -55,10 +67,12 @@ def plain_greedy(pair):
     target, _ = pair
     llm = _llm(target)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+                        vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=LOGPROBS))
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [o.outputs[0].logprobs for o in outs]
+    beams = _beams(llm)
     shutdown(llm)
-    return tokens
+    return tokens, logprobs, beams
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +83,25 @@ def dsbd_run(pair, plain_greedy):  # plain_greedy first: one engine at a time
     reqs = [(w, p) for w in WIDTHS for p in PROMPTS]
     outs = llm.generate(
         [{"prompt_token_ids": p} for _, p in reqs],
-        [vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"dsbd_width": w})
-         for w, _ in reqs])
+        [vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"dsbd_width": w},
+                             logprobs=LOGPROBS) for w, _ in reqs])
     tokens = {(w, tuple(p)): list(o.outputs[0].token_ids) for (w, p), o in zip(reqs, outs)}
+    logprobs = {(w, tuple(p)): o.outputs[0].logprobs for (w, p), o in zip(reqs, outs)}
+    # per-width acceptance, one width at a time (the counters are engine-wide)
+    accepted = {}
+    for w in (1, WIDTH):
+        before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                     vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                         extra_args={"dsbd_width": w}))
+        accepted[w] = metric(llm, "vllm:spec_decode_num_accepted_tokens") - before
     metrics = {name: metric(llm, name) for name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
         "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens")}
     metrics["layers_passed"] = metric(llm, "vllm:dsbd_layers_passed")
-    yield tokens, metrics
+    metrics["accepted_by_width"] = accepted
+    beams = _beams(llm)
+    yield tokens, metrics, logprobs, beams
     shutdown(llm)
 
 
@@ -86,15 +111,40 @@ def hf_fns(pair):
     return next_token_logits_fn(load_hf(target)), next_token_logits_fn(load_hf(draft))
 
 
-def test_width1_equals_plain_greedy(dsbd_run, plain_greedy):
-    tokens, _ = dsbd_run
-    for p, expected in zip(PROMPTS, plain_greedy):
-        assert tokens[(1, tuple(p))] == expected, p
+@pytest.mark.parametrize("width", WIDTHS)
+def test_every_width_equals_plain_greedy(dsbd_run, plain_greedy, width):
+    tokens = dsbd_run[0]
+    for p, expected in zip(PROMPTS, plain_greedy[0]):
+        assert tokens[(width, tuple(p))] == expected, (width, p)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_logprobs_equal_plain_vllm(dsbd_run, plain_greedy, width):
+    got = dsbd_run[2]
+    n_checked = 0
+    for p, expected in zip(PROMPTS, plain_greedy[1]):
+        mine = got[(width, tuple(p))]
+        assert mine is not None and len(mine) == len(expected) == MAX_TOKENS, (width, p)
+        for a, b in zip(mine, expected):
+            assert set(a) == set(b) and len(a) >= LOGPROBS, (width, p, a, b)
+            for tok in b:
+                assert abs(a[tok].logprob - b[tok].logprob) < 1e-4, (width, p, tok)
+                assert a[tok].rank == b[tok].rank
+                n_checked += 1
+    assert n_checked >= len(PROMPTS) * MAX_TOKENS * LOGPROBS
+
+
+def test_vllm_beam_search_runs_on_dsbd_engine(dsbd_run, plain_greedy):
+    got, expected = dsbd_run[3], plain_greedy[2]
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected):
+        assert [t for t, _ in g] == [t for t, _ in e]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_equals_reference_decoder(dsbd_run, hf_fns, width):
-    tokens, _ = dsbd_run
+    tokens = dsbd_run[0]
     target_fn, draft_fn = hf_fns
     with torch.no_grad():
         for p in PROMPTS:
@@ -103,7 +153,10 @@ def test_equals_reference_decoder(dsbd_run, hf_fns, width):
 
 
 def test_not_vacuous(dsbd_run):
-    _, m = dsbd_run
+    m = dsbd_run[1]
+    # W = 4 checks four drafts per depth against the one output: it accepts more than W = 1 on the same prompts
+    print("accepted draft tokens by width:", m["accepted_by_width"])
+    assert m["accepted_by_width"][WIDTH] > m["accepted_by_width"][1] > 0
     assert m["vllm:spec_decode_num_drafts"] > 0
     assert m["vllm:spec_decode_num_draft_tokens"] > 0
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
