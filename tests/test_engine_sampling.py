@@ -1,6 +1,8 @@
 """DSBD through a real vLLM 0.26.0 engine on CPU, temperature 1 (milestone M2), and its metrics (M3).
 
-Engine: width 4, depth 2, dynamic width on (the defaults' rule), single-output-beam mode. Models: a tiny random
+Engine: width 4, depth 2, dynamic width on (the defaults' rule) with min_width 2, the opt-in single-output-beam mode
+(``mode="single"``: layers keep up to W beams; plain requests in the default mode are tested in
+``test_engine_law.py``). min_width 2 forces layers of width K >= 2, which the last test counts. Models: a tiny random
 Llama target (4 layers, peaky next-token laws) and its first 3 layers as the draft (about half of the probability
 mass in common), so layers pass and fail and accepted paths often go through a draw other than the first (the
 commit then moves K/V).
@@ -10,7 +12,8 @@ commit then moves K/V).
 * The law of the first three tokens over many seeded requests equals the reference decoder's at widths 2 and 4 (two-
   sample chi-square against independent reference samples, threshold df + 10 sqrt(2 df), bins with fewer than 10
   samples merged); at width 4 the same test rejects the reference at temperature 1.5 (power).
-* A seed repeats; the checks are not vacuous (drafts, accepted tokens, moved K/V slots, per-layer widths).
+* A seed repeats; the checks are not vacuous (drafts, accepted tokens, moved K/V slots, per-layer widths, layers of
+  width K >= 2).
 """
 from __future__ import annotations
 
@@ -20,14 +23,14 @@ import pytest
 import torch
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.reference import Settings, dsbd_decode, dsbd_decode_mixed  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
-WIDTH, DEPTH = 4, 2
+WIDTH, DEPTH, MIN_WIDTH = 4, 2, 2
 PROMPT = [5, 6, 7]
 N_LAW, LAW_TOKENS = 600, 3
 SEEDS = range(100, 106)
@@ -51,13 +54,14 @@ def llm(pair):
     engine = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
                       disable_log_stats=False, enable_prefix_caching=False,
                       speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                          "width": WIDTH})
+                                          "width": WIDTH, "mode": "single", "min_width": MIN_WIDTH})
     yield engine
     shutdown(engine)
 
 
 def _reference(target_fn, draft_fn, prompt, width, n, seed):
-    kw = dict(width=width, depth=DEPTH, temperature=1.0, mode="single", seed=seed, dynamic_width=True)
+    kw = dict(width=width, depth=DEPTH, temperature=1.0, mode="single", seed=seed, dynamic_width=True,
+              min_width=min(MIN_WIDTH, width))
     first = dsbd_decode(target_fn, draft_fn, prompt, max_new_tokens=1, **kw).beams[0][0]
     rest = dsbd_decode(target_fn, draft_fn, prompt + first, max_new_tokens=n - 1, **kw).beams[0][0]
     return first + rest
@@ -86,7 +90,8 @@ def test_seed_repeats(llm):
 
 def _reference_law(target_fn, draft_fn, n, seed, temperature=1.0, width=WIDTH):
     """n independent reference samples of the first LAW_TOKENS tokens, batched (lock-step) for speed."""
-    kw = dict(width=width, depth=DEPTH, temperature=temperature, single=True, dynamic=True)
+    kw = dict(width=width, depth=DEPTH, temperature=temperature, single=True, dynamic=True,
+              min_width=min(MIN_WIDTH, width))
     seeds = [rng.derive_seed(seed, i) for i in range(n)]
     firsts = dsbd_decode_mixed(target_fn, draft_fn, [PROMPT] * n, [Settings(max_new_tokens=1, **kw)] * n, seeds)
     firsts = [f.beams[0][0] for f in firsts]
@@ -127,3 +132,5 @@ def test_not_vacuous(llm):
     widths = [m for m in llm.get_metrics() if m.name == "vllm:dsbd_layer_width"]
     assert widths and any(m.count > 0 for m in widths)
     assert {m.labels.get("layer") for m in widths} <= {str(d) for d in range(1, DEPTH + 1)}
+    # every verified layer has K >= 1; a mean above 1 means layers of width K >= 2 were verified
+    assert sum(m.sum for m in widths) > sum(m.count for m in widths)

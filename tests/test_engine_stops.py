@@ -11,8 +11,8 @@ EOS really ends generation. Temperature 0; DSBD engine width 4, depth 3; plain v
 * stop strings: text, finish_reason and stop_reason equal plain vLLM's; token ids equal vLLM's own ``draft_model``
   speculation's (a third engine). vLLM 0.26 cuts the *text* at a stop string but keeps every token id of the step
   that completed it, so with any speculation the token ids may run past plain decoding's (seen here: one more);
-* widths 2 and 4 with EOS allowed equal ``core.reference.dsbd_decode(eos_token_id=...)`` (single mode, the engine's
-  iteration structure), and ``max_tokens`` 1 and 2 give exactly that many tokens.
+* widths 2 and 4 with EOS allowed equal ``core.reference.dsbd_decode(eos_token_id=...)`` (mode "sample", the
+  engine's default, with the engine's iteration structure), and ``max_tokens`` 1 and 2 give exactly that many tokens.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
@@ -140,7 +140,7 @@ def test_width1_equals_plain(runs):
 @pytest.mark.parametrize("width", [2, 4])
 def test_wider_with_eos_equals_reference(setup, runs, width):
     _, _, eos, target_fn, draft_fn = setup
-    kw = dict(width=width, depth=DEPTH, temperature=0.0, mode="single", seed=0, dynamic_width=True,
+    kw = dict(width=width, depth=DEPTH, temperature=0.0, mode="sample", seed=0, dynamic_width=True,
               eos_token_id=eos)
     ended = 0
     for i, p in enumerate(PROMPTS):
