@@ -85,7 +85,7 @@ def test_single_width_one_greedy_is_plain_greedy():
 
 @pytest.fixture(scope="module")
 def llama_pair():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     def make(layers, seed):
         torch.manual_seed(seed)
         cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,

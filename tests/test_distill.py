@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from vllm_dsbd import models  # noqa: E402
 from vllm_dsbd.distill import (  # noqa: E402

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
@@ -78,6 +78,12 @@ def dsbd_runs(pair):
                 llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
                     temperature=0, max_tokens=4, extra_args={"dsbd_width": value}))
             bad.append(str(err.value))
+        # so is a setting the DSBD sampler does not apply (named in the message), never silently ignored
+        for name, value in (("repetition_penalty", 1.3), ("min_tokens", 2), ("presence_penalty", 0.5)):
+            with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'") as err:
+                llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
+                    temperature=0, max_tokens=4, **{name: value}))
+            bad.append(str(err.value))
         (after,) = llm.generate([{"prompt_token_ids": SHORT[0]}], _params(1))
         yield {"batch": batch, "one_by_one": one_by_one, "preempted": preempted, "w1": w1, "spec": spec,
                "bad": bad, "after_bad": list(after.outputs[0].token_ids)}
@@ -116,7 +122,7 @@ def test_width1_equals_draft_model(dsbd_runs, draft_model_run):
         assert m["vllm:spec_decode_num_accepted_tokens"] > 0, m
 
 
-def test_bad_request_width_is_value_error_and_engine_keeps_serving(dsbd_runs):
-    assert len(dsbd_runs["bad"]) == 3
+def test_bad_request_is_value_error_and_engine_keeps_serving(dsbd_runs):
+    assert len(dsbd_runs["bad"]) == 6
     assert dsbd_runs["after_bad"] == dsbd_runs["w1"][0][: len(dsbd_runs["after_bad"])]
     assert len(dsbd_runs["after_bad"]) > 0

@@ -6,6 +6,10 @@ trivial chat template: the tiny tokenizer has none), streaming, the per-request 
 ``/metrics`` showing speculative drafts and DSBD's own metrics. The server runs as ``vllm serve`` does by default: the
 engine core in a child process of the API server, so DSBD's metrics must cross processes to reach ``/metrics``.
 Separately, a misspelt DSBD key makes ``serve`` exit non-zero naming it (in-process engine: faster to fail).
+
+Temperature-0 texts are compared with plain vLLM on the same weights (an offline engine run before the server
+starts, same prompts as token ids). Requests that used to take the server down (logprobs, ``use_beam_search``) are
+answered, a setting DSBD does not apply is a 400 naming it, and a good request afterwards still succeeds.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import urllib.request
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
@@ -63,6 +67,32 @@ def pair():
                            draft_layers=2)
 
 
+PROMPT_IDS = [[5, 6, 7, 8, 9], [100, 101, 102], [250, 3, 77, 12]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def plain_texts(pair):
+    """Plain vLLM (no speculation), temperature 0, in this process; runs before the server starts."""
+    from engine_utils import shutdown
+    import vllm
+    from vllm.sampling_params import BeamSearchParams
+
+    llm = vllm.LLM(model=str(pair[0]), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPT_IDS],
+                        vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    beams = llm.beam_search([{"prompt_token_ids": PROMPT_IDS[0]}],
+                            BeamSearchParams(beam_width=2, max_tokens=6))
+    tok = llm.get_tokenizer()
+    beam_texts = []
+    for seq in beams[0].sequences:  # the server's choice text: generated tokens without a final EOS
+        gen = seq.tokens[len(PROMPT_IDS[0]):]
+        beam_texts.append(tok.decode(gen[:-1] if gen and gen[-1] == tok.eos_token_id else gen))
+    shutdown(llm)
+    return texts, beam_texts
+
+
 def _request(url, payload=None, timeout=120):
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -70,7 +100,7 @@ def _request(url, payload=None, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def server(pair, tmp_path_factory):
+def server(pair, plain_texts, tmp_path_factory):  # plain_texts first: its engine is gone before the server starts
     target, draft = pair
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "chat.jinja"
@@ -211,7 +241,49 @@ def test_bad_startup_config_exits_naming_key(pair):
     assert "widht" in proc.stdout + proc.stderr
 
 
-# Must stay the last test that uses the server: today a bad width kills the engine core and the server with it.
+def test_temperature_zero_equals_plain_vllm(server, plain_texts):
+    base, _, _ = server
+    for ids, expected in zip(PROMPT_IDS, plain_texts[0]):
+        for width in (1, 2):
+            out = _completion(base, prompt=ids, max_tokens=MAX_TOKENS, ignore_eos=True,
+                              vllm_xargs={"dsbd_width": width})
+            assert out["choices"][0]["text"] == expected, (ids, width)
+
+
+def test_logprobs_request_is_answered(server):
+    base, _, _ = server
+    out = _completion(base, prompt=PROMPT_IDS[0], logprobs=3, ignore_eos=True, return_tokens_as_token_ids=True)
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 12 and all(x is not None and x <= 0 for x in lp["token_logprobs"])
+    # temperature 0: the emitted token is the most likely one (keys "token_id:N": the tiny tokenizer decodes several
+    # ids to one text, which would merge entries keyed by text)
+    for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) >= 3 and abs(max(top.values()) - chosen) < 1e-5 and top[tok] == chosen, (tok, chosen, top)
+    payload = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+               "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    with _request(base + "/v1/chat/completions", payload) as r:
+        assert r.status == 200
+        content = json.loads(r.read())["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def test_use_beam_search_equals_plain_vllm(server, plain_texts):
+    """vLLM's own beam search (a front-end loop of one-token requests with logprobs) on the DSBD server."""
+    base, _, _ = server
+    out = _completion(base, prompt=PROMPT_IDS[0], max_tokens=6, use_beam_search=True, n=2)
+    assert [c["text"] for c in out["choices"]] == plain_texts[1]
+
+
+def test_unsupported_setting_is_400_and_server_survives(server):
+    base, _, _ = server
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _completion(base, repetition_penalty=1.3)
+    assert err.value.code == 400, err.value.code
+    assert "repetition_penalty: not supported with speculative method 'dsbd'" in err.value.read().decode()
+    assert _completion(base)["choices"][0]["text"]
+
+
+# The last test that uses the server: a bad width once killed the engine core and the server with it.
 def test_bad_request_width_is_400_and_server_survives(server):
     base, _, _ = server
     with pytest.raises(urllib.error.HTTPError) as err:

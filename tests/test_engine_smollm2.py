@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd import models  # noqa: E402
 

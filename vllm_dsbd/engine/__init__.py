@@ -12,6 +12,9 @@ Following one request from the plugin to the kernels:
   followed by the KV commit (:mod:`.kv`), and the next forests (:mod:`.drafter`, over ``core.beam_step``).
 * :mod:`.attention` and :mod:`.kv` call ``dsbd_kernels`` (forest attention, KV commit): their torch references on CPU.
 * :mod:`.metrics`: layers passed per iteration and width per layer.
+* :mod:`.graphs`: no CUDA graph replays over forest attention (PIECEWISE split at attention, or NONE), set when the
+  config is built (patch ``vllm_post_init``) and checked by :mod:`.worker`; :mod:`.support`: what the engine
+  cannot do (model features, logits processors, thinking budgets), refused at start-up with the reason.
 
 Importing this package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do.
 """

@@ -143,16 +143,6 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _has_window(sliding_window) -> bool:
-    """A sliding window is set: an int > 0 (CPU impl) or a (left, right) pair with one side >= 0 (FlashAttention
-    keeps (-1, -1) for none)."""
-    if sliding_window is None:
-        return False
-    if isinstance(sliding_window, (tuple, list)):
-        return any(w is not None and w >= 0 for w in sliding_window)
-    return sliding_window > 0
-
-
 def _forest_impl_class(base: type) -> type:
     """A subclass of an attention impl class whose ``forward`` adds the forest recompute."""
     if base in _SUBCLASSES:
@@ -162,10 +152,6 @@ def _forest_impl_class(base: type) -> type:
         result = base.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         batch = active_batch()
         if batch is not None and attn_metadata is not None:
-            if getattr(self, "alibi_slopes", None) is not None or getattr(self, "sinks", None) is not None \
-                    or _has_window(getattr(self, "sliding_window", None)) or (getattr(self, "logits_soft_cap", 0) or 0):
-                raise NotImplementedError("DSBD forest attention: alibi, sinks, sliding window and softcap are not "
-                                          "supported")
             out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
             q = query.view(query.shape[0], self.num_heads, -1) if query.dim() == 2 else query
             recompute_forest_outputs(batch, q, kv_cache, attn_metadata.block_table, self.scale, out)
@@ -178,7 +164,8 @@ def _forest_impl_class(base: type) -> type:
 
 def install(layers: dict) -> int:
     """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module, e.g. the static forward
-    context) the forest-attention forward. Idempotent. Returns the number of layers changed."""
+    context) the forest-attention forward. Idempotent. Returns the number of layers changed. Layers whose features
+    forest attention cannot reproduce are refused before this, at start-up (``support.check_attention_layers``)."""
     n = 0
     for layer in layers.values():
         impl = getattr(layer, "impl", None)

@@ -66,6 +66,10 @@ class DSBDRunnerMixin:
     # loading: forest attention on every attention layer of the target and the draft
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
+        from .support import check_attention_layers
+
+        # refuse at start-up what forest attention cannot reproduce (sliding window, ALiBi, sinks, softcap, ...)
+        check_attention_layers(self.compilation_config.static_forward_context)
         n = attention.install(self.compilation_config.static_forward_context)
         logger.info("DSBD: forest attention installed on %d attention layers", n)
         return out

@@ -25,9 +25,13 @@ def dsbd_worker_cls(worker_cls: str) -> str:
     return WORKERS[worker_cls]
 
 
-def _check_runner_v1(worker) -> None:
+def _check_config(worker) -> None:
+    """Before vLLM's ``init_device``: the V1 runner, and no CUDA graph that could replay over forest attention."""
     if getattr(worker, "use_v2_model_runner", False):
         raise ValueError("speculative method 'dsbd' runs on the V1 model runner only; unset VLLM_USE_V2_MODEL_RUNNER")
+    from .graphs import check
+
+    check(worker.vllm_config)
 
 
 def __getattr__(name):  # the worker classes import vLLM's worker modules: only where a worker is built
@@ -38,7 +42,7 @@ def __getattr__(name):  # the worker classes import vLLM's worker modules: only 
 
         class DSBDCPUWorker(CPUWorker):
             def init_device(self):
-                _check_runner_v1(self)
+                _check_config(self)
                 super().init_device()
                 self.model_runner = cpu_runner_class()(self.vllm_config, self.device)
 
@@ -51,7 +55,7 @@ def __getattr__(name):  # the worker classes import vLLM's worker modules: only 
 
         class DSBDGPUWorker(Worker):
             def init_device(self):
-                _check_runner_v1(self)
+                _check_config(self)
                 super().init_device()
                 self.model_runner = gpu_runner_class()(self.vllm_config, self.device)
 

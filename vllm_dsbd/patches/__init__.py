@@ -89,6 +89,28 @@ to add a speculative method with its own config keys and proposer; no such regis
    uninitialised memory on CPU. How: a torch ``repeat_interleave`` stand-in in the caller's dtype, read by
    ``CPUModelRunner._postprocess_triton`` (cpu_model_runner.py:112). When it can go: vllm#55005 is fixed in the
    pinned vLLM.
+
+11. ``vllm_post_init`` - target ``vllm.config.vllm.VllmConfig.__post_init__``.
+   What: a "dsbd" config (a) never has a CUDA graph with attention inside: ``compilation_config.cudagraph_mode``
+   FULL / FULL_DECODE_ONLY / FULL_AND_PIECEWISE becomes PIECEWISE where the graphs are split at the attention ops
+   (``CompilationConfig.is_attention_compiled_piecewise()``, or ``VLLM_USE_BREAKABLE_CUDAGRAPH``), else NONE, logged
+   at INFO (``engine/graphs.py``); (b) refuses ``logits_processors`` and a ``--reasoning-config`` with thinking
+   delimiters (thinking budgets) with a ValueError naming the setting (``engine/support.py``).
+   Why: (a) GPU platforms default to FULL_AND_PIECEWISE (config/vllm.py:267, :290); a full graph is replayed for
+   uniform decode batches (every request 1 + ``num_speculative_tokens`` tokens: each DSBD decode batch) and skips the
+   forest recompute that runs in Python inside ``impl.forward`` (the ``unified_attention_with_output`` custom op,
+   model_executor/layers/attention/attention.py:818-845), so the target would attend causally over the forest: wrong
+   tokens, no error. PIECEWISE graphs split at that op (compilation.py:1146) keep it eager. (b) vLLM applies
+   logits processors and ``thinking_token_budget`` in its samplers (sampler.py:404, rejection_sampler.py:341), which
+   DSBD replaces; ``reasoning_config`` has no other consumer in vLLM 0.26.
+   How: wrap ``__post_init__``; after the original (so no later vLLM override, e.g. sequence parallelism raising
+   PIECEWISE to FULL, compilation.py:1215-1221, can undo it) run the checks and set the mode; the DSBD worker checks
+   the mode again before building its runner. The GPU runner only lowers the mode later
+   (``resolve_cudagraph_mode_and_sizes``, compilation.py:1353-1457); drafter graphs are PIECEWISE or NONE in vLLM
+   (llm_base_proposer.py:411-426) and the DSBD drafter runs its passes with no runtime graph mode.
+   When it can go: (a) when forest attention is captured correctly in full graphs (its metadata in static buffers),
+   or vLLM lets a speculative method declare its CUDA-graph support; (b) with 1, if the registry lets a method say
+   which sampler features it applies.
 """
 
 from __future__ import annotations
@@ -112,6 +134,7 @@ PATCHES = (
     "dsbd_worker",
     "request_validation",
     "cpu_expand_kernel",
+    "vllm_post_init",
 )
 
 
