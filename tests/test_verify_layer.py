@@ -1,5 +1,7 @@
 """One verification layer: the K outputs are K draws without replacement from P (chi-square against the exact law),
-for random, adversarial, zero-support, invalid-parent and short drafts; and the authors' rule fails the same test."""
+for random, adversarial, zero-support, invalid-parent and short drafts. Every case also runs a planted wrong variant
+of the layer (the with-replacement acceptance rule, or a dropped residual where a single draft makes the two rules the
+same) and must reject it; and the authors' rule fails the same test."""
 from __future__ import annotations
 
 import math
@@ -8,8 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from chisq import goodness_of_fit, ordered_without_replacement_law as exact_ordered_law, report
-from vllm_dsbd.core import verify_layer
+import vllm_dsbd.core.verify as verify_mod
+from chisq import goodness_of_fit, ordered_without_replacement_law as exact_ordered_law, report, report_power
+from planted import planted_verify_layer
 
 N = 60_000
 
@@ -44,14 +47,19 @@ CASES = {
     # K equal to the support of P
     "full_support": (normalise([.5, .3, .2, 0, 0, 0, 0, 0, 0, 0]), normalise([.2] * 5 + [0] * 5), 2, 3),
 }
+# the planted wrong variant each case must reject: the with-replacement rule wherever a layer has several drafts (with
+# one draft, Q_1 = Q and the two rules are the same), else a dropped residual
+PLANTED = {case: "with_replacement" if m > 1 else "dropped_residual" for case, (_, _, m, _) in CASES.items()}
 
 
-def run_layer(p, q, m, k, n=N, seed=0):
+def run_layer(p, q, m, k, n=N, seed=0, layer=None):
+    """n independent runs of one layer (``layer``: a stand-in for the core's verify_layer, the core's by default)."""
     drafts = draft_draws(q, m, n, seed)
     logp = torch.log(p.float()).expand(n, -1)
     logq = torch.log(q.float()).expand(n, -1)
-    out, valid = verify_layer(logp, drafts, torch.ones(n, m, dtype=torch.bool), logq,
-                              torch.full((n,), k), torch.arange(n) + 10_000 * seed, torch.full((n,), 7))
+    out, valid = (layer or verify_mod.verify_layer)(logp, drafts, torch.ones(n, m, dtype=torch.bool), logq,
+                                                    torch.full((n,), k), torch.arange(n) + 10_000 * seed,
+                                                    torch.full((n,), 7))
     assert bool(valid.all())
     return drafts, out
 
@@ -59,11 +67,15 @@ def run_layer(p, q, m, k, n=N, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_outputs_are_draws_without_replacement(case):
     p, q, m, k = CASES[case]
+    law = exact_ordered_law(p, k)
     _, out = run_layer(p, q, m, k)
-    counts = Counter(map(tuple, out.tolist()))
-    stat, df, thr = goodness_of_fit(counts, exact_ordered_law(p, k), N)
-    report(f"layer[{case}]", stat, df, thr)
-    assert stat < thr
+    stat = goodness_of_fit(Counter(map(tuple, out.tolist())), law, N)
+    # power check: the same test, same drafts and sample size, on the planted wrong variant of the layer
+    _, bad = run_layer(p, q, m, k, layer=planted_verify_layer(PLANTED[case]))
+    planted = goodness_of_fit(Counter(map(tuple, bad.tolist())), law, N)
+    report_power(f"layer[{case}]", stat, planted, PLANTED[case])
+    assert stat[0] < stat[2]
+    assert planted[0] > planted[2], f"the test cannot tell the {PLANTED[case]} variant from the exact layer"
 
 
 def test_outputs_are_distinct_and_in_support():

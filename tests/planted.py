@@ -1,0 +1,39 @@
+"""Planted wrong variants of the core's verification layer, for the power checks of the statistical tests.
+
+Each variant is a test-local copy of ``vllm_dsbd.core.verify.verify_layer`` built from its current source with a
+textual change (the copy is compiled in a copy of the module's namespace; the core is not modified). A test installs
+it with ``monkeypatch.setattr(verify_mod, "verify_layer", planted_verify_layer(variant))``: ``verify_forest`` looks the
+name up in its module, so every decoder above it then runs the wrong rule. If the core's source no longer holds a
+line a variant changes, building the variant fails (a power check never silently turns into a no-op).
+"""
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import vllm_dsbd.core.verify as verify_mod
+
+VARIANTS = {
+    # The with-replacement acceptance rule: draft j's law is taken to be Q itself instead of Q_j (Q with the earlier
+    # draws removed, renormalised), both in the acceptance ratio min(1, T(z_j) / Q(z_j)) and in the residual
+    # norm(max(T - Q, 0)). Exact for drafts drawn WITH replacement; the forest's drafts are drawn without.
+    "with_replacement": [
+        ("denom = (1.0 - q_cum).clamp(min=_TINY).float()", "denom = torch.ones_like(q_cum).float()"),
+        ("qj = torch.where(drawn[ri], 0.0, q[ri]) / denom[ri, None]", "qj = q[ri]"),
+    ],
+    # A dropped residual: after a rejection the target T is left as it was instead of norm(max(T - Q_j, 0)).
+    "dropped_residual": [
+        ("t[ri] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t[ri])", "t[ri] = t[ri]"),
+    ],
+}
+
+
+def planted_verify_layer(variant: str):
+    """A copy of the core's ``verify_layer`` with the variant's lines changed."""
+    src = textwrap.dedent(inspect.getsource(verify_mod.verify_layer))
+    for old, new in VARIANTS[variant]:
+        assert src.count(old) == 1, f"planted variant {variant!r}: the core's verify_layer no longer has {old!r}"
+        src = src.replace(old, new)
+    namespace = dict(vars(verify_mod))
+    exec(compile(src, f"<planted verify_layer: {variant}>", "exec"), namespace)
+    return namespace["verify_layer"]
