@@ -161,7 +161,9 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         load_general_plugins()
         from vllm_dsbd import patches, plugin
         assert plugin.is_registered()
-        assert "vllm.config.speculative" not in sys.modules and not patches.applied()
+        # only env_names applies at once (vllm.envs is imported before plugins load); the rest waits for its module
+        assert "vllm.config.speculative" not in sys.modules
+        assert {r.patch_id for r in patches.applied()} == {"env_names"}
         from vllm.config.speculative import SpeculativeConfig
         assert SpeculativeConfig.uses_draft_model.__dsbd_patch__ == "uses_draft_model"
         assert "vllm.v1.spec_decode.llm_base_proposer" not in sys.modules
@@ -462,3 +464,25 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
         check_request(SamplingParams(presence_penalty=1.0, min_p=0.2), cfg)
     with pytest.raises(ValueError, match=r"dsbd_width"):
         check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)
+
+
+def test_unknown_dsbd_request_key_is_refused():
+    cfg = DSBDConfig(width=4)
+    with pytest.raises(ValueError, match=r"^extra_args: unknown DSBD key 'dsbd_widht'; the DSBD request keys are"):
+        check_request(SamplingParams(extra_args={"dsbd_widht": 2}), cfg)
+    assert check_request(SamplingParams(extra_args={"other_plugin_key": 1, "dsbd_width": 3}), cfg) == 3
+
+
+def test_dsbd_environment_variables_are_known_to_vllm(monkeypatch):
+    """Patch env_names: with every VLLM_DSBD_* variable set, vLLM's strict environment check passes (it raised
+    "Unknown vLLM environment variable detected" for them, and warned in every process of a DSBD server)."""
+    import vllm.envs as envs
+    from vllm_dsbd.patches.env_names import NAMES
+
+    plugin.register()
+    for name in NAMES:
+        monkeypatch.setenv(name, "0")
+    envs.validate_environ(hard_fail=True)
+    monkeypatch.setenv("VLLM_DSBD_NOT_A_SETTING", "1")  # the check is live: a name nobody declared still fails
+    with pytest.raises(ValueError, match="VLLM_DSBD_NOT_A_SETTING"):
+        envs.validate_environ(hard_fail=True)

@@ -197,9 +197,14 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
     """Validates one request for a DSBD engine; returns its width (:func:`request_width`).
 
     Raises:
-        ValueError: a setting the DSBD engine does not apply is set (the message names the parameter), or the
-            width is bad.
+        ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
+            (the message names the parameter), or a bad width.
     """
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k != REQUEST_WIDTH_KEY]
+    if unknown:
+        raise ValueError(f"extra_args: unknown DSBD key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are ['{REQUEST_WIDTH_KEY}']")
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
         names = ", ".join(bad)

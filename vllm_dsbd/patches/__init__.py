@@ -111,6 +111,13 @@ to add a speculative method with its own config keys and proposer; no such regis
    When it can go: (a) when forest attention is captured correctly in full graphs (its metadata in static buffers),
    or vLLM lets a speculative method declare its CUDA-graph support; (b) with 1, if the registry lets a method say
    which sampler features it applies.
+
+12. ``env_names`` - target ``vllm.envs.environment_variables`` (items ``VLLM_DSBD_*``).
+   What: vLLM knows DSBD's environment variables. Why: ``vllm.envs.validate_environ`` (envs.py:2090) warns about
+   every unknown ``VLLM_*`` variable in every process, and the plugin exports ``VLLM_DSBD_PROMETHEUS_DIR``/``_PID``
+   to every engine process (two warnings per process of every DSBD server). How: add the names with getters, as
+   vLLM's own entries are. When it can go: vLLM lets plugins declare environment variables, or DSBD drops the
+   ``VLLM_`` prefix.
 """
 
 from __future__ import annotations
@@ -135,6 +142,7 @@ PATCHES = (
     "request_validation",
     "cpu_expand_kernel",
     "vllm_post_init",
+    "env_names",
 )
 
 
