@@ -3,6 +3,9 @@ sampling on the same prompts, printing the outputs and a table of speed and acce
 
     scripts/demo.sh            (sets up the environment, then runs this)
     .venv/bin/python benchmarks/demo_vllm.py [--width 2] [--depth 3] [--max-tokens 48] [--temperature 1.0]
+    scripts/demo.sh --paths    (builds the model folders, prints them and a `vllm serve` command, and exits)
+
+vLLM's own log lines are hidden unless --verbose is given.
 
 Draft: the distilled SmolLM2 draft when its artifact is in the repository (drafts/), otherwise the target's first
 layers, untrained (low acceptance; say so in the table). Both engines run in this process, one after the other.
@@ -63,17 +66,45 @@ def metric(llm, name):
     return None
 
 
+def machine() -> str:
+    """The device the engines ran on, in words (the GPU's name, or the CPU model and the threads used)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    name = "CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def serve_command(target: Path, draft: Path, width: int, depth: int) -> str:
+    """A `vllm serve` command for this pair that works as written on this machine (on CPU vLLM's default memory
+    fraction 0.92 is refused, so a smaller one is given)."""
+    import torch
+
+    mem = "" if torch.cuda.is_available() else " --gpu-memory-utilization 0.3"
+    return (f".venv/bin/vllm serve {target} --speculative-method dsbd --spec-model {draft} --spec-tokens {depth} "
+            f"--speculative-config '{{\"width\": {width}}}' --dtype float32 --max-model-len 2048 "
+            f"--served-model-name smollm2-dsbd{mem}")
+
+
 def run(target: Path, prompts, params, speculative_config=None):
     import vllm
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
                    disable_log_stats=False, speculative_config=speculative_config)
-    llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2))  # warm-up
+    llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     before = {k: metric(llm, k) or 0 for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
-                                               "vllm:spec_decode_num_draft_tokens")}
+                                               "vllm:spec_decode_num_draft_tokens", "vllm:dsbd_iterations")}
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     secs = time.perf_counter() - t0
     after = {k: (metric(llm, k) or 0) - before[k] for k in before}
     llm.llm_engine.engine_core.shutdown()
@@ -92,7 +123,11 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--draft-layers", type=int, default=8, help="layers of the untrained fallback draft")
+    ap.add_argument("--paths", action="store_true", help="print the model folders and a serve command, then exit")
+    ap.add_argument("--verbose", action="store_true", help="show vLLM's log lines")
     args = ap.parse_args()
+    if not args.verbose:  # before vLLM is imported: its logger reads this once
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     import torch
     import vllm
@@ -101,6 +136,10 @@ def main():
     torch.manual_seed(0)
     target = models.smollm2_dir()
     draft, draft_kind = draft_folder(target, args.draft_layers)
+    if args.paths:
+        print(f"target folder: {target}\ndraft folder:  {draft} ({draft_kind})\nserve it:\n"
+              f"  {serve_command(target, draft, args.width, args.depth)}")
+        return
     tok = models.load_tokenizer(target)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in PROMPTS]
@@ -117,15 +156,22 @@ def main():
     for name, (texts, n_tok, secs, m) in (("plain sampling", plain), (f"DSBD W={args.width} depth={args.depth}", dsbd)):
         drafts = m["vllm:spec_decode_num_drafts"]
         acc = m["vllm:spec_decode_num_accepted_tokens"]
-        # target passes: one per engine step of a request = the prefill step + one per verified forest
+        # target passes, counted by the engine: one per engine step of a request = the prefill step + one per
+        # verified forest (vLLM counts a "draft" per forest scheduled)
         passes = len(prompts) + drafts if drafts else n_tok
-        rows.append((name, n_tok, n_tok / secs, n_tok / passes,
-                     f"{acc / drafts:.2f}" if drafts else "-", secs))
-    print(f"\n{'method':24s} {'tokens':>7s} {'tok/s':>7s} {'tok/target pass':>16s} {'accepted/forest':>16s} "
-          f"{'wall s':>7s}")
+        nodes = f"{m['vllm:spec_decode_num_draft_tokens'] / drafts:.1f}" if drafts else "-"
+        rows.append((name, n_tok, n_tok / secs, n_tok / passes, nodes, f"{acc / drafts:.2f}" if drafts else "-", secs))
+    print(f"\n{'method':24s} {'tokens':>7s} {'tok/s':>7s} {'tok/target pass':>16s} {'draft nodes/forest':>19s} "
+          f"{'accepted/forest':>16s} {'wall s':>7s}")
     for r in rows:
-        print(f"{r[0]:24s} {r[1]:7d} {r[2]:7.1f} {r[3]:16.2f} {r[4]:>16s} {r[5]:7.1f}")
-    print(f"\n(CPU, {torch.get_num_threads()} threads; temperature {args.temperature}; draft: {draft_kind})")
+        print(f"{r[0]:24s} {r[1]:7d} {r[2]:7.1f} {r[3]:16.2f} {r[4]:>19s} {r[5]:>16s} {r[6]:7.1f}")
+    print(f"\nmachine: {machine()}; temperature {args.temperature}; draft: {draft_kind}; DSBD mode 'sample' (each "
+          f"verified depth checks up to {args.width} draft nodes and keeps one token: plain sampling's law)")
+    speed, per_pass = rows[1][2] / rows[0][2], rows[1][3]
+    print(f"DSBD made {per_pass:.2f} tokens per target pass against 1.00, and ran at {speed:.2f}x plain's tokens/s "
+          "here: " + ("fewer target passes pay on this machine." if speed > 1 else
+                      "fewer target passes do not pay yet, because drafting and verification run step by step on the "
+                      "host and the draft model is a large fraction of this small target (NOTES.md has the numbers)."))
 
 
 if __name__ == "__main__":
