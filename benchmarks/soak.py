@@ -1,0 +1,786 @@
+"""Soak test of a DSBD OpenAI server (issue 14, item 5): bounded, loopback only, stops by itself.
+
+Starts ``python -m vllm.entrypoints.cli.main serve`` on 127.0.0.1 with ``--speculative-method dsbd`` (engine width 4,
+depth 2, ``--max-num-seqs 16``, the engine core in a child process as ``vllm serve`` runs by default) on the tiny
+random Llama pair of ``vllm_dsbd.models.tiny_llama_pair``, then fires a seeded random mix of requests from a pool of
+``--concurrency`` client threads (HTTP with the standard library only):
+
+* plain completions and chat completions, streaming and not, per-request widths 1/2/4 (``vllm_xargs.dsbd_width``),
+  temperature 0 and 1 (temperature 1 with a per-request seed), some with ``logprobs``, most with ``ignore_eos``;
+* vLLM's front-end beam search (``use_beam_search: true``, ``n = 2``, temperature 0);
+* clients that read a couple of stream chunks and then close the connection (the server must abort the request);
+* bad requests (~10%): a width above the engine's, and settings DSBD refuses (``repetition_penalty``,
+  ``min_tokens``, ``presence_penalty``, ``prompt_logprobs``).
+
+Checks (any failure makes the exit status non-zero):
+
+1. every good request got 200 and a complete answer (``finish_reason`` present, streams end with ``[DONE]``, the
+   completion token count equals ``max_tokens`` when ``ignore_eos``; ``n`` choices for beam requests);
+2. every bad request got 400 with a message naming the parameter (a streaming one may get it as the stream's only
+   event, ``{"error": {"code": 400, ...}}``: vLLM checks sampling parameters once the response has started, for its
+   own checks as for DSBD's);
+3. every client that left mid-stream had its request aborted by the server (``--enable-log-requests`` logs it);
+   no HTTP 5xx in the server log; ``/health`` is 200 afterwards;
+4. every temperature-0 request, replayed alone (one at a time), gives the same text as under load (seeded
+   temperature-1 requests are replayed too, their equality only recorded);
+5. no KV-cache leak: the KV-cache usage (``vllm:kv_cache_usage_perc`` on ``/metrics``, times the block count of
+   ``vllm:cache_config_info``) returns to its starting value. The gauge is refreshed only by an engine step, and an
+   aborted request (client gone) is freed outside a step, so each reading is taken right after a one-token probe
+   request (its own blocks are freed before the step's statistics are made); polled for up to ``--kv-wait`` s;
+6. the server exits by itself on SIGTERM within ``--shutdown-timeout`` s and leaves no child process alive.
+
+A short table of counts is printed last; ``--out FILE`` writes the whole record (every request) as JSON.
+
+    .venv/bin/python benchmarks/soak.py --requests 200 --concurrency 16 --seed 0 --out results/soak/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MODEL_NAME = "tiny-dsbd"
+ENGINE_WIDTH = 4
+DEPTH = 2
+MAX_NUM_SEQS = 16
+MAX_MODEL_LEN = 256
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew strange potions in old "
+         "castles near rivers of silver light and every morning bakers sell warm bread to sleepy travellers").split()
+# bad request: (name the 400 message must contain, extra payload fields)
+BAD_KINDS = (
+    ("dsbd_width", {"vllm_xargs": {"dsbd_width": 99}}),
+    ("repetition_penalty", {"repetition_penalty": 1.3}),
+    ("min_tokens", {"min_tokens": 2}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("prompt_logprobs", {"prompt_logprobs": 1}),
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# server
+# ----------------------------------------------------------------------------------------------------------------
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("VLLM_DSBD_PROMETHEUS_DIR", "VLLM_DSBD_PROMETHEUS_PID"):  # the server is its own front end
+        env.pop(key, None)
+    # As `vllm serve` runs by default: the engine core in a child process. One torch thread and no OpenMP binding:
+    # on a few shared CPU cores OpenMP spin-waits make generation far slower otherwise.
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cmd(target, draft, port: int, chat_template) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(target),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--speculative-method", "dsbd", "--spec-model", str(draft), "--spec-tokens", str(DEPTH),
+            "--speculative-config", json.dumps({"width": ENGINE_WIDTH}),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--chat-template", str(chat_template),
+            "--enable-log-requests"]  # logs "Aborted request(s) ..." when a client goes away
+
+
+class Client:
+    """HTTP/1.1 over loopback with http.client, one connection per request."""
+
+    def __init__(self, port: int, timeout: float):
+        self.port, self.timeout = port, timeout
+
+    def _conn(self, timeout=None) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout or self.timeout)
+
+    def get(self, path: str, timeout: float | None = None) -> tuple[int, bytes]:
+        conn = self._conn(timeout)
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, payload: dict) -> tuple[int, bytes]:
+        conn = self._conn()
+        try:
+            conn.request("POST", path, body=json.dumps(payload), headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def post_stream(self, path: str, payload: dict, stop_after: int | None = None):
+        """Streams server-sent events. Returns (status, events, done, body): ``events`` the decoded ``data:``
+        objects, ``done`` whether ``[DONE]`` came. ``stop_after=k``: close the connection after k events."""
+        conn = self._conn()
+        try:
+            conn.request("POST", path, body=json.dumps(payload), headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            if r.status != 200:
+                return r.status, [], False, r.read()
+            events, done = [], False
+            while True:
+                raw = r.readline()
+                if not raw:
+                    break
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                events.append(json.loads(data))
+                if stop_after is not None and len(events) >= stop_after:
+                    break  # the client goes away mid-stream
+            return r.status, events, done, b""
+        finally:
+            if stop_after is not None:
+                try:  # a hard close (RST-free but immediate): shut the socket down before closing it
+                    if conn.sock is not None:
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            conn.close()
+
+
+def wait_healthy(client: Client, proc: subprocess.Popen, timeout: float, log_path: pathlib.Path) -> float:
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{tail(log_path)}")
+        try:
+            if client.get("/health", timeout=5)[0] == 200:
+                return time.monotonic() - t0
+        except OSError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"server not healthy in {timeout:.0f} s:\n{tail(log_path)}")
+        time.sleep(1)
+
+
+def tail(path: pathlib.Path, n: int = 4000) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def kv_reading(client: Client) -> dict[str, Any]:
+    """KV-cache usage from /metrics: the gauge (fraction of blocks in use) and the engine's block count."""
+    status, body = client.get("/metrics", timeout=30)
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    usage, blocks, finished = None, None, {}
+    for line in body.decode(errors="replace").splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        if name == "vllm:kv_cache_usage_perc":
+            usage = float(value)
+        elif name == "vllm:request_success_total" and labels:
+            reason = re.search(r'finished_reason="([^"]*)"', labels)
+            if reason:
+                finished[reason.group(1)] = finished.get(reason.group(1), 0) + int(float(value))
+        elif name == "vllm:cache_config_info" and labels:
+            b = re.search(r'num_gpu_blocks="(\d+)"', labels)
+            if b:
+                blocks = int(b.group(1))
+    if usage is None:
+        raise RuntimeError("/metrics has no vllm:kv_cache_usage_perc")
+    # BlockPool.get_usage: 1 - free / (num_gpu_blocks - 1) (the null block is never free)
+    used = round(usage * (blocks - 1)) if blocks else None
+    return {"usage": usage, "num_blocks": blocks, "used_blocks": used, "finished_requests": finished}
+
+
+def probe(client: Client) -> None:
+    """A one-token request: makes the engine take a step, which refreshes the KV-usage gauge."""
+    status, body = client.post("/v1/completions", {"model": MODEL_NAME, "prompt": "probe", "max_tokens": 1,
+                                                   "temperature": 0})
+    if status != 200:
+        raise RuntimeError(f"probe request answered {status}: {body[:300]!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the request mix
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Spec:
+    index: int
+    kind: str  # "plain", "beam", "disconnect", "bad"
+    endpoint: str  # "completions" or "chat"
+    stream: bool
+    payload: dict
+    width: int | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+    bad_param: str | None = None
+    n: int = 1
+
+
+@dataclass
+class Result:
+    index: int
+    kind: str
+    endpoint: str
+    stream: bool
+    temperature: float | None
+    width: int | None
+    status: int | None = None
+    ok: bool = False
+    texts: list[str] | None = None
+    finish_reasons: list[Any] | None = None
+    completion_tokens: int | None = None
+    events: int | None = None
+    error: str | None = None
+    bad_form: str | None = None
+    latency_s: float | None = None
+    replay_texts: list[str] | None = None
+    replay_equal: bool | None = None
+
+
+def _prompt(rng: random.Random, endpoint: str) -> Any:
+    if endpoint == "completions" and rng.random() < 0.25:  # token ids
+        return [rng.randrange(3, 390) for _ in range(rng.randint(2, 12))]
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))
+
+
+def _base_payload(rng: random.Random, endpoint: str) -> dict:
+    if endpoint == "completions":
+        return {"model": MODEL_NAME, "prompt": _prompt(rng, endpoint)}
+    messages = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": _prompt(rng, endpoint)})
+    messages.append({"role": "user", "content": _prompt(rng, endpoint)})
+    return {"model": MODEL_NAME, "messages": messages}
+
+
+def make_specs(num: int, seed: int) -> list[Spec]:
+    rng = random.Random(seed)
+    specs = []
+    for i in range(num):
+        u = rng.random()
+        kind = "bad" if u < 0.10 else "disconnect" if u < 0.20 else "beam" if u < 0.28 else "plain"
+        endpoint = "completions" if rng.random() < 0.55 else "chat"
+        if kind == "beam":
+            endpoint = "completions" if rng.random() < 0.6 else "chat"
+            max_tokens = rng.randint(3, 8)
+            payload = {**_base_payload(rng, endpoint), "use_beam_search": True, "n": 2, "temperature": 0,
+                       "max_tokens": max_tokens, "ignore_eos": True}
+            specs.append(Spec(i, kind, endpoint, False, payload, temperature=0.0, max_tokens=max_tokens,
+                              ignore_eos=True, n=2))
+            continue
+        width = rng.choice((1, 2, 4))
+        temperature = rng.choice((0.0, 1.0))
+        payload = {**_base_payload(rng, endpoint), "temperature": temperature, "vllm_xargs": {"dsbd_width": width}}
+        if temperature > 0:
+            payload["seed"] = rng.randrange(1 << 30)
+        if kind == "bad":
+            param, extra = rng.choice(BAD_KINDS)
+            payload.update(json.loads(json.dumps(extra)))
+            if param == "dsbd_width":
+                payload["vllm_xargs"] = {"dsbd_width": 99}
+            stream = rng.random() < 0.5
+            payload.update(max_tokens=rng.randint(2, 16), stream=stream)
+            specs.append(Spec(i, kind, endpoint, stream, payload, width, temperature, bad_param=param))
+            continue
+        if kind == "disconnect":  # long enough that the client leaves well before the end
+            max_tokens = rng.randint(64, 120)
+            payload.update(max_tokens=max_tokens, ignore_eos=True, stream=True)
+            specs.append(Spec(i, kind, endpoint, True, payload, width, temperature, max_tokens, True))
+            continue
+        stream = rng.random() < 0.5
+        max_tokens = rng.randint(4, 24)
+        ignore_eos = rng.random() < 0.8
+        payload.update(max_tokens=max_tokens, stream=stream)
+        if ignore_eos:
+            payload["ignore_eos"] = True
+        if stream:
+            payload["stream_options"] = {"include_usage": True}
+        if rng.random() < 0.15:
+            if endpoint == "completions":
+                payload["logprobs"] = 2
+            else:
+                payload.update(logprobs=True, top_logprobs=2)
+        specs.append(Spec(i, kind, endpoint, stream, payload, width, temperature, max_tokens, ignore_eos))
+    return specs
+
+
+def _path(endpoint: str) -> str:
+    return "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+
+
+def _choice_text(endpoint: str, choice: dict) -> str:
+    if endpoint == "completions":
+        return choice.get("text") or ""
+    return (choice.get("message") or {}).get("content") or ""
+
+
+def _delta_text(endpoint: str, choice: dict) -> str:
+    if endpoint == "completions":
+        return choice.get("text") or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+def execute(client: Client, spec: Spec) -> Result:
+    """Sends one request and checks its answer; never raises."""
+    res = Result(spec.index, spec.kind, spec.endpoint, spec.stream, spec.temperature, spec.width)
+    t0 = time.monotonic()
+    try:
+        _execute(client, spec, res)
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash of the soak
+        res.ok, res.error = False, f"{type(e).__name__}: {e}"
+    res.latency_s = round(time.monotonic() - t0, 3)
+    return res
+
+
+def _execute(client: Client, spec: Spec, res: Result) -> None:
+    path = _path(spec.endpoint)
+    if spec.kind == "bad":
+        if spec.stream:
+            status, events, _, body = client.post_stream(path, spec.payload)
+        else:
+            status, body = client.post(path, spec.payload)
+        res.status = status
+        if status == 400:
+            msg = body.decode(errors="replace")
+            res.ok = spec.bad_param in msg
+            res.bad_form = "http 400"
+        elif status == 200 and spec.stream:
+            # vLLM validates a streaming request's sampling parameters only once the response has started (plain
+            # vLLM does the same with its own checks): the 400 then comes as the stream's only event,
+            # {"error": {"code": 400, "message": ...}}, with no tokens.
+            errs = [ev.get("error") for ev in events if ev.get("error")]
+            msg = json.dumps(errs)
+            res.ok = (len(events) == 1 and len(errs) == 1 and errs[0].get("code") == 400
+                      and spec.bad_param in (errs[0].get("message") or ""))
+            res.bad_form = "stream error event 400"
+        else:
+            msg = body.decode(errors="replace")
+        if not res.ok:
+            res.error = f"expected 400 naming {spec.bad_param}, got {status}: {msg[:300]}"
+        return
+    if spec.kind == "disconnect":
+        status, events, done, body = client.post_stream(path, spec.payload, stop_after=2)
+        res.status, res.events = status, len(events)
+        res.ok = status == 200 and len(events) == 2 and not done
+        if not res.ok:
+            res.error = f"expected 200 and 2 events before closing, got {status}, {len(events)} events, " \
+                        f"done={done}: {body[:300]!r}"
+        return
+    if spec.stream:
+        status, events, done, body = client.post_stream(path, spec.payload)
+        res.status, res.events = status, len(events)
+        if status != 200:
+            res.error = f"status {status}: {body[:300]!r}"
+            return
+        texts: dict[int, list[str]] = {}
+        finish: dict[int, Any] = {}
+        usage = None
+        for ev in events:
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for ch in ev.get("choices") or []:
+                k = ch.get("index", 0)
+                texts.setdefault(k, []).append(_delta_text(spec.endpoint, ch))
+                if ch.get("finish_reason") is not None:
+                    finish[k] = ch["finish_reason"]
+        res.texts = ["".join(texts.get(k, [])) for k in range(spec.n)]
+        res.finish_reasons = [finish.get(k) for k in range(spec.n)]
+        res.completion_tokens = usage.get("completion_tokens") if usage else None
+        problems = []
+        if not done:
+            problems.append("no [DONE]")
+        if usage is None:
+            problems.append("no usage chunk")
+    else:
+        status, body = client.post(path, spec.payload)
+        res.status = status
+        if status != 200:
+            res.error = f"status {status}: {body[:300]!r}"
+            return
+        out = json.loads(body)
+        choices = sorted(out.get("choices") or [], key=lambda c: c.get("index", 0))
+        res.texts = [_choice_text(spec.endpoint, c) for c in choices]
+        res.finish_reasons = [c.get("finish_reason") for c in choices]
+        res.completion_tokens = (out.get("usage") or {}).get("completion_tokens")
+        problems = []
+        if len(choices) != spec.n:
+            problems.append(f"{len(choices)} choices, expected {spec.n}")
+        if "logprobs" in spec.payload and spec.payload.get("logprobs"):
+            for c in choices:
+                lp = c.get("logprobs")
+                count = (len(lp.get("token_logprobs") or []) if spec.endpoint == "completions"
+                         else len(lp.get("content") or [])) if lp else 0
+                if spec.ignore_eos and count != spec.max_tokens:
+                    problems.append(f"{count} logprobs entries, expected {spec.max_tokens}")
+    if any(f is None for f in res.finish_reasons):
+        problems.append(f"finish_reason missing: {res.finish_reasons}")
+    if spec.kind == "plain" and spec.ignore_eos and res.completion_tokens != spec.max_tokens:
+        problems.append(f"completion_tokens {res.completion_tokens}, expected {spec.max_tokens}")
+    if spec.kind == "plain" and spec.ignore_eos and res.finish_reasons != ["length"]:
+        problems.append(f"finish_reason {res.finish_reasons}, expected ['length'] (ignore_eos)")
+    if spec.kind == "plain" and not spec.ignore_eos and res.completion_tokens is not None \
+            and not 1 <= res.completion_tokens <= spec.max_tokens:
+        problems.append(f"completion_tokens {res.completion_tokens} not in [1, {spec.max_tokens}]")
+    res.ok = not problems
+    if problems:
+        res.error = "; ".join(problems)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the soak
+# ----------------------------------------------------------------------------------------------------------------
+def _progress(total: int, desc: str, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=disable, dynamic_ncols=True, file=sys.stderr)
+
+
+def _children(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def stop_server(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    """SIGTERM, then waits for the server and every process it started. Kills what is left (and says so)."""
+    import psutil
+
+    children = _children(proc.pid)
+    info: dict[str, Any] = {"children_before": [{"pid": c.pid, "name": _name(c)} for c in children]}
+    t0 = time.monotonic()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        info["returncode"] = proc.wait(timeout=timeout)
+        info["exited_by_itself"] = True
+    except subprocess.TimeoutExpired:
+        info["exited_by_itself"] = False
+        proc.kill()
+        info["returncode"] = proc.wait()
+    info["exit_s"] = round(time.monotonic() - t0, 2)
+    _, alive = psutil.wait_procs(children, timeout=max(5.0, timeout - (time.monotonic() - t0)))
+    info["children_left"] = [{"pid": c.pid, "name": _name(c)} for c in alive]
+    for c in alive:  # ours: the server's children, still running after the server exited
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return info
+
+
+def _name(p) -> str:
+    try:
+        return p.name()
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def run_soak(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_dsbd.models import tiny_llama_pair
+
+    t_start = time.monotonic()
+    record: dict[str, Any] = {
+        "config": {"requests": args.requests, "concurrency": args.concurrency, "seed": args.seed,
+                   "engine_width": ENGINE_WIDTH, "depth": DEPTH, "max_num_seqs": MAX_NUM_SEQS,
+                   "model": "tiny_llama_pair(vocab_size=400, seed=0, draft_init='truncate', init_std=0.1, "
+                            "target_layers=3, draft_layers=2)"},
+        "failures": [],
+    }
+    failures: list[str] = record["failures"]
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="dsbd-soak-"))
+    template = workdir / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    log_path = pathlib.Path(args.log) if args.log else workdir / "server.log"
+    port = args.port or free_port()
+    client = Client(port, timeout=args.request_timeout)
+    specs = make_specs(args.requests, args.seed)
+    results: list[Result] = []
+    proc = None
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(serve_cmd(target, draft, port, template), env=server_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            record["startup_s"] = round(wait_healthy(client, proc, args.startup_timeout, log_path), 1)
+            probe(client)
+            kv_before = kv_reading(client)
+            record["kv_before"] = kv_before
+
+            # --- concurrent phase
+            t0 = time.monotonic()
+            deadline = t0 + args.time_limit
+            pool = cf.ThreadPoolExecutor(max_workers=args.concurrency)
+            try:
+                with _progress(len(specs), "soak", args.no_progress) as bar:
+                    futures = [pool.submit(execute, client, s) for s in specs]
+                    for fut in cf.as_completed(futures, timeout=args.time_limit):
+                        results.append(fut.result())
+                        bar.update(1)
+            except cf.TimeoutError:
+                failures.append(f"the requests did not all finish within --time-limit {args.time_limit:.0f} s "
+                                f"({len(results)} of {len(specs)} done): the server hangs")
+                raise _Abort
+            finally:  # on a hang, the server is stopped below, which ends the requests still waiting
+                pool.shutdown(wait=False, cancel_futures=True)
+            record["concurrent_s"] = round(time.monotonic() - t0, 1)
+            results.sort(key=lambda r: r.index)
+            for r in results:
+                if not r.ok:
+                    failures.append(f"request {r.index} ({r.kind}, {r.endpoint}, stream={r.stream}): {r.error}")
+
+            # --- health
+            try:
+                health = client.get("/health", timeout=30)[0]
+            except OSError as e:
+                health = f"{type(e).__name__}: {e}"
+            record["health_after"] = health
+            if health != 200:
+                failures.append(f"/health after the soak: {health}")
+            if proc.poll() is not None:
+                failures.append(f"server exited with {proc.returncode} during the soak")
+                raise _Abort
+
+            # --- the raw gauge (stale after aborts), then the no-leak check with probes
+            record["kv_after_raw"] = kv_reading(client)
+            record["kv_after"] = kv_after = _wait_kv(client, kv_before, args.kv_wait)
+            if kv_after["used_blocks"] != kv_before["used_blocks"] or kv_after["usage"] != kv_before["usage"]:
+                failures.append(f"KV cache did not return to its starting usage within {args.kv_wait:.0f} s: "
+                                f"{kv_before['used_blocks']} -> {kv_after['used_blocks']} blocks in use "
+                                f"(usage {kv_before['usage']} -> {kv_after['usage']})")
+
+            # --- one at a time: temperature 0 (must be equal) and seeded temperature 1 (recorded only)
+            replay = [r for r in results if r.ok and r.kind in ("plain", "beam")]
+            t0 = time.monotonic()
+            with _progress(len(replay), "replay alone", args.no_progress) as bar:
+                for r in replay:
+                    if time.monotonic() > deadline:
+                        failures.append(f"replay stopped at --time-limit {args.time_limit:.0f} s")
+                        break
+                    again = execute(client, specs[r.index])
+                    r.replay_texts = again.texts
+                    r.replay_equal = again.ok and again.texts == r.texts
+                    if not r.replay_equal and r.temperature == 0:
+                        failures.append(f"request {r.index} ({r.kind}, {r.endpoint}, width {r.width}, "
+                                        f"stream={r.stream}): T=0 replay differs: {r.texts!r} vs {again.texts!r}"
+                                        + (f" ({again.error})" if again.error else ""))
+                    bar.update(1)
+            record["replay_s"] = round(time.monotonic() - t0, 1)
+            try:
+                record["health_end"] = client.get("/health", timeout=30)[0]
+            except OSError as e:
+                record["health_end"] = f"{type(e).__name__}: {e}"
+            if record["health_end"] != 200:
+                failures.append(f"/health after the replay: {record['health_end']}")
+            probe(client)
+            record["kv_end"] = kv_end = kv_reading(client)
+            if kv_end["usage"] != kv_before["usage"]:
+                failures.append(f"KV cache usage after the replay {kv_end['usage']} != {kv_before['usage']} at the "
+                                "start")
+        except _Abort:
+            pass
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"soak aborted: {type(e).__name__}: {e}")
+        finally:
+            record["shutdown"] = sd = stop_server(proc, args.shutdown_timeout)
+            if not sd["exited_by_itself"]:
+                failures.append(f"server did not exit within {args.shutdown_timeout:.0f} s of SIGTERM (killed)")
+            if sd["children_left"]:
+                failures.append(f"child processes left after the server exited: {sd['children_left']}")
+    log_text = log_path.read_text(errors="replace")
+    serving, _, shutting_down = log_text.partition("[shutdown]")  # vLLM's shutdown logs its own noise
+    error_lines = [l for l in serving.splitlines() if " ERROR " in l]
+    record["server_log"] = {
+        "http_200": len(re.findall(r'HTTP/1\.1" 200 ', log_text)),
+        "http_400": len(re.findall(r'HTTP/1\.1" 400 ', log_text)),
+        "http_5xx": len(re.findall(r'HTTP/1\.1" 5\d\d ', log_text)),
+        # vLLM logs a traceback at ERROR for a streaming request refused after its response started
+        "error_lines_while_serving": len(error_lines),
+        "error_messages_while_serving": sorted({l.split("] ", 1)[-1] for l in error_lines
+                                                if "Error in" in l or "Error:" in l})[:20],
+        "error_lines_at_shutdown": sum(" ERROR " in l for l in shutting_down.splitlines()),
+    }
+    if record["server_log"]["http_5xx"]:
+        failures.append(f"{record['server_log']['http_5xx']} HTTP 5xx answers in the server log")
+    record["requests"] = [asdict(r) for r in results]
+    record["counts"] = c = _counts(results, specs)
+    # requests aborted because their client went away (AsyncLLM logs them with --enable-log-requests)
+    aborted = {i for line in serving.splitlines() if "Aborted request(s)" in line
+               for i in line.split("Aborted request(s)", 1)[1].strip().rstrip(".").split(",")}
+    c["engine_aborts"] = len(aborted)
+    if results and c["engine_aborts"] != c["disconnect"]:
+        failures.append(f"{c['disconnect']} clients disconnected mid-stream but the server aborted "
+                        f"{c['engine_aborts']} requests")
+    if failures:
+        record["server_log_tail"] = tail(log_path, 6000)
+        record["server_log_path"] = str(log_path)
+    if args.log or not failures:  # keep the server log of a failed run
+        shutil.rmtree(workdir, ignore_errors=True)
+    record["wall_s"] = round(time.monotonic() - t_start, 1)
+    record["ok"] = not failures
+    return record
+
+
+class _Abort(Exception):
+    pass
+
+
+def _wait_kv(client: Client, before: dict, wait_s: float) -> dict:
+    deadline = time.monotonic() + wait_s
+    polls = 0
+    while True:
+        probe(client)
+        polls += 1
+        now = kv_reading(client)
+        if now["usage"] == before["usage"] or time.monotonic() > deadline:
+            now["polls"] = polls
+            return now
+        time.sleep(1)
+
+
+def _counts(results: list[Result], specs: list[Spec]) -> dict[str, Any]:
+    by = lambda k: [r for r in results if r.kind == k]  # noqa: E731
+    good = by("plain") + by("beam")
+    replayed = [r for r in results if r.replay_equal is not None and r.temperature == 0]
+    replayed1 = [r for r in results if r.replay_equal is not None and r.temperature == 1]
+    return {
+        "sent": len(results),
+        "good": len(good),
+        "good_ok": sum(r.ok for r in good),
+        "plain": len(by("plain")),
+        "beam": len(by("beam")),
+        "streaming": sum(r.stream for r in good),
+        "chat": sum(r.endpoint == "chat" for r in good),
+        "t0": sum(r.temperature == 0 for r in good),
+        "t1": sum(r.temperature == 1 for r in good),
+        "width": {str(w): sum(r.width == w for r in by("plain")) for w in (1, 2, 4)},
+        "bad": len(by("bad")),
+        "bad_400": sum(r.ok for r in by("bad")),
+        "bad_400_http": sum(r.ok and r.bad_form == "http 400" for r in by("bad")),
+        "bad_400_in_stream": sum(r.ok and r.bad_form == "stream error event 400" for r in by("bad")),
+        "disconnect": len(by("disconnect")),
+        "disconnect_ok": sum(r.ok for r in by("disconnect")),
+        "t0_replayed": len(replayed),
+        "t0_equal": sum(bool(r.replay_equal) for r in replayed),
+        "t1_seeded_replayed": len(replayed1),
+        "t1_seeded_equal": sum(bool(r.replay_equal) for r in replayed1),
+        "status": {str(s): sum(r.status == s for r in results) for s in sorted({r.status for r in results},
+                                                                                 key=str)},
+    }
+
+
+def table(record: dict[str, Any]) -> str:
+    c = record.get("counts", {})
+    kb, ka = record.get("kv_before") or {}, record.get("kv_after") or {}
+    sd = record.get("shutdown") or {}
+    rows = [
+        ("requests sent", c.get("sent")),
+        ("good (plain + beam)", f"{c.get('good')} ({c.get('plain')} + {c.get('beam')}; {c.get('streaming')} "
+                                f"streaming, {c.get('chat')} chat, T=0/T=1 {c.get('t0')}/{c.get('t1')}, "
+                                f"widths 1/2/4 {'/'.join(str(v) for v in (c.get('width') or {}).values())})"),
+        ("good ok (200, complete)", c.get("good_ok")),
+        ("bad -> 400 naming the parameter", f"{c.get('bad_400')} / {c.get('bad')} ({c.get('bad_400_http')} HTTP 400, "
+                                            f"{c.get('bad_400_in_stream')} as a stream's error event)"),
+        ("disconnected mid-stream", f"{c.get('disconnect_ok')} / {c.get('disconnect')} (aborted by the server: "
+                                    f"{c.get('engine_aborts')})"),
+        ("T=0 equal when replayed alone", f"{c.get('t0_equal')} / {c.get('t0_replayed')}"),
+        ("T=1 seeded equal alone (info)", f"{c.get('t1_seeded_equal')} / {c.get('t1_seeded_replayed')}"),
+        ("HTTP status counts", json.dumps(c.get("status"))),
+        ("/health after", record.get("health_after")),
+        ("KV blocks in use before / after", f"{kb.get('used_blocks')} / {ka.get('used_blocks')} "
+                                            f"of {kb.get('num_blocks')} (usage {kb.get('usage')} / "
+                                            f"{ka.get('usage')}; after the replay "
+                                            f"{(record.get('kv_end') or {}).get('used_blocks')})"),
+        ("server exit on SIGTERM", f"rc {sd.get('returncode')} in {sd.get('exit_s')} s, "
+                                   f"{len(sd.get('children_before') or [])} children, "
+                                   f"{len(sd.get('children_left') or [])} left"),
+        ("wall time", f"{record.get('wall_s')} s (start-up {record.get('startup_s')} s, concurrent "
+                      f"{record.get('concurrent_s')} s, replay {record.get('replay_s')} s)"),
+        ("result", "PASS" if record.get("ok") else f"FAIL ({len(record.get('failures', []))} failures)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def scrub(text: str) -> str:
+    """Machine-local paths (server log excerpts) become placeholders, so a record can be committed."""
+    repo = str(pathlib.Path(__file__).resolve().parent.parent)
+    for path, name in sorted([(repo, "<repo>"), (sys.prefix, "<venv>"), (tempfile.gettempdir(), "<tmp>"),
+                              (str(pathlib.Path.home()), "<home>")], key=lambda x: -len(x[0])):
+        if len(path) > 1:
+            text = text.replace(path, name)
+    return text
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=200, help="requests in the mix (default 200)")
+    p.add_argument("--concurrency", type=int, default=16, help="client threads (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
+    p.add_argument("--port", type=int, default=0, help="server port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--out", help="write the JSON record here")
+    p.add_argument("--log", help="server log file (default: in a temporary folder)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=120.0, help="socket timeout of one request")
+    p.add_argument("--time-limit", type=float, default=1200.0,
+                   help="the requests and the replay must finish within this many seconds (a hang fails)")
+    p.add_argument("--kv-wait", type=float, default=30.0, help="how long the KV usage may take to come back")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1:
+        p.error("--requests and --concurrency must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    record = run_soak(args)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(scrub(json.dumps(record, indent=1)) + "\n")
+    for f in record["failures"][:50]:
+        print("FAIL:", f)
+    if record["failures"] and record.get("server_log_tail"):
+        print("--- server log (tail) ---\n" + scrub(record["server_log_tail"][-3000:]))
+        print(f"server log: {record['server_log_path']}")
+    print(table(record))
+    return 0 if record["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
