@@ -480,6 +480,9 @@ def test_dsbd_environment_variables_are_known_to_vllm(monkeypatch):
     from vllm_dsbd.patches.env_names import NAMES
 
     plugin.register()
+    for name in list(os.environ):  # other tests leave vLLM's own undeclared names (VLLM_DIST_IDENT): not ours
+        if name.startswith("VLLM_"):
+            monkeypatch.delenv(name)
     for name in NAMES:
         monkeypatch.setenv(name, "0")
     envs.validate_environ(hard_fail=True)
