@@ -75,7 +75,6 @@ MAX_TOKENS = 12
 def plain_texts(pair):
     """Plain vLLM (no speculation), temperature 0, in this process; runs before the server starts."""
     from engine_utils import shutdown
-    import vllm
     from vllm.sampling_params import BeamSearchParams
 
     llm = vllm.LLM(model=str(pair[0]), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
