@@ -97,8 +97,9 @@ def dsbd_run(pair, plain_greedy):  # plain_greedy first: one engine at a time
         accepted[w] = metric(llm, "vllm:spec_decode_num_accepted_tokens") - before
     metrics = {name: metric(llm, name) for name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-        "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens")}
+        "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens", "vllm:dsbd_draft_nodes")}
     metrics["layers_passed"] = metric(llm, "vllm:dsbd_layers_passed")
+    metrics["per_pos"] = metric(llm, "vllm:spec_decode_num_accepted_tokens_per_pos")
     metrics["accepted_by_width"] = accepted
     beams = _beams(llm)
     yield tokens, metrics, logprobs, beams
@@ -167,3 +168,20 @@ def test_not_vacuous(dsbd_run):
     assert hist is not None and hist.count == m["vllm:dsbd_iterations"]
     # mean layers passed = vLLM's accepted tokens per draft
     assert abs(hist.sum - m["vllm:spec_decode_num_accepted_tokens"]) < 1e-6
+
+
+def test_vllm_spec_decode_metrics_describe_the_forest(dsbd_run):
+    """vLLM's own spec-decode metrics tell the truth about DSBD (patches spec_stats_depths / spec_stats_prometheus):
+    drafts = forests verified, drafted tokens = forest nodes verified, accepted = layers passed, and one
+    per-position series per draft depth, position p counting the iterations that passed depth p + 1."""
+    m = dsbd_run[1]
+    hist = m["layers_passed"]
+    assert m["vllm:spec_decode_num_drafts"] == m["vllm:dsbd_iterations"] == hist.count > 0
+    assert m["vllm:spec_decode_num_draft_tokens"] == m["vllm:dsbd_draft_nodes"] > m["vllm:spec_decode_num_drafts"]
+    per_pos = m["per_pos"].values
+    assert len(per_pos) == DEPTH, per_pos  # vLLM made WIDTH * DEPTH positions, all beyond DEPTH always 0
+    cumulative = {float(le): n for le, n in hist.buckets.items()}
+    passed_more_than = [hist.count - cumulative[float(p)] for p in range(DEPTH)]
+    print("accepted per position:", per_pos, "iterations passing depth p+1:", passed_more_than)
+    assert per_pos == passed_more_than
+    assert per_pos[0] > 0

@@ -204,6 +204,10 @@ def test_metrics_show_drafts(server):
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith(("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts{"))]
     assert values and sum(values) > 0, [l for l in text.splitlines() if "spec_decode" in l][:20]
+    # one per-position series per draft depth (--spec-tokens 2), not one per forest slot (width * depth)
+    positions = {line.split('position="')[1].split('"')[0] for line in text.splitlines()
+                 if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos")}
+    assert positions == {"0", "1"}, positions
 
 
 def _samples(text: str, prefix: str) -> list[tuple[str, float]]:

@@ -72,6 +72,8 @@ def test_register_is_reentrant():
     import vllm.v1.engine.input_processor  # noqa: F401  (their patches wait for these imports)
     import vllm.utils.cpu_triton_utils  # noqa: F401
     import vllm.v1.spec_decode.llm_base_proposer  # noqa: F401
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+    import vllm.v1.metrics.loggers  # noqa: F401
 
     before = patches.applied()
     plugin.register()
@@ -176,6 +178,10 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         import vllm.utils.cpu_triton_utils as cpu_tl
         from vllm_dsbd.patches import cpu_expand_kernel
         assert cpu_tl.expand_kernel.func is cpu_expand_kernel.expand
+        from vllm.v1.core.sched.scheduler import Scheduler
+        assert Scheduler.make_spec_decoding_stats.__dsbd_patch__ == "spec_stats_depths"
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+        assert PrometheusStatLogger.__init__.__dsbd_patch__ == "spec_stats_prometheus"
         print(sorted({r.patch_id for r in patches.applied()}))
         """,
         tmp_path, VLLM_DSBD_DISABLE="0",

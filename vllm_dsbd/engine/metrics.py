@@ -9,7 +9,8 @@ default registry of the process that runs the model runner):
   iteration = layers passed + 1;
 * ``vllm:dsbd_layer_width{layer="d"}``: histogram of the width K of verified draft layer d (1-based);
 * ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
-* ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place).
+* ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place);
+* ``vllm:dsbd_draft_nodes_total``: draft forest nodes verified by the target.
 
 How they reach ``LLM.get_metrics()`` and ``/metrics``:
 
@@ -22,8 +23,13 @@ How they reach ``LLM.get_metrics()`` and ``/metrics``:
   creates its collectors with memory-mapped values in that directory (prometheus_client's multiprocess mode, for
   these collectors only), and the front end serves them with its own metrics. Not covered: ``--api-server-count > 1``
   (vLLM then serves only its own multiprocess directory).
-The layers-passed law is also in vLLM's own ``vllm:spec_decode_num_accepted_tokens_per_pos`` (position p counts the
-iterations that passed more than p layers), which crosses processes through the scheduler's statistics.
+vLLM's own spec-decode metrics describe a DSBD engine as follows (patches ``spec_stats_depths`` and
+``spec_stats_prometheus``): ``vllm:spec_decode_num_drafts`` = forests verified (= ``vllm:dsbd_iterations``),
+``..._num_draft_tokens`` = forest nodes verified (= ``vllm:dsbd_draft_nodes``), ``..._num_accepted_tokens`` = layers
+passed (= the sum of ``vllm:dsbd_layers_passed``), ``..._num_accepted_tokens_per_pos{position="p"}`` = iterations
+that passed depth p + 1 (one series per depth). vLLM's "draft acceptance rate" is accepted / drafted: for a forest
+with W nodes per depth it is at most 1/W by construction; the number to read is the mean acceptance length (tokens
+per target pass).
 """
 from __future__ import annotations
 
@@ -114,6 +120,7 @@ def _build_collectors() -> dict:
                            buckets=[float(b) for b in range(1, 65)], **kw),
         "tokens": PCounter("vllm:dsbd_emitted_tokens", "tokens emitted by DSBD iterations", **kw),
         "moves": PCounter("vllm:dsbd_kv_commit_slots", "KV slots moved by DSBD commits", **kw),
+        "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
     }
 
 
@@ -127,6 +134,7 @@ class DSBDStats:
         self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
         self.width_per_layer = [Counter() for _ in range(cfg.depth)]  # layer d -> Counter(K)
         self.tokens = 0
+        self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
         self._log_interval = log_interval_s
@@ -174,9 +182,11 @@ class DSBDStats:
         if row.forest is None:
             return
         self.forest_iterations += 1
+        self.draft_nodes += row.num_nodes
         self.layers_passed[res.passed] += 1
         if prom is not None:
             prom["iterations"].inc()
+            prom["nodes"].inc(row.num_nodes)
             prom["layers"].observe(res.passed)
         for d, k in enumerate(res.widths):
             if d < len(self.width_per_layer):

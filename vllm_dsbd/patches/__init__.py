@@ -118,6 +118,24 @@ to add a speculative method with its own config keys and proposer; no such regis
    to every engine process (two warnings per process of every DSBD server). How: add the names with getters, as
    vLLM's own entries are. When it can go: vLLM lets plugins declare environment variables, or DSBD drops the
    ``VLLM_`` prefix.
+
+13. ``spec_stats_depths`` - target ``vllm.v1.core.sched.scheduler.Scheduler.make_spec_decoding_stats`` (and
+   ``update_from_output``, which keeps its ``scheduler_output`` on the scheduler while it runs).
+   What: vLLM's spec-decode statistics of a DSBD engine have one position per draft depth (position p: iterations
+   that passed depth p + 1); drafted tokens = forest nodes scheduled, accepted = layers passed, as vLLM counts them.
+   Why: vLLM sizes the per-position arrays by ``num_speculative_tokens`` (``width * depth`` forest slots for DSBD,
+   scheduler.py:2455), so its log line and Prometheus showed ``width * depth`` positions of which all beyond ``depth``
+   are always 0; and it counts the ``-1`` placeholder drafts it pads new one-token requests with (for full CUDA
+   graphs, scheduler.py:843-859) as drafts. How: for "dsbd", drafted tokens are the scheduled nodes that are not
+   placeholders (a step with only placeholders is no draft), the stats are made with ``depth`` positions and
+   observed without the chain-only ``num_draft_tokens_per_pos`` (read nowhere in vLLM 0.26; left at 0). When it can go: vLLM lets a method describe
+   tree-shaped drafts (positions = depths).
+
+14. ``spec_stats_prometheus`` - target ``vllm.v1.metrics.loggers.PrometheusStatLogger.__init__``.
+   What: ``vllm:spec_decode_num_accepted_tokens_per_pos`` of a DSBD engine has ``depth`` series (positions = depths).
+   Why: ``SpecDecodingProm`` makes one series per ``num_speculative_tokens`` position (spec_decode/metrics.py:260).
+   How: for "dsbd" the logger's ``SpecDecodingProm`` is built from a copy of ``speculative_config`` with
+   ``num_speculative_tokens = depth`` (that constructor call only). When it can go: with 13.
 """
 
 from __future__ import annotations
@@ -143,6 +161,8 @@ PATCHES = (
     "cpu_expand_kernel",
     "vllm_post_init",
     "env_names",
+    "spec_stats_depths",
+    "spec_stats_prometheus",
 )
 
 
