@@ -128,7 +128,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    are always 0; and it counts the ``-1`` placeholder drafts it pads new one-token requests with (for full CUDA
    graphs, scheduler.py:843-859) as drafts. How: for "dsbd", drafted tokens are the scheduled nodes that are not
    placeholders (a step with only placeholders is no draft), the stats are made with ``depth`` positions and
-   observed without the chain-only ``num_draft_tokens_per_pos`` (read nowhere in vLLM 0.26; left at 0). When it can go: vLLM lets a method describe
+   observed without the chain-only ``num_draft_tokens_per_pos`` (read nowhere in vLLM 0.26; left at 0).
+   When it can go: vLLM lets a method describe
    tree-shaped drafts (positions = depths).
 
 14. ``spec_stats_prometheus`` - target ``vllm.v1.metrics.loggers.PrometheusStatLogger.__init__``.
