@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import time
 from pathlib import Path
@@ -126,8 +127,10 @@ def main():
     ap.add_argument("--paths", action="store_true", help="print the model folders and a serve command, then exit")
     ap.add_argument("--verbose", action="store_true", help="show vLLM's log lines")
     args = ap.parse_args()
-    if not args.verbose:  # before vLLM is imported: its logger reads this once
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not args.verbose:  # before vLLM and torch are imported: their loggers read these once
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
     import torch
     import vllm

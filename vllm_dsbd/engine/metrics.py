@@ -33,6 +33,7 @@ per target pass).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -127,8 +128,15 @@ def _build_collectors() -> dict:
 class DSBDStats:
     """Counts of one engine (one worker). ``record`` is called once per request per verified engine step."""
 
-    def __init__(self, cfg: DSBDConfig, log_interval_s: float = 10.0):
+    def __init__(self, cfg: DSBDConfig, log_interval_s: float = 10.0, prometheus: bool = True):
         self.cfg = cfg
+        # False on tensor-parallel ranks other than 0: every rank makes the same decisions, one of them reports them
+        # (the front end would otherwise sum the ranks' memory-mapped counters)
+        self._use_prometheus = prometheus
+        # a hash of every decision this engine made (request, context length, forest nodes, emitted tokens, accepted
+        # path, widths): equal on every tensor-parallel rank iff the ranks built the same forests and verified them
+        # the same way (``DSBDWorker.dsbd_decisions``)
+        self.decisions = hashlib.blake2b(digest_size=16)
         self.iterations = 0  # target passes over a request (with or without a forest)
         self.forest_iterations = 0  # those that verified a forest
         self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
@@ -148,6 +156,8 @@ class DSBDStats:
         global _OWNER
         from prometheus_client import REGISTRY
 
+        if not self._use_prometheus:
+            return None
         with _LOCK:
             if self._prom is None and (child_dir := _child_dir()) is not None:
                 # engine core in a child of the front end: values go to the front end's directory, no registry here
@@ -174,6 +184,9 @@ class DSBDStats:
             return self._prom
 
     def record(self, row, res) -> None:
+        self.decisions.update(repr((row.state.req_id, row.context_len,
+                                    list(row.forest.tokens) if row.forest is not None else None, list(res.tokens),
+                                    list(res.path), [int(k) for k in res.widths])).encode())
         prom = self._prometheus()
         self.iterations += 1
         self.tokens += len(res.tokens)
@@ -197,6 +210,12 @@ class DSBDStats:
         if now - self._last_log >= self._log_interval:
             self._last_log = now
             logger.info("DSBD: %s", self.summary())
+
+    def decisions_digest(self) -> dict:
+        """What the tensor-parallel test compares across ranks."""
+        return {"decisions": self.decisions.hexdigest(), "iterations": self.iterations,
+                "forest_iterations": self.forest_iterations, "draft_nodes": self.draft_nodes, "tokens": self.tokens,
+                "layers_passed": dict(self.layers_passed)}
 
     def record_moves(self, n: int) -> None:
         self.kv_moves += n

@@ -47,7 +47,7 @@ class DSBDRunnerMixin:
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"); ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
-        self.dsbd_stats = DSBDStats(self.dsbd_cfg)
+        self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics())
         self._dsbd_plan: list[sampler.RowPlan] | None = None
         self._dsbd_forest: attention.ForestBatch | None = None
         self._dsbd_results: list[sampler.RowResult] | None = None
@@ -250,6 +250,14 @@ class DSBDRunnerMixin:
             job.state.pending = pf
             out[job.row] = list(pf.tokens) if pf is not None else []
         return out
+
+
+def _reports_metrics() -> bool:
+    """Whether this worker reports DSBD's Prometheus metrics: tensor-parallel rank 0 only (every rank makes the same
+    decisions; the front end would sum the ranks' counters)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+    return not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
 
 
 @functools.cache

@@ -34,13 +34,22 @@ def _check_config(worker) -> None:
     check(worker.vllm_config)
 
 
+class _DecisionsMixin:
+    def dsbd_decisions(self) -> dict:
+        """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every
+        tensor-parallel rank iff they built the same forests and made the same decisions."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return {"tp_rank": get_tensor_model_parallel_rank(), **self.model_runner.dsbd_stats.decisions_digest()}
+
+
 def __getattr__(name):  # the worker classes import vLLM's worker modules: only where a worker is built
     if name == "DSBDCPUWorker":
         from vllm.v1.worker.cpu_worker import CPUWorker
 
         from .runner import cpu_runner_class
 
-        class DSBDCPUWorker(CPUWorker):
+        class DSBDCPUWorker(_DecisionsMixin, CPUWorker):
             def init_device(self):
                 _check_config(self)
                 super().init_device()
@@ -53,7 +62,7 @@ def __getattr__(name):  # the worker classes import vLLM's worker modules: only 
 
         from .runner import gpu_runner_class
 
-        class DSBDGPUWorker(Worker):
+        class DSBDGPUWorker(_DecisionsMixin, Worker):
             def init_device(self):
                 _check_config(self)
                 super().init_device()
