@@ -6,7 +6,8 @@ A tiny random Llama pair (the target's first layers as the draft), so that the f
 engine's own work (scheduling, input preparation, drafting and verification bookkeeping, KV commit) shows. For each
 batch size B, B requests with the same 4-token prompt length are added at once; the first step (the prefill) and the
 last are left out, so every measured step decodes all B requests. Forward time is measured with forward hooks on
-the target and the draft model (CPU: no asynchronous execution to account for). Rows: plain vLLM (no speculation,
+the target and the draft model (CPU: no asynchronous execution to account for); each column is the median over the
+measured steps, and the non-model time is the median of each step's (step - target forward - draft forward). Rows: plain vLLM (no speculation,
 the floor of vLLM's own per-step work) and DSBD at width 1 and 2, depth 3, default mode. Issue 15's CPU goal reads
 this table: DSBD's non-model time at batch 32 <= 3x that at batch 1, and 5x below today's at batch 32.
 """
@@ -18,6 +19,7 @@ import logging
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 
@@ -59,14 +61,12 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
             engine.step()
             steps.append((time.perf_counter() - t0, target_t[0] - f0, draft_t[0] - d0))
         body = steps[1:-1] or steps
-        n = len(body)
-        step = sum(s for s, _, _ in body) / n
-        tfwd = sum(t for _, t, _ in body) / n
-        dfwd = sum(d for _, _, d in body) / n
-        return {"config": config["name"], "batch": batch, "steps": n, "step_ms": 1e3 * step,
-                "target_fwd_ms": 1e3 * tfwd, "draft_fwd_ms": 1e3 * dfwd,
-                "non_model_ms": 1e3 * (step - tfwd - dfwd), "non_model_ms_per_request": 1e3 * (step - tfwd - dfwd)
-                / batch}
+        # medians over the steps (2 shared cores: a mean picks up whatever else the machine ran)
+        step, tfwd, dfwd = (statistics.median(col) for col in zip(*body))
+        non_model = statistics.median(s - t - d for s, t, d in body)
+        return {"config": config["name"], "batch": batch, "steps": len(body), "step_ms": 1e3 * step,
+                "target_fwd_ms": 1e3 * tfwd, "draft_fwd_ms": 1e3 * dfwd, "non_model_ms": 1e3 * non_model,
+                "non_model_ms_per_request": 1e3 * non_model / batch}
     finally:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

@@ -17,6 +17,7 @@ kernels' layout, see ``kv.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class ForestBatch:
             return None
         rows, cu, ctx, flen, masks = [], [0], [], [], []
         for req_row, token_rows, ctx_len, parents, query_nodes in entries:
-            m = ancestor_bitmask(torch.tensor(parents, dtype=torch.int64), max_nodes=max_nodes)
+            m = _ancestor_bits(tuple(parents), max_nodes)
             masks.append(m[torch.tensor(query_nodes, dtype=torch.int64)])
             rows.extend(token_rows)
             cu.append(cu[-1] + len(token_rows))
@@ -87,6 +88,13 @@ class ForestBatch:
                                           ("token_index", "cu_seqlens_q", "req_rows", "context_lens", "forest_lens",
                                            "ancestor_mask")))
         return cache[device]
+
+
+@functools.lru_cache(maxsize=4096)
+def _ancestor_bits(parents: tuple[int, ...], max_nodes: int) -> torch.Tensor:
+    """``ancestor_bitmask`` of one forest's parent list, memoised: forests of one engine repeat a few shapes (read
+    only: callers index it, which copies)."""
+    return ancestor_bitmask(torch.tensor(parents, dtype=torch.int64), max_nodes=max_nodes)
 
 
 _ACTIVE = threading.local()

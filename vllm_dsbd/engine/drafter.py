@@ -175,16 +175,17 @@ class DSBDDrafter(DraftModelProposer):
             for (i, s), row in zip(which, lg):
                 full[i, s] = row
         forest = Forest.from_steps(steps, depth, W) if steps else None
+        # one layout for the whole batch: each request's row is its own forest's layout (rows are independent)
+        lay = forest_layout(forest, L) if forest is not None else None
         out = []
         for i, j in enumerate(jobs):
             f = _request_forest(forest, i, self.cfg.depth, W, V) if forest is not None else None
             if f is None or int(f.depth[0]) == 0 or not bool(f.valid.any()):
                 out.append(None)
                 continue
-            lay = forest_layout(f, L[i : i + 1])
-            n = int(lay.num_nodes[0])
-            out.append(PendingForest(forest=f, tokens=lay.token[0, :n].tolist(), parents=lay.parent[0, :n].tolist(),
-                                     depths=lay.depth[0, :n].tolist(), root_pos=j.root_pos))
+            n = int(lay.num_nodes[i])
+            out.append(PendingForest(forest=f, tokens=lay.token[i, :n].tolist(), parents=lay.parent[i, :n].tolist(),
+                                     depths=lay.depth[i, :n].tolist(), root_pos=j.root_pos))
         return out
 
 

@@ -59,6 +59,9 @@ def empty_forest(depth: int, width: int, vocab: int) -> Forest:
 def truncate(forest: Forest, context_len: int, n: int) -> Forest:
     """The forest restricted to its first n nodes in compact order (vLLM may schedule fewer draft tokens than
     proposed). A prefix in compact order is, at every depth, a prefix of the draws: still an exact forest."""
+    if n >= int(forest.valid.sum()):  # nothing cut (the usual case): the same result without the layout
+        return Forest(parent=forest.parent, token=forest.token, valid=forest.valid, score=forest.score,
+                      q_joint=forest.q_joint, depth=torch.minimum(forest.valid.any(2).sum(1), forest.depth))
     layout = forest_layout(forest, torch.tensor([context_len]))
     valid = forest.valid & (layout.compact < n)
     depth = valid.any(2).sum(1)
