@@ -95,12 +95,12 @@ def serve_command(target: Path, draft: Path, width: int, depth: int) -> str:
             f"--served-model-name smollm2-dsbd{mem}")
 
 
-def run(target: Path, prompts, params, speculative_config=None):
+def run(target: Path, prompts, params, speculative_config=None, verbose: bool = False):
     import vllm
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                   disable_log_stats=False, speculative_config=speculative_config)
+                   disable_log_stats=False, speculative_config=speculative_config, use_tqdm_on_load=verbose)
     llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     before = {k: metric(llm, k) or 0 for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
                                                "vllm:spec_decode_num_draft_tokens", "vllm:dsbd_iterations")}
@@ -149,9 +149,9 @@ def main():
     params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i)
               for i in range(len(prompts))]
     print(f"target: SmolLM2-135M-Instruct ({target}); draft: {draft_kind}")
-    plain = run(target, prompts, params)
+    plain = run(target, prompts, params, verbose=args.verbose)
     spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": args.width}
-    dsbd = run(target, prompts, params, spec)
+    dsbd = run(target, prompts, params, spec, verbose=args.verbose)
 
     for p, a, b in zip(PROMPTS, plain[0], dsbd[0]):
         print(f"\n### {p}\n  plain: {a.strip()[:200]!r}\n  dsbd:  {b.strip()[:200]!r}")
