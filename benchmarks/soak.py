@@ -76,13 +76,16 @@ BAD_KINDS = (
 # ----------------------------------------------------------------------------------------------------------------
 # server
 # ----------------------------------------------------------------------------------------------------------------
-def server_env() -> dict[str, str]:
+def server_env(multiprocessing: bool = True) -> dict[str, str]:
+    """The environment of a DSBD server started from here (also the serve tests'). ``multiprocessing``: the engine core
+    in a child process, as `vllm serve` runs by default (False: in the server's process, faster to start)."""
     env = dict(os.environ)
     for key in ("VLLM_DSBD_PROMETHEUS_DIR", "VLLM_DSBD_PROMETHEUS_PID"):  # the server is its own front end
         env.pop(key, None)
-    # As `vllm serve` runs by default: the engine core in a child process. One torch thread and no OpenMP binding:
-    # on a few shared CPU cores OpenMP spin-waits make generation far slower otherwise.
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+    # One torch thread and no OpenMP binding: on a few shared CPU cores OpenMP spin-waits make generation far slower
+    # otherwise.
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                PYTHONUNBUFFERED="1")
     return env

@@ -14,13 +14,12 @@ answered, a setting DSBD does not apply is a 400 naming it, and a good request a
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -28,24 +27,11 @@ import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip i
 
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from soak import free_port, server_env  # noqa: E402  (one server environment for the soak and these tests)
+
 STARTUP_TIMEOUT_S = 240
 MODEL_NAME = "tiny-dsbd"
-
-
-def _env(multiprocessing: bool = False) -> dict[str, str]:
-    env = dict(os.environ)
-    for key in ("VLLM_DSBD_PROMETHEUS_DIR", "VLLM_DSBD_PROMETHEUS_PID"):  # the server is its own front end
-        env.pop(key, None)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               PYTHONUNBUFFERED="1")
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_cmd(target, draft, port, spec_config, chat_template=None) -> list[str]:
@@ -105,9 +91,9 @@ def server(pair, plain_texts, tmp_path_factory):  # plain_texts first: its engin
     template = tmp / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                         "{% if add_generation_prompt %}assistant:{% endif %}")
-    port = _free_port()
+    port = free_port()
     log = open(tmp / "server.log", "w+b")
-    proc = subprocess.Popen(_serve_cmd(target, draft, port, '{"width": 2}', template), env=_env(multiprocessing=True),
+    proc = subprocess.Popen(_serve_cmd(target, draft, port, '{"width": 2}', template), env=server_env(),
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -238,7 +224,8 @@ def test_dsbd_metrics_cross_processes(server):
 
 def test_bad_startup_config_exits_naming_key(pair):
     target, draft = pair
-    proc = subprocess.run(_serve_cmd(target, draft, _free_port(), '{"widht": 2}'), env=_env(),
+    proc = subprocess.run(_serve_cmd(target, draft, free_port(), '{"widht": 2}'),
+                          env=server_env(multiprocessing=False),
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert "widht" in proc.stdout + proc.stderr
