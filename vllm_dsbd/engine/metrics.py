@@ -128,15 +128,16 @@ def _build_collectors() -> dict:
 class DSBDStats:
     """Counts of one engine (one worker). ``record`` is called once per request per verified engine step."""
 
-    def __init__(self, cfg: DSBDConfig, log_interval_s: float = 10.0, prometheus: bool = True):
+    def __init__(self, cfg: DSBDConfig, log_interval_s: float = 10.0, prometheus: bool = True,
+                 track_decisions: bool = False):
         self.cfg = cfg
         # False on tensor-parallel ranks other than 0: every rank makes the same decisions, one of them reports them
         # (the front end would otherwise sum the ranks' memory-mapped counters)
         self._use_prometheus = prometheus
-        # a hash of every decision this engine made (request, context length, forest nodes, emitted tokens, accepted
-        # path, widths): equal on every tensor-parallel rank iff the ranks built the same forests and verified them
-        # the same way (``DSBDWorker.dsbd_decisions``)
-        self.decisions = hashlib.blake2b(digest_size=16)
+        # with tensor parallelism: a hash of every decision this engine made (request, context length, forest nodes,
+        # emitted tokens, accepted path, widths), equal on every rank iff the ranks built the same forests and verified
+        # them the same way (``DSBDWorker.dsbd_decisions``); None otherwise (nothing to compare, no work per step)
+        self.decisions = hashlib.blake2b(digest_size=16) if track_decisions else None
         self.iterations = 0  # target passes over a request (with or without a forest)
         self.forest_iterations = 0  # those that verified a forest
         self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
@@ -184,9 +185,10 @@ class DSBDStats:
             return self._prom
 
     def record(self, row, res) -> None:
-        self.decisions.update(repr((row.state.req_id, row.context_len,
-                                    list(row.forest.tokens) if row.forest is not None else None, list(res.tokens),
-                                    list(res.path), [int(k) for k in res.widths])).encode())
+        if self.decisions is not None:
+            self.decisions.update(repr((row.state.req_id, row.context_len,
+                                        list(row.forest.tokens) if row.forest is not None else None,
+                                        list(res.tokens), list(res.path), [int(k) for k in res.widths])).encode())
         prom = self._prometheus()
         self.iterations += 1
         self.tokens += len(res.tokens)
@@ -213,7 +215,8 @@ class DSBDStats:
 
     def decisions_digest(self) -> dict:
         """What the tensor-parallel test compares across ranks."""
-        return {"decisions": self.decisions.hexdigest(), "iterations": self.iterations,
+        return {"decisions": self.decisions.hexdigest() if self.decisions is not None else None,
+                "iterations": self.iterations,
                 "forest_iterations": self.forest_iterations, "draft_nodes": self.draft_nodes, "tokens": self.tokens,
                 "layers_passed": dict(self.layers_passed)}
 

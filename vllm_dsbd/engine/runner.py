@@ -47,7 +47,8 @@ class DSBDRunnerMixin:
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"); ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
-        self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics())
+        self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
+                                    track_decisions=vllm_config.parallel_config.tensor_parallel_size > 1)
         self._dsbd_plan: list[sampler.RowPlan] | None = None
         self._dsbd_forest: attention.ForestBatch | None = None
         self._dsbd_results: list[sampler.RowResult] | None = None
