@@ -27,6 +27,8 @@ __all__ = ["METHOD", "REQUEST_WIDTH_KEY", "DSBDConfig", "check_request", "reques
 METHOD = "dsbd"  # the value of --speculative-method / speculative_config["method"]
 ADDITIONAL_CONFIG_KEY = "dsbd"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]
 REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
+BEAM_KEY = "dsbd_beam"  # SamplingParams.extra_args[BEAM_KEY]: a beam request (engine/beams.py BeamParams)
+REQUEST_KEYS = (REQUEST_WIDTH_KEY, BEAM_KEY)
 MODES = ("sample", "single", "full")
 
 
@@ -201,10 +203,14 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             (the message names the parameter), or a bad width.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
-    unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k != REQUEST_WIDTH_KEY]
+    unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
     if unknown:
         raise ValueError(f"extra_args: unknown DSBD key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are ['{REQUEST_WIDTH_KEY}']")
+                         f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are {list(REQUEST_KEYS)}")
+    if extra.get(BEAM_KEY) is not None:
+        from vllm_dsbd.engine.beams import BeamParams
+
+        BeamParams.parse(extra[BEAM_KEY], cfg.width)  # ValueError naming extra_args['dsbd_beam'][key]
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
         names = ", ".join(bad)

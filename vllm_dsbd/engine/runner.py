@@ -53,6 +53,9 @@ class DSBDRunnerMixin:
         self._dsbd_forest: attention.ForestBatch | None = None
         self._dsbd_results: list[sampler.RowResult] | None = None
         self._dsbd_planes: dict[int, kv.PlaneSet] | None = None
+        self._dsbd_last_plan: list[sampler.RowPlan] | None = None
+        # beam requests finished this step: req id -> payload for the front end (patch beam_finish reads it)
+        self._dsbd_finished: dict[str, dict] = {}
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
@@ -86,13 +89,15 @@ class DSBDRunnerMixin:
         self.dsbd_requests.drop(scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             if new.sampling_params is not None:
-                self.dsbd_requests.register(new.req_id, new.sampling_params, new.num_computed_tokens)
+                self.dsbd_requests.register(new.req_id, new.sampling_params, new.num_computed_tokens,
+                                            self.requests[new.req_id].num_prompt_tokens)
         cached = scheduler_output.scheduled_cached_reqs
         for k, req_id in enumerate(cached.req_ids):
             if req_id in cached.resumed_req_ids:
                 st = self.requests.get(req_id)
                 if st is not None and st.sampling_params is not None:
-                    self.dsbd_requests.register(req_id, st.sampling_params, cached.num_computed_tokens[k])
+                    self.dsbd_requests.register(req_id, st.sampling_params, cached.num_computed_tokens[k],
+                                                st.num_prompt_tokens)
         return out
 
     # ------------------------------------------------------------------------------------------------------------
@@ -112,11 +117,19 @@ class DSBDRunnerMixin:
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if st is None:  # not seen through _update_states (should not happen): register now
-                st = self.dsbd_requests.register(req_id, self.requests[req_id].sampling_params, int(computed[i]))
+                req = self.requests[req_id]
+                st = self.dsbd_requests.register(req_id, req.sampling_params, int(computed[i]), req.num_prompt_tokens)
             sched = scheduler_output.scheduled_spec_decode_tokens.get(req_id) or []
             ns = int(num_scheduled_tokens[i])
             L = int(computed[i]) + ns - len(sched)
             row = sampler.RowPlan(state=st, first_row=first, context_len=L)
+            if st.beam is not None:
+                entry = self._plan_beam(i, st.beam, int(computed[i]), ns, sched, int(qsl[i]), row)
+                if entry is not None:
+                    entries.append(entry)
+                plan.append(row)
+                first += (len(sched) + 1) if has_spec_rows else 1
+                continue
             pf, st.pending = st.pending, None
             n = len(sched)
             if n and pf is not None and pf.root_pos == L - 1 and pf.tokens[:n] == list(sched):
@@ -132,8 +145,31 @@ class DSBDRunnerMixin:
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
-        fb = attention.ForestBatch.build(entries, max_nodes=self.dsbd_cfg.num_speculative_slots)
+        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e[3]) for e in entries])
+        fb = attention.ForestBatch.build(entries, max_nodes=max_nodes)
         return plan, fb
+
+    def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int, row):
+        """Positions and the trie attention entry of a beam request's scheduled slots ``[computed, computed + ns)``
+        (leaves of a step, or the trie recomputed after a preemption); ``row.leaves`` = leaves whose logits this
+        pass gives (the last token and the drafts that are leaves, not vLLM's -1 placeholders)."""
+        P = beam.prompt_len
+        drafts = [t for t in sched if t >= 0]
+        if drafts:
+            expect = beam.leaf_tokens(beam.fixed)[: len(drafts)]
+            if drafts != expect:
+                raise RuntimeError(f"DSBD beams: scheduled drafts {drafts} are not the request's leaves {expect}")
+        row.leaves = 1 + len(drafts)
+        lo = max(computed, P)
+        hi = computed + ns - (len(sched) - len(drafts))
+        if hi <= lo:
+            return None
+        slots = list(range(lo, hi))
+        rows = [qstart + s - computed for s in slots]
+        self.positions[rows[0] : rows[-1] + 1] = torch.tensor([beam.position(s) for s in slots],
+                                                              dtype=self.positions.dtype)
+        nodes = [s - P for s in slots]
+        return (i, rows, P, beam.parents[: nodes[-1] + 1], nodes)
 
     # 3. the target pass under forest attention
     def _model_forward(self, *args, **kwargs):
@@ -146,6 +182,15 @@ class DSBDRunnerMixin:
         finally:
             self._dsbd_forest = None
 
+    def sample_tokens(self, *args, **kwargs):
+        """vLLM's output of the step, with the finished beam requests' beams attached (``dsbd_finished``: req id ->
+        payload) for the scheduler (patch ``beam_finish``), which finishes those requests."""
+        out = super().sample_tokens(*args, **kwargs)
+        finished, self._dsbd_finished = self._dsbd_finished, {}
+        if finished and out is not None:
+            out.dsbd_finished = finished
+        return out
+
     # ------------------------------------------------------------------------------------------------------------
     # 4. verification instead of rejection sampling, then the KV commit
     def _sample(self, logits, spec_decode_metadata):
@@ -155,16 +200,53 @@ class DSBDRunnerMixin:
         plan, self._dsbd_plan = self._dsbd_plan, None
         if plan is None:
             raise RuntimeError("DSBD: _sample called without a plan from _prepare_inputs")
-        results = sampler.verify(logits, plan, self.dsbd_cfg)
-        self._commit_kv(plan, results)
         discard = self.discard_request_mask.np[: len(plan)]
+        results: list[sampler.RowResult | None] = [None] * len(plan)
+        spec = [k for k, r in enumerate(plan) if r.state.beam is None]
+        if spec:
+            for k, res in zip(spec, sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg)):
+                results[k] = res
+            self._commit_kv([plan[k] for k in spec], [results[k] for k in spec])
+        beam_moves = []
+        for k, row in enumerate(plan):
+            if row.state.beam is not None:
+                results[k] = self._beam_step(logits, row, bool(discard[k]), beam_moves)
+        self._commit_beam_kv(beam_moves)
         for row, res, skip in zip(plan, results, discard):
-            if not skip:
+            if not skip and row.state.beam is None:
                 self.dsbd_stats.record(row, res)
         self._dsbd_results = results
+        self._dsbd_last_plan = plan
         ids = sampler.sampled_token_ids(results, len(plan))
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
+
+    def _beam_step(self, logits, row, skip: bool, moves: list) -> sampler.RowResult:
+        """A beam request's part of the step: collect its leaves' logits, step the beams once every leaf is in."""
+        beam = row.state.beam
+        if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
+            return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
+        n = row.leaves
+        out = beam.partial(logits[row.first_row : row.first_row + n])
+        if out is None:
+            out = beam.step(beam.params.eos_token_id)
+            if out.finished:
+                self._dsbd_finished[row.state.req_id] = beam.payload()
+        row.beam_result = out
+        ids = self.input_batch.req_id_to_index[row.state.req_id]
+        moves.extend((ids, s, d) for s, d in out.moves)
+        return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
+
+    def _commit_beam_kv(self, moves: list[tuple[int, int, int]]) -> None:
+        """Moves kept beam leaves' K/V (every layer) to their compacted slots: (batch row, src slot, dst slot)."""
+        if not moves:
+            return
+        for gid, planes in self._kv_planes().items():
+            bt = self.input_batch.block_table[gid]
+            table, bs = bt.block_table.np, bt.block_size
+            src = np.concatenate([kv.slots_of(table[i], [s], bs) for i, s, _ in moves])
+            dst = np.concatenate([kv.slots_of(table[i], [d], bs) for i, _, d in moves])
+            kv.commit(planes, src, dst)
 
     def _dsbd_logprobs(self, logits, plan, results, max_len: int):
         """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits
@@ -219,6 +301,7 @@ class DSBDRunnerMixin:
     # 5. the next forests
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         results, self._dsbd_results = self._dsbd_results, None
+        plan_rows, self._dsbd_last_plan = self._dsbd_last_plan, None
         batch = self.input_batch
         num_reqs = batch.num_reqs
         out: list[list[int]] = [[] for _ in range(num_reqs)]
@@ -229,6 +312,11 @@ class DSBDRunnerMixin:
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if discard[i] or st is None:
+                continue
+            if st.beam is not None:  # the leaves still to compute are the request's drafts
+                step = getattr(plan_rows[i], "beam_result", None) if plan_rows is not None else None
+                if step is not None and not step.finished:
+                    out[i] = list(step.next_drafts)
                 continue
             res = results[i]
             n_before = int(batch.num_tokens_no_spec[i])

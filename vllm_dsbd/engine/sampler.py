@@ -39,6 +39,8 @@ class RowPlan:
     forest: PendingForest | None = None  # the verified forest, truncated to the n scheduled nodes
     num_nodes: int = 0  # n
     drafted_depth: int = 0  # depth the drafter built (before any truncation)
+    leaves: int = 0  # beam requests: leaves whose logits rows this pass has (first_row, first_row + 1, ...)
+    beam_result: object = None  # beam requests: the beams.StepResult of this pass
 
 
 @dataclass
@@ -47,6 +49,7 @@ class RowResult:
     path: list[int]  # compact indices of the accepted path's nodes (depth 1, 2, ...)
     passed: int  # layers passed
     widths: list[int] = field(default_factory=list)  # K of each verified draft layer
+    rows: list[int] | None = None  # logits row of each emitted token, when not given by ``path`` (beam requests)
 
 
 def empty_forest(depth: int, width: int, vocab: int) -> Forest:
@@ -148,7 +151,7 @@ def emitted_rows(rows: list[RowPlan], results: list[RowResult], max_len: int) ->
     idx = torch.zeros(len(rows), max_len, dtype=torch.int64)
     tok = torch.zeros(len(rows), max_len, dtype=torch.int64)
     for i, (row, res) in enumerate(zip(rows, results)):
-        src = [row.first_row] + [row.first_row + 1 + c for c in res.path]
+        src = res.rows if res.rows is not None else [row.first_row] + [row.first_row + 1 + c for c in res.path]
         n = len(res.tokens)
         idx[i, :n] = torch.tensor(src[:n], dtype=torch.int64)
         idx[i, n:] = row.first_row

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from vllm_dsbd.config import DSBDConfig, request_width
 from vllm_dsbd.core.forest import Forest
 
+from .beams import BEAM_KEY, BeamParams, BeamRequest
+
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 
 
@@ -40,6 +42,7 @@ class RequestState:
     max_tokens: int | None
     draft_len: int = 0  # positions [0, draft_len) have valid draft-model K/V
     pending: PendingForest | None = None
+    beam: BeamRequest | None = None  # a beam request (extra_args["dsbd_beam"]): its trie and live beams
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -60,9 +63,10 @@ class Requests:
     def get(self, req_id: str) -> RequestState | None:
         return self._states.get(req_id)
 
-    def register(self, req_id: str, sampling_params, num_computed_tokens: int) -> RequestState:
+    def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0) -> RequestState:
         """(Re)registers a request that starts (or restarts after a preemption) with ``num_computed_tokens`` tokens
-        already in the cache (a prefix-cache hit; their draft K/V are assumed valid too)."""
+        already in the cache (a prefix-cache hit; their draft K/V are assumed valid too). A resumed beam request
+        keeps its trie (its slots are recomputed from vLLM's token list, which holds the trie's tokens)."""
         old = self._states.get(req_id)
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache beyond the prefix
             old.pending = None
@@ -83,6 +87,9 @@ class Requests:
             max_tokens=sp.max_tokens,
             draft_len=num_computed_tokens,
         )
+        beam = (sp.extra_args or {}).get(BEAM_KEY)
+        if beam is not None:
+            st.beam = BeamRequest(BeamParams.parse(beam, self.cfg.width), prompt_len, st.temperature, st.seed)
         self._states[req_id] = st
         return st
 

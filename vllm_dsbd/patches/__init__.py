@@ -164,6 +164,8 @@ PATCHES = (
     "env_names",
     "spec_stats_depths",
     "spec_stats_prometheus",
+    "beam_scheduler",
+    "beam_search_route",
 )
 
 

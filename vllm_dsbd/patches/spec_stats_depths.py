@@ -76,11 +76,14 @@ def _patch(mod: types.ModuleType) -> None:
         def update_from_output(self, scheduler_output, model_runner_output):
             if not uses_dsbd(self.vllm_config):
                 return orig(self, scheduler_output, model_runner_output)
+            # kept while it runs: this patch reads the scheduler output, patch beam_scheduler the runner output
             self._dsbd_scheduler_output = scheduler_output
+            self._dsbd_model_runner_output = model_runner_output
             try:
                 return orig(self, scheduler_output, model_runner_output)
             finally:
                 self._dsbd_scheduler_output = None
+                self._dsbd_model_runner_output = None
 
         return update_from_output
 

@@ -1,0 +1,91 @@
+"""Patch: vLLM's scheduler serves DSBD beam requests (``extra_args["dsbd_beam"]``, ``engine/beams.py``).
+
+A beam request's tokens in vLLM are ``prompt + trie nodes``: vLLM neither knows when its beam search is over nor may
+cache its trie blocks for other requests. Three changes to ``vllm.v1.core.sched.scheduler.Scheduler``, all inert
+for any request without ``dsbd_beam`` (and so for every non-DSBD engine, whose requests cannot carry it: patch
+``request_validation`` refuses ``dsbd_*`` keys only on DSBD engines, and the runner of other engines ignores them):
+
+* ``_update_request_with_output``: a beam request the DSBD runner finished this step (``ModelRunnerOutput
+  .dsbd_finished``, which ``update_from_output`` keeps on the scheduler while it runs, see patch
+  ``spec_stats_depths``) stops (``FINISHED_STOPPED``), as a stop token would stop it.
+* ``_free_request``: that request's ``kv_transfer_params`` (the one per-request dict vLLM carries from the engine
+  core to ``RequestOutput.kv_transfer_params`` in the front end, across processes) are its beams: the front end
+  (patch ``beam_search_route``) turns them into vLLM's beam-search outputs. Requests with a KV connector's own params
+  are never beam requests (a KV connector is refused for DSBD beams).
+* ``__init__``: prefix caching commits a beam request's blocks only up to its prompt: trie blocks hold K/V computed
+  under the trie's masks and positions, which another request with the same tokens must not be served.
+
+When it can go: vLLM gains in-engine beam search with its own finish/output path (or lets a request finish from the
+model runner and carry a payload), and a per-request cap on prefix-cache commits.
+"""
+
+from __future__ import annotations
+
+import types
+
+from vllm_dsbd.config import uses_dsbd
+from vllm_dsbd.patches._patching import when_imported, wrap_method
+
+PATCH_ID = "beam_scheduler"
+MODULE = "vllm.v1.core.sched.scheduler"
+BEAM_KEY = "dsbd_beam"
+
+
+def is_beam_request(request) -> bool:
+    sp = getattr(request, "sampling_params", None)
+    return sp is not None and bool(sp.extra_args) and BEAM_KEY in sp.extra_args
+
+
+def _finished_payload(scheduler, request):
+    out = getattr(scheduler, "_dsbd_model_runner_output", None)
+    done = getattr(out, "dsbd_finished", None)
+    return done.get(request.request_id) if done else None
+
+
+def apply() -> None:
+    when_imported(MODULE, _patch)
+
+
+def _patch(mod: types.ModuleType) -> None:
+    from vllm.v1.request import RequestStatus
+
+    def make_update(orig):
+        def _update_request_with_output(self, request, new_token_ids):
+            new_token_ids, stopped = orig(self, request, new_token_ids)
+            if not stopped and _finished_payload(self, request) is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
+            return new_token_ids, stopped
+
+        return _update_request_with_output
+
+    def make_free(orig):
+        def _free_request(self, request, *args, **kwargs):
+            kv_params, ec_params = orig(self, request, *args, **kwargs)
+            payload = _finished_payload(self, request)
+            if payload is not None:
+                kv_params = dict(kv_params or {}, **payload)
+            return kv_params, ec_params
+
+        return _free_request
+
+    def make_init(orig):
+        def __init__(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            if not uses_dsbd(self.vllm_config):
+                return
+            coordinator = self.kv_cache_manager.coordinator
+            cache_blocks = coordinator.cache_blocks
+
+            def cache_prompt_blocks_only(request, num_tokens):
+                if is_beam_request(request):
+                    num_tokens = min(num_tokens, request.num_prompt_tokens)
+                return cache_blocks(request, num_tokens)
+
+            coordinator.cache_blocks = cache_prompt_blocks_only
+
+        return __init__
+
+    wrap_method(PATCH_ID, mod.Scheduler, "_update_request_with_output", make_update)
+    wrap_method(PATCH_ID, mod.Scheduler, "_free_request", make_free)
+    wrap_method(PATCH_ID, mod.Scheduler, "__init__", make_init)

@@ -1,0 +1,101 @@
+"""Patch: ``LLM.beam_search`` on a DSBD engine runs inside the engine, one request per prompt.
+
+vLLM's ``LLM.beam_search`` (``entrypoints/generate/beam_search/offline.py``) is a front-end loop: per token, one new
+engine request per live beam, each a prefill of prompt + beam (prefix caching turns most of it into cache hits).
+On a DSBD engine the same call sends one request per prompt with ``extra_args["dsbd_beam"]`` (width, max_tokens,
+length_penalty, ignore_eos, the tokenizer's EOS): the DSBD runner keeps the W beams of the request as a trie in the
+request's own KV slots (``engine/beams.py``), batched with every other request, and the scheduler (patch
+``beam_scheduler``) returns the finished beams in ``RequestOutput.kv_transfer_params``; here they become vLLM's
+``BeamSearchOutput`` (the same fields: prompt + generated tokens, text of prompt + generated, cumulative
+log-probability, per-token logprobs of the chosen tokens, finish reason). At temperature 0 the beams are those of
+vLLM's loop token for token (tests/test_engine_beams.py).
+
+Refused with a ``ValueError`` naming the parameter: ``structured_outputs`` (the trie's beams would each need their
+own grammar state), a beam width above the engine's DSBD width, and a request whose trie may not fit
+``max_model_len`` (``prompt + max_tokens * (beam_width + 1) + 2`` slots; see ``BeamParams.engine_tokens``).
+
+When it can go: vLLM's ``LLM.beam_search`` runs in the engine and lets a speculative method serve it.
+"""
+
+from __future__ import annotations
+
+import types
+
+from vllm_dsbd.config import uses_dsbd
+from vllm_dsbd.patches._patching import when_imported, wrap_method
+
+PATCH_ID = "beam_search_route"
+MODULE = "vllm.entrypoints.generate.beam_search.offline"
+
+
+def apply() -> None:
+    when_imported(MODULE, _patch)
+
+
+def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int):
+    """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request)."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_dsbd.engine.beams import BEAM_KEY, BeamParams
+
+    if getattr(params, "structured_outputs", None) is not None:
+        raise ValueError("structured_outputs: not supported for beam search on a DSBD engine")
+    bp = BeamParams.parse({"width": params.beam_width, "max_tokens": params.max_tokens,
+                           "length_penalty": params.length_penalty, "ignore_eos": params.ignore_eos,
+                           "eos_token_id": eos_token_id}, max_width)
+    need = prompt_len + bp.engine_tokens()
+    if need > max_model_len:
+        raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "
+                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than max_model_len "
+                         f"{max_model_len}; lower max_tokens or beam_width, or raise max_model_len")
+    return SamplingParams(temperature=params.temperature, max_tokens=bp.engine_tokens(), ignore_eos=True,
+                          detokenize=False, skip_clone=True, extra_args={BEAM_KEY: bp.to_dict()})
+
+
+def beam_outputs(engine_input, out, tokenizer):
+    """vLLM's ``BeamSearchOutput`` from a finished beam request's ``RequestOutput``."""
+    from vllm.entrypoints.generate.beam_search.utils import BeamSearchOutput, BeamSearchSequence
+    from vllm.logprobs import Logprob
+
+    from vllm_dsbd.engine.beams import BEAM_KEY
+
+    params = out.kv_transfer_params or {}
+    if BEAM_KEY not in params:
+        raise RuntimeError(f"DSBD beam request {out.request_id} finished without beams (finish reason "
+                           f"{out.outputs[0].finish_reason if out.outputs else None!r})")
+    prompt = list(engine_input["prompt_token_ids"])
+    seqs = []
+    for b in params[BEAM_KEY]:
+        tokens = prompt + list(b["token_ids"])
+        seqs.append(BeamSearchSequence(
+            orig_prompt=engine_input, tokens=tokens,
+            logprobs=[{t: Logprob(logprob=lp)} for t, lp in zip(b["token_ids"], b["logprobs"])],
+            cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"]))
+    return BeamSearchOutput(sequences=seqs)
+
+
+def _patch(mod: types.ModuleType) -> None:
+    def make(orig):
+        def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None):
+            cfg = self.llm_engine.vllm_config
+            if not uses_dsbd(cfg):
+                return orig(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
+            from vllm_dsbd.config import DSBDConfig
+
+            width = DSBDConfig.from_vllm_config(cfg).width
+            tokenizer = self.renderer.get_tokenizer()
+            inputs = self._preprocess_cmpl(prompts)
+            sps = []
+            for inp in inputs:
+                if inp.get("type") != "token":
+                    raise ValueError("prompts: only text and token prompts are supported for beam search on a "
+                                     "DSBD engine")
+                sps.append(beam_request_params(params, tokenizer.eos_token_id, len(inp["prompt_token_ids"]),
+                                               cfg.model_config.max_model_len, width))
+            outs = self.generate([{"prompt_token_ids": list(inp["prompt_token_ids"])} for inp in inputs], sps,
+                                 use_tqdm=use_tqdm, lora_request=lora_request)
+            return [beam_outputs(inp, out, tokenizer) for inp, out in zip(inputs, outs)]
+
+        return beam_search
+
+    wrap_method(PATCH_ID, mod.BeamSearchOfflineMixin, "beam_search", make)
