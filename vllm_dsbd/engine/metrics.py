@@ -122,6 +122,11 @@ def _build_collectors() -> dict:
         "tokens": PCounter("vllm:dsbd_emitted_tokens", "tokens emitted by DSBD iterations", **kw),
         "moves": PCounter("vllm:dsbd_kv_commit_slots", "KV slots moved by DSBD commits", **kw),
         "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
+        "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
+        "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),
+        "beam_requests": PCounter("vllm:dsbd_beam_requests", "beam requests finished", **kw),
+        "beam_blocks": Histogram("vllm:dsbd_beam_kv_blocks", "KV blocks held by a beam request when it finished",
+                                 buckets=[float(2 ** b) for b in range(0, 14)], **kw),
     }
 
 
@@ -146,6 +151,10 @@ class DSBDStats:
         self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
+        self.beam_passes = 0  # target passes over beam requests (one per request and pass)
+        self.beam_steps = 0  # beam steps done (every live beam grew by one token)
+        self.beam_requests = 0  # beam requests finished
+        self.beam_blocks: list[int] = []  # KV blocks held by each finished beam request
         self._log_interval = log_interval_s
         self._last_log = time.monotonic()
         self._prom: dict | None = None
@@ -183,6 +192,23 @@ class DSBDStats:
                         except ValueError:  # the name is taken by a collector we do not own: leave it
                             pass
             return self._prom
+
+    def record_beam(self, stepped: bool, blocks: int | None) -> None:
+        """One target pass over a beam request: whether it completed a beam step, and the request's KV blocks if
+        it finished."""
+        prom = self._prometheus()
+        self.beam_passes += 1
+        self.beam_steps += int(stepped)
+        if prom is not None:
+            prom["beam_passes"].inc()
+            if stepped:
+                prom["beam_steps"].inc()
+        if blocks is not None:
+            self.beam_requests += 1
+            self.beam_blocks.append(blocks)
+            if prom is not None:
+                prom["beam_requests"].inc()
+                prom["beam_blocks"].observe(blocks)
 
     def record(self, row, res) -> None:
         if self.decisions is not None:
@@ -237,4 +263,6 @@ class DSBDStats:
         widths = ", ".join(f"{w:.2f}" for w in self.mean_width())
         return (f"{self.forest_iterations} forest iterations, {self.mean_layers_passed():.2f} layers passed on "
                 f"average, mean width per layer [{widths}], {self.tokens} tokens in {self.iterations} iterations, "
-                f"{self.kv_moves} KV slots moved")
+                f"{self.kv_moves} KV slots moved"
+                + (f"; beams: {self.beam_steps} steps in {self.beam_passes} target passes, {self.beam_requests} "
+                   f"requests finished" if self.beam_passes else ""))

@@ -206,7 +206,7 @@ class DSBDRunnerMixin:
         if spec:
             for k, res in zip(spec, sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg)):
                 results[k] = res
-            self._commit_kv([plan[k] for k in spec], [results[k] for k in spec])
+            self._commit_kv(plan, results)  # beam rows have no forest: skipped
         beam_moves = []
         for k, row in enumerate(plan):
             if row.state.beam is not None:
@@ -228,10 +228,14 @@ class DSBDRunnerMixin:
             return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
         n = row.leaves
         out = beam.partial(logits[row.first_row : row.first_row + n])
-        if out is None:
+        blocks = None
+        if stepped := out is None:
             out = beam.step(beam.params.eos_token_id)
             if out.finished:
                 self._dsbd_finished[row.state.req_id] = beam.payload()
+                bs = self.input_batch.block_table[0].block_size
+                blocks = -(-(beam.prompt_len + len(beam.tokens)) // bs)
+        self.dsbd_stats.record_beam(stepped, blocks)
         row.beam_result = out
         ids = self.input_batch.req_id_to_index[row.state.req_id]
         moves.extend((ids, s, d) for s, d in out.moves)

@@ -1,0 +1,224 @@
+"""Beam search inside the DSBD engine (γ = 0: no draft on beam requests), real vLLM 0.26.0 on CPU, temperature 0.
+
+Tiny random Llama target of ``test_engine_greedy.py``, with the tokenizer's EOS moved (in a copy of the folder, as
+``test_engine_stops.py`` does) to a token greedy decoding emits early, so beams really finish on EOS. Oracle: vLLM's
+own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same float32 weights. Checked:
+
+* ``LLM.beam_search`` on the DSBD engine (one engine request per prompt, beams as a trie in the request's KV slots)
+  returns exactly the plain engine's sequences, in order, for W = 2 and 4 with length_penalty != 1, cumulative
+  log-probabilities equal to 1e-4; beams did finish on EOS (not vacuous), and the engine's counters show the beam
+  steps were made in the engine (``vllm:dsbd_beam_steps``) with fewer target passes than vLLM's loop makes requests;
+* a batch mixing beam requests (``extra_args["dsbd_beam"]``) and plain greedy requests, with long prompts and a KV
+  cache far too small (preemption asserted > 0), equals the same requests one at a time, and the plain ones equal
+  plain vLLM greedy;
+* with prefix caching on, plain requests that share the beam requests' prompts give plain vLLM's greedy tokens
+  (trie blocks are never served from the prefix cache);
+* bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs)
+  raise a ValueError naming the parameter, and a good request afterwards still works.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params  # noqa: E402
+
+WIDTH, DEPTH, MAX_TOKENS = 4, 3, 8
+SHORT = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9]]
+_rng = random.Random(99)
+LONG = [[_rng.randrange(3, 400) for _ in range(110)] for _ in range(3)]
+CASES = [(2, 0.8), (4, 1.3)]  # (beam width, length penalty)
+BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 slots: the least max_model_len allows, far less than the mixed batch needs
+CACHED = LONG[0] + LONG[1][:2]  # 112 tokens: 7 full blocks; the trie starts on a block boundary
+
+
+def _greedy(fn, prompt, n):
+    out = list(prompt)
+    for _ in range(n):
+        out.append(int(fn(torch.tensor([out])).argmax(-1)[0]))
+    return out[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    g0 = _greedy(next_token_logits_fn(load_hf(target)), SHORT[0], 8)
+    eos = next(t for i, t in enumerate(g0) if i >= 1 and t not in g0[:i])  # the second greedy token
+    folder = tmp_path_factory.mktemp("beams") / "target"
+    shutil.copytree(target, folder)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.eos_token = tok.convert_ids_to_tokens(eos)
+    tok.save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.exists():
+            cfg = json.loads(path.read_text())
+            cfg["eos_token_id"] = eos
+            path.write_text(json.dumps(cfg))
+    return folder, draft, eos
+
+
+def _llm(target, **kw):
+    kw.setdefault("enable_prefix_caching", False)
+    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                    disable_log_stats=False, **kw)
+
+
+def _beam_search(llm, prompts, width, lp):
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=lp))
+    return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
+
+
+def _greedy_params():
+    return vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(setup):
+    folder, _, _ = setup
+    llm = _llm(folder, max_num_seqs=8)
+    try:
+        beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
+        long_beams = _beam_search(llm, LONG, WIDTH, 1.0)
+        greedy = [list(o.outputs[0].token_ids) for o in
+                  llm.generate([{"prompt_token_ids": p} for p in SHORT + LONG], _greedy_params(), use_tqdm=False)]
+        yield {"beams": beams, "long_beams": long_beams, "greedy": greedy}
+    finally:
+        shutdown(llm)
+
+
+def _mixed(llm, eos):
+    """Beam requests (W = 4) on the long prompts and greedy requests on every prompt, as one generate call."""
+    prompts = LONG + SHORT + LONG
+    bp = BeamSearchParams(beam_width=WIDTH, max_tokens=MAX_TOKENS)
+    params = ([beam_request_params(bp, eos, len(p), 256, WIDTH) for p in LONG]
+              + [_greedy_params() for _ in SHORT + LONG])
+    return prompts, params
+
+
+def _read(llm, prompts, outs):
+    tok = llm.get_tokenizer()
+    res = []
+    for p, o in zip(prompts, outs):
+        if o.kv_transfer_params and "dsbd_beam" in o.kv_transfer_params:
+            res.append([(list(s.tokens), s.cum_logprob) for s in
+                        beam_outputs({"type": "token", "prompt_token_ids": p}, o, tok).sequences])
+        else:
+            res.append(list(o.outputs[0].token_ids))
+    return res
+
+
+@pytest.fixture(scope="module")
+def dsbd(setup, plain):  # after plain: one engine at a time
+    folder, draft, eos = setup
+    llm = _llm(folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=16,
+               enable_prefix_caching=True,
+               speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                   "width": WIDTH})
+    try:
+        out = {}
+        steps0 = metric(llm, "vllm:dsbd_beam_steps") or 0
+        out["beams"] = {case: _beam_search(llm, SHORT, *case) for case in CASES}
+        out["beam_steps"] = metric(llm, "vllm:dsbd_beam_steps") - steps0
+        out["beam_passes"] = metric(llm, "vllm:dsbd_beam_target_passes")
+        out["beam_requests"] = metric(llm, "vllm:dsbd_beam_requests")
+        # prefix caching: a plain request whose prompt is a beam request's prompt followed by the tokens of the
+        # beam request's trie slots (vLLM's token list of that request) must not be served the trie blocks
+        bp = BeamSearchParams(beam_width=WIDTH, max_tokens=2 * MAX_TOKENS)
+        (o,) = llm.generate([{"prompt_token_ids": CACHED}], [beam_request_params(bp, eos, len(CACHED), 256, WIDTH)],
+                            use_tqdm=False)
+        out["probe"] = CACHED + list(o.outputs[0].token_ids)[:-1]
+        hits0 = metric(llm, "vllm:prefix_cache_hits") or 0
+        (o,) = llm.generate([{"prompt_token_ids": out["probe"]}], _greedy_params(), use_tqdm=False)
+        out["probe_tokens"] = list(o.outputs[0].token_ids)
+        out["cache_hits"] = metric(llm, "vllm:prefix_cache_hits") - hits0
+        prompts, params = _mixed(llm, eos)
+        pre0 = metric(llm, "vllm:num_preemptions") or 0
+        out["mixed"] = _read(llm, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False))
+        out["preempted"] = metric(llm, "vllm:num_preemptions") - pre0
+        out["one_by_one"] = [_read(llm, [p], llm.generate([{"prompt_token_ids": p}], [sp], use_tqdm=False))[0]
+                             for p, sp in zip(prompts, params)]
+        # bad requests: a ValueError naming the parameter; the engine keeps serving
+        bad = []
+        for bp, match in ((BeamSearchParams(beam_width=8, max_tokens=4), r"\['width'\] = 8 is above"),
+                          (BeamSearchParams(beam_width=4, max_tokens=60), r"^max_tokens: a beam search of width 4"),
+                          (BeamSearchParams(beam_width=2, max_tokens=4,
+                                            structured_outputs=StructuredOutputsParams(regex="[ab]+")),
+                           r"^structured_outputs")):
+            with pytest.raises(ValueError, match=match) as err:
+                llm.beam_search([{"prompt_token_ids": SHORT[0]}], bp)
+            bad.append(str(err.value))
+        with pytest.raises(ValueError, match=r"\['n'\] must be an integer in \[1, 2\]") as err:
+            llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
+                max_tokens=20, extra_args={"dsbd_beam": {"width": 2, "max_tokens": 4, "n": 3}}), use_tqdm=False)
+        bad.append(str(err.value))
+        out["bad"] = bad
+        out["after_bad"] = _beam_search(llm, SHORT[:1], 2, 0.8)
+        yield out
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"W{w}-lp{lp}" for w, lp in CASES])
+def test_beam_search_equals_vllm(dsbd, plain, setup, case):
+    eos = setup[2]
+    got, expected = dsbd["beams"][case], plain["beams"][case]
+    assert len(got) == len(expected) == len(SHORT)
+    for g, e in zip(got, expected):
+        assert [t for t, _ in g] == [t for t, _ in e]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+    # EOS finished some returned beams early (the EOS rule was exercised), and some beams ran the full length
+    ends = [t[-1] for g in got for t, _ in g]
+    assert eos in ends, ends
+    assert any(len(t) == len(p) + MAX_TOKENS for g, p in zip(got, SHORT) for t, _ in g)
+
+
+def test_beam_steps_counted_by_the_engine(dsbd):
+    # every beam step ran in the engine: at most MAX_TOKENS per request, all requests finished in the engine
+    n_req = len(CASES) * len(SHORT)
+    assert dsbd["beam_requests"] >= n_req
+    assert 0 < dsbd["beam_steps"] <= n_req * MAX_TOKENS
+    assert dsbd["beam_passes"] >= dsbd["beam_steps"]
+
+
+def test_mixed_batch_under_preemption_equals_one_at_a_time(dsbd, plain):
+    assert dsbd["preempted"] > 0
+    n = len(LONG)
+    assert dsbd["mixed"][n:] == dsbd["one_by_one"][n:]
+    for g, e in zip(dsbd["mixed"][:n], dsbd["one_by_one"][:n]):  # tokens equal; log-probabilities to 1e-4 (the
+        assert [t for t, _ in g] == [t for t, _ in e]  # batch's shape changes float rounding)
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+    # the beam requests equal vLLM's beam search, the greedy ones plain greedy
+    for g, e in zip(dsbd["mixed"][:n], plain["long_beams"]):
+        assert [t for t, _ in g] == [t for t, _ in e]
+    assert dsbd["mixed"][n:] == plain["greedy"]
+
+
+def test_prefix_caching_never_serves_trie_blocks(dsbd, setup):
+    probe = dsbd["probe"]
+    # the probe's full blocks reach past the beam request's prompt into its trie slots
+    assert len(probe) >= len(CACHED) + BLOCK_SIZE
+    # it was served the beam request's prompt blocks (and no more: with trie blocks its tokens would differ)
+    assert dsbd["cache_hits"] == len(CACHED)
+    fn = next_token_logits_fn(load_hf(setup[0]))
+    with torch.no_grad():
+        assert dsbd["probe_tokens"] == _greedy(fn, probe, MAX_TOKENS)
+
+
+def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain):
+    assert len(dsbd["bad"]) == 4
+    assert [t for t, _ in dsbd["after_bad"][0]] == [t for t, _ in plain["beams"][(2, 0.8)][0]]
