@@ -126,8 +126,10 @@ class _Live:
 class BeamRequest:
     """The trie and live beams of one beam request."""
 
-    def __init__(self, params: BeamParams, prompt_len: int, temperature: float, seed: int):
+    def __init__(self, params: BeamParams, prompt_len: int, temperature: float, seed: int, top_k: int = 0,
+                 top_p: float = 1.0):
         self.params = params
+        self.top_k, self.top_p = top_k, top_p  # on the flattened joint (T > 0 only, as in core.joint)
         self.prompt_len = prompt_len
         self.temperature = temperature
         self.seed = seed
@@ -208,8 +210,8 @@ class BeamRequest:
 
     def _sample(self, logits: torch.Tensor, lp: torch.Tensor, eos: int | None):
         Wl, V = logits.shape
-        params = BatchParams.make(1, temperature=self.temperature, width=self.params.width, seed=self.seed,
-                                  eos=-1, single=False)
+        params = BatchParams.make(1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                  width=self.params.width, seed=self.seed, eos=-1, single=False)
         scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32)
         live = torch.ones(1, Wl, dtype=torch.bool)
         pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64)

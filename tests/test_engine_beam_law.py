@@ -1,0 +1,107 @@
+"""Beam sampling inside the DSBD engine (γ = 0), temperature 1: the law of the beam set is exactly target beam sampling.
+
+A beam request (``extra_args["dsbd_beam"]``, width 2, 2 steps, top-k 4 on the joint, EOS ignored) on the tiny random
+Llama of ``test_engine_greedy.py``, 2,000 requests with seeds 0..1999 (each request's randomness is keyed by its
+seed). Outcome of a request = the set of its 2 final beams. Oracle: ``beam_oracle.beam_sampling_law``, the exact law
+by enumeration from the definition (plain Python floats over the Hugging Face model's next-token probabilities; no
+code shared with ``vllm_dsbd.core``). Goodness of fit with the never-flaking threshold df + 10 sqrt(2 df).
+
+Power: the same requests on the same engine with the beam step replaced (in the test) by the naive rule that lets
+each live beam draw its own child (W independent per-beam draws instead of W draws without replacement from the
+joint) must be rejected by the same test.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from beam_oracle import beam_sampling_law  # noqa: E402
+from chisq import goodness_of_fit, report  # noqa: E402
+from vllm_dsbd.core import rng  # noqa: E402
+from vllm_dsbd.core.sampling import BeamStep  # noqa: E402
+from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+
+PROMPT = [5, 6, 7, 8]
+WIDTH, STEPS, TOP_K, N = 2, 2, 4, 2000
+
+
+def _params(seed):
+    beam = {"width": WIDTH, "max_tokens": STEPS, "ignore_eos": True}
+    return vllm.SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=STEPS * (WIDTH + 1) + 2,
+                               ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
+
+
+def _outcomes(llm) -> Counter:
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, [_params(s) for s in range(N)], use_tqdm=False)
+    return Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
+
+
+def _per_beam_step(logits, scores, live, params, position, stream):
+    """Planted wrong rule: with one live beam, W draws without replacement from it; with several, each live beam
+    draws one child of its own, among its pairs in the joint's top-k (the naive "sample per beam" rule)."""
+    real = _REAL_STEP(logits, scores, live, params, position, stream)
+    R, S, V = logits.shape
+    if int(live.sum()) <= 1:
+        return real
+    joint = real.joint.view(R, S, V)
+    if not bool(torch.isfinite(joint).any(-1)[live].all()):  # a beam with no pair in the joint's top-k: keep the
+        return real  # real step, so that the planted rule has the same outcomes, only another law
+    g = rng.gumbel(rng.request_key(params.seed, position, stream), S * V).view(R, S, V)
+    tok = torch.argmax(joint + g, dim=-1)  # [R, S]
+    score = joint.gather(2, tok[:, :, None]).squeeze(2)
+    return BeamStep(parent=torch.arange(S)[None].expand(R, S), token=tok, score=score,
+                    valid=live & torch.isfinite(score), joint=real.joint, eos_done=real.eos_done,
+                    eos_score=real.eos_score)
+
+
+_REAL_STEP = beams_mod.beam_step
+
+
+@pytest.fixture(scope="module")
+def runs():
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                   enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=2048,
+                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
+                                       "width": 4})
+    try:
+        exact = _outcomes(llm)
+        beams_mod.beam_step = _per_beam_step
+        try:
+            planted = _outcomes(llm)
+        finally:
+            beams_mod.beam_step = _REAL_STEP
+    finally:
+        shutdown(llm)
+    model = load_hf(target)
+    fn = next_token_logits_fn(model)
+
+    def next_probs(ctx):
+        with torch.no_grad():
+            return torch.softmax(fn(torch.tensor([ctx])).double()[0], -1).tolist()
+
+    law = beam_sampling_law(next_probs, PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
+    return exact, planted, law
+
+
+def test_beam_set_law_is_target_beam_sampling(runs):
+    exact, _, law = runs
+    assert sum(exact.values()) == N
+    assert len(exact) > 10  # many distinct beam sets: the test has something to compare
+    stat, df, thr = goodness_of_fit(exact, law, N)
+    print(report("in-engine beam sampling W=2, 2 steps, top-k 4", stat, df, thr))
+    assert stat < thr
+
+
+def test_planted_per_beam_rule_is_rejected(runs):
+    _, planted, law = runs
+    stat, df, thr = goodness_of_fit(planted, law, N)
+    print(report("planted per-beam draws", stat, df, thr))
+    assert stat > thr
