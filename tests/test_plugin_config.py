@@ -74,6 +74,8 @@ def test_register_is_reentrant():
     import vllm.v1.spec_decode.llm_base_proposer  # noqa: F401
     import vllm.v1.core.sched.scheduler  # noqa: F401
     import vllm.v1.metrics.loggers  # noqa: F401
+    import vllm.entrypoints.generate.beam_search.offline  # noqa: F401
+    import vllm.entrypoints.generate.beam_search.online  # noqa: F401
 
     before = patches.applied()
     plugin.register()
@@ -182,6 +184,11 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         assert Scheduler.make_spec_decoding_stats.__dsbd_patch__ == "spec_stats_depths"
         from vllm.v1.metrics.loggers import PrometheusStatLogger
         assert PrometheusStatLogger.__init__.__dsbd_patch__ == "spec_stats_prometheus"
+        assert Scheduler._free_request.__dsbd_patch__ == "beam_scheduler"
+        from vllm.entrypoints.generate.beam_search.offline import BeamSearchOfflineMixin
+        assert BeamSearchOfflineMixin.beam_search.__dsbd_patch__ == "beam_search_route"
+        from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+        assert BeamSearchOnlineMixin.beam_search.__dsbd_patch__ == "beam_serving_route"
         print(sorted({r.patch_id for r in patches.applied()}))
         """,
         tmp_path, VLLM_DSBD_DISABLE="0",

@@ -120,7 +120,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``VLLM_`` prefix.
 
 13. ``spec_stats_depths`` - target ``vllm.v1.core.sched.scheduler.Scheduler.make_spec_decoding_stats`` (and
-   ``update_from_output``, which keeps its ``scheduler_output`` on the scheduler while it runs).
+   ``update_from_output``, which keeps its ``scheduler_output`` and ``model_runner_output`` on the scheduler while it
+   runs; 15 reads the latter).
    What: vLLM's spec-decode statistics of a DSBD engine have one position per draft depth (position p: iterations
    that passed depth p + 1); drafted tokens = forest nodes scheduled, accepted = layers passed, as vLLM counts them.
    Why: vLLM sizes the per-position arrays by ``num_speculative_tokens`` (``width * depth`` forest slots for DSBD,
@@ -137,6 +138,35 @@ to add a speculative method with its own config keys and proposer; no such regis
    Why: ``SpecDecodingProm`` makes one series per ``num_speculative_tokens`` position (spec_decode/metrics.py:260).
    How: for "dsbd" the logger's ``SpecDecodingProm`` is built from a copy of ``speculative_config`` with
    ``num_speculative_tokens = depth`` (that constructor call only). When it can go: with 13.
+
+15. ``beam_scheduler`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output``,
+   ``._free_request`` and ``.__init__``.
+   What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams.py``) stops when the DSBD runner says its
+   beam search is over (``ModelRunnerOutput.dsbd_finished``, kept on the scheduler by 13's ``update_from_output``
+   wrapper), its beams travel to the front end as the request's ``kv_transfer_params``, and prefix caching commits
+   its blocks only up to its prompt. Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot know
+   when the search ends (the engine request has ``ignore_eos`` and a large ``max_tokens``), has no per-request output
+   channel from the runner but ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), and would
+   cache trie blocks (K/V under trie masks and positions) for any request with the same tokens
+   (``tests/test_engine_beams.py`` sees 144 cached tokens served instead of 112 without the cap). How: wrap the
+   three; requests without ``dsbd_beam`` and non-DSBD engines are untouched. When it can go: vLLM gains in-engine
+   beam search (or a runner-side finish with a payload) and a per-request cap on prefix-cache commits.
+
+16. ``beam_search_route`` - target ``vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin
+   .beam_search`` (``LLM.beam_search``).
+   What: on a DSBD engine, one engine request per prompt with ``extra_args["dsbd_beam"]`` instead of vLLM's front-end
+   loop (one request per live beam per token); the beams come back as vLLM's ``BeamSearchOutput``. Why: the loop
+   runs at 0.07x plain decoding on an H100 (NOTES "GPU") and cannot use DSBD. How: wrap; other engines call the
+   original; ``structured_outputs``, a width above the engine's and a trie that may not fit ``max_model_len`` raise
+   ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
+   speculative method serve it.
+
+17. ``beam_serving_route`` - target ``vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin
+   .beam_search`` (the OpenAI ``use_beam_search`` path of ``/v1/completions`` and ``/v1/chat/completions``).
+   What/Why: as 16, for the server: one engine request per prompt, the beams back as the one finished
+   ``RequestOutput`` vLLM's loop yields (n choices, best first, text, token ids, cumulative logprob, finish and stop
+   reason). How: wrap the async generator; bad requests raise ``VLLMValidationError`` with ``param`` ("n",
+   "max_tokens", "prompt") inside it, so the server answers 400 and keeps serving. When it can go: with 16.
 """
 
 from __future__ import annotations
@@ -166,6 +196,7 @@ PATCHES = (
     "spec_stats_prometheus",
     "beam_scheduler",
     "beam_search_route",
+    "beam_serving_route",
 )
 
 

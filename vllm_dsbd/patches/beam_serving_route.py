@@ -1,0 +1,162 @@
+"""Patch: the OpenAI server's beam search (``use_beam_search``) on a DSBD engine runs inside the engine, one request
+per prompt.
+
+What: on a DSBD engine, ``BeamSearchOnlineMixin.beam_search`` (the beam search behind ``/v1/completions`` and
+``/v1/chat/completions`` with ``use_beam_search: true``; ``n`` is the beam width) sends ONE engine request per prompt,
+as patch ``beam_search_route`` does for ``LLM.beam_search``: ``extra_args["dsbd_beam"]`` (``beam_request_params``),
+the DSBD runner keeps the W beams as a trie in the request's own KV slots, and the finished request's
+``kv_transfer_params["dsbd_beam"]`` carries the beams (patch ``beam_scheduler``). They become the one finished
+``RequestOutput`` vLLM's loop yields, with what that loop puts in it: n = beam_width outputs, best first, each with
+the generated tokens (a final EOS only with ``include_stop_str_in_output``), the text of those tokens without a final
+EOS, the cumulative log-probability, per-token logprobs, finish reason "stop" (EOS; ``stop_reason`` = the EOS id) or
+"length". At temperature 0 the choices are vLLM's own (tests/test_engine_beams_serve.py: same text, token ids,
+finish reasons and token logprobs as a plain vLLM server).
+
+Why: vLLM's online beam search (``entrypoints/generate/beam_search/online.py:28-220``) is a front-end loop: per
+token, one new engine request per live beam (``max_tokens=1``, ``logprobs=2 * beam_width``), each a prefill of
+prompt + beam; on a DSBD engine each of those is also a one-token DSBD request. In the engine, one request advances
+all W beams per step, batched with every other request.
+
+How: wrap ``beam_search``; engines whose ``speculative_config.method`` is not "dsbd" get the original unchanged. For
+"dsbd" an async generator (the original is one) validates, sends the request through ``self.engine_client.generate``
+(``output_kind`` FINAL_ONLY; same lora_request and trace headers as the original's requests; a disconnecting client
+aborts it, as any engine request) and yields one finished ``RequestOutput``; a request that ends with finish reason
+"error" yields vLLM's error output. Bad requests raise ``VLLMValidationError`` (a ``ValueError``: the server's
+handler answers 400 with ``param``, and the engine never sees the request) from inside the generator, where the
+original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
+``max_model_len`` (``prompt + max_tokens * (n + 1) + 2`` slots, ``param`` "max_tokens"; a chat request without
+``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
+other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). Per-token
+logprobs hold the chosen token only (vLLM's loop returns its 2 * beam_width candidates per step plus the token its
+one-token request sampled, first), so a request that also asks for ``logprobs`` / ``top_logprobs`` gets the chosen
+tokens' log-probabilities, equal to vLLM's, but other top alternatives (vLLM's first is the sampled token, not the
+chosen one). Temperature is passed on as ``beam_search_route`` does: above 0 the DSBD engine samples beams, while
+vLLM's loop ranks raw log-probabilities whatever the temperature (the OpenAI endpoints default to temperature 1).
+
+When it can go: vLLM's online beam search runs in the engine and lets a speculative method serve it (with
+``beam_search_route``).
+"""
+
+from __future__ import annotations
+
+import types
+
+from vllm_dsbd.config import uses_dsbd
+from vllm_dsbd.patches._patching import when_imported, wrap_method
+
+PATCH_ID = "beam_serving_route"
+MODULE = "vllm.entrypoints.generate.beam_search.online"
+
+
+def apply() -> None:
+    when_imported(MODULE, _patch)
+
+
+# request field of a ``BeamParams.parse`` key (``beam_request_params``' messages name ``extra_args['dsbd_beam'][key]``)
+_FIELDS = {"width": "n", "max_tokens": "max_tokens", "length_penalty": "length_penalty", "ignore_eos": "ignore_eos"}
+
+
+def _validation_error(message: str):
+    """A ``VLLMValidationError`` whose ``parameter`` is the request field the message is about (or None)."""
+    from vllm.exceptions import VLLMValidationError
+
+    head = message.split(":", 1)[0]
+    param = head if head.isidentifier() else next((f for k, f in _FIELDS.items() if f"[{k!r}]" in message), None)
+    return VLLMValidationError(message, parameter=param)
+
+
+def beam_request_output(prompt, request_id: str, out, tokenizer, params):
+    """The ``RequestOutput`` vLLM's online beam search yields, from a finished DSBD beam request's ``out``.
+
+    ``prompt``: the original's (decoder-only token) engine input; ``params``: its ``BeamSearchParams``. Mirrors the
+    end of ``BeamSearchOnlineMixin.beam_search``: an EOS-finished beam's tokens keep the EOS only with
+    ``include_stop_str_in_output`` while its logprobs always have the EOS step; the text skips a final EOS."""
+    from vllm import CompletionOutput, RequestOutput
+    from vllm.logprobs import Logprob
+
+    from vllm_dsbd.engine.beams import BEAM_KEY
+
+    kv = out.kv_transfer_params or {}
+    if BEAM_KEY not in kv:
+        raise RuntimeError(f"DSBD beam request {out.request_id} finished without beams (finish reason "
+                           f"{out.outputs[0].finish_reason if out.outputs else None!r})")
+    eos = tokenizer.eos_token_id
+    prompt_token_ids = list(prompt["prompt_token_ids"])
+    n_prompt = len(prompt_token_ids)
+    outputs = []
+    for i, b in enumerate(kv[BEAM_KEY]):
+        gen = list(b["token_ids"])
+        stop = b["finish_reason"] == "stop"
+        logprobs = [{t: Logprob(logprob=lp)} for t, lp in zip(gen, b["logprobs"])]
+        if stop and not params.include_stop_str_in_output:
+            gen = gen[:-1]  # vLLM's completed beam: the tokens before EOS (its logprobs keep the EOS step)
+        tokens = prompt_token_ids + gen
+        if tokens[-1] == eos and not params.ignore_eos:  # vLLM's test, literally (tokens may be the prompt alone)
+            text = tokenizer.decode(tokens[n_prompt:-1])
+        else:
+            text = tokenizer.decode(tokens[n_prompt:])
+        outputs.append(CompletionOutput(index=i, text=text, token_ids=gen, cumulative_logprob=b["cum_logprob"],
+                                        logprobs=logprobs, finish_reason=b["finish_reason"] or "length",
+                                        stop_reason=eos if stop else None))
+    return RequestOutput(request_id=request_id, prompt=prompt.get("prompt"), outputs=outputs, finished=True,
+                         prompt_token_ids=prompt_token_ids, prompt_logprobs=None)
+
+
+async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_request, trace_headers):
+    from vllm import CompletionOutput, RequestOutput
+    from vllm.entrypoints.generate.beam_search.utils import BeamSearchSequence
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.utils import random_uuid
+
+    from vllm_dsbd.config import DSBDConfig
+    from vllm_dsbd.patches.beam_search_route import beam_request_params
+
+    if prompt["type"] == "embeds":
+        raise NotImplementedError("Embedding prompt not supported for beam search")  # the original's error
+    if prompt["type"] != "token":
+        raise VLLMValidationError("prompt: only text and token prompts are supported for beam search on a DSBD "
+                                  "engine", parameter="prompt", value=prompt["type"])
+    width = DSBDConfig.from_vllm_config(cfg).width
+    if isinstance(params.beam_width, int) and params.beam_width > width:
+        raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's DSBD "
+                                  f"width {width} (start the server with a larger 'width' in --speculative-config)",
+                                  parameter="n", value=params.beam_width)
+    tokenizer = serving.renderer.get_tokenizer()
+    prompt_token_ids = prompt["prompt_token_ids"]
+    try:
+        sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
+                                 cfg.model_config.max_model_len, width)
+    except VLLMValidationError:
+        raise
+    except ValueError as e:
+        raise _validation_error(str(e)) from e
+    sp.output_kind = RequestOutputKind.FINAL_ONLY
+    engine_prompt = BeamSearchSequence(orig_prompt=prompt, tokens=list(prompt_token_ids), logprobs=[],
+                                       lora_request=lora_request).get_prompt()
+    final = None
+    async for res in serving.engine_client.generate(engine_prompt, sp, f"{request_id}-{random_uuid()}-dsbd-beam",
+                                                    lora_request=lora_request, trace_headers=trace_headers):
+        final = res
+    if final is None:
+        raise RuntimeError(f"DSBD beam request for {request_id} returned no output")
+    if final.outputs and final.outputs[0].finish_reason == "error":  # as the original: an error output, then stop
+        yield RequestOutput(request_id=request_id, prompt=prompt.get("prompt"),
+                            outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                                      logprobs=None, finish_reason="error")],
+                            finished=True, prompt_token_ids=prompt_token_ids, prompt_logprobs=None)
+        return
+    yield beam_request_output(prompt, request_id, final, tokenizer, params)
+
+
+def _patch(mod: types.ModuleType) -> None:
+    def make(orig):
+        def beam_search(self, prompt, request_id, params, lora_request=None, trace_headers=None):
+            cfg = self.engine_client.vllm_config
+            if not uses_dsbd(cfg):
+                return orig(self, prompt, request_id, params, lora_request, trace_headers)
+            return _dsbd_beam_search(self, cfg, prompt, request_id, params, lora_request, trace_headers)
+
+        return beam_search
+
+    wrap_method(PATCH_ID, mod.BeamSearchOnlineMixin, "beam_search", make)
