@@ -16,6 +16,7 @@ import pytest
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
+from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd import models  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -37,7 +38,10 @@ def models_and_prompts():
     return target, draft, prompts
 
 
-def _generate(target, prompts, spec=None, extra_args=None):
+BEAM = BeamSearchParams(beam_width=2, max_tokens=10, length_penalty=0.9)
+
+
+def _generate(target, prompts, spec=None, extra_args=None, beams=False):
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
                    disable_log_stats=False, enable_prefix_caching=False, speculative_config=spec)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -45,6 +49,10 @@ def _generate(target, prompts, spec=None, extra_args=None):
                         use_tqdm=False)
     res = ([list(o.outputs[0].token_ids) for o in outs],
            {k: metric(llm, k) for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")})
+    if beams:  # LLM.beam_search: vLLM's loop on the plain engine, in the engine on the DSBD engine
+        res[1]["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in
+                           llm.beam_search([{"prompt_token_ids": p} for p in prompts], BEAM)]
+        res[1]["beam_steps"] = metric(llm, "vllm:dsbd_beam_steps")
     shutdown(llm)
     return res
 
@@ -52,10 +60,11 @@ def _generate(target, prompts, spec=None, extra_args=None):
 @pytest.fixture(scope="module")
 def runs(models_and_prompts):
     target, draft, prompts = models_and_prompts
-    plain, _ = _generate(target, prompts)
+    plain, plain_m = _generate(target, prompts, beams=True)
     sd, sd_m = _generate(target, prompts, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
     dsbd, dsbd_m = _generate(target, prompts, {"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
-                                               "width": 2}, extra_args={"dsbd_width": 1})
+                                               "width": 2}, extra_args={"dsbd_width": 1}, beams=True)
+    dsbd_m["plain_beams"] = plain_m["beams"]
     return plain, sd, sd_m, dsbd, dsbd_m
 
 
@@ -71,3 +80,13 @@ def test_drafts_were_made_and_accepted(runs):
     _, _, sd_m, _, dsbd_m = runs
     assert dsbd_m["vllm:spec_decode_num_drafts"] > 0 and dsbd_m["vllm:spec_decode_num_accepted_tokens"] > 0, dsbd_m
     assert sd_m["vllm:spec_decode_num_drafts"] > 0 and sd_m["vllm:spec_decode_num_accepted_tokens"] > 0, sd_m
+
+
+def test_in_engine_beam_search_equals_vllm_beam_search(runs):
+    """LLM.beam_search on the DSBD engine (beams inside one engine request) returns vLLM's own beam search results on
+    the real model: same sequences in the same order, cumulative log-probabilities to 1e-4."""
+    dsbd_m = runs[4]
+    assert dsbd_m["beam_steps"] and dsbd_m["beam_steps"] > 0  # the beams were stepped in the engine
+    for got, expected in zip(dsbd_m["beams"], dsbd_m["plain_beams"]):
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, expected))
