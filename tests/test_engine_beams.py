@@ -13,6 +13,8 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
   plain vLLM greedy;
 * with prefix caching on, plain requests that share the beam requests' prompts give plain vLLM's greedy tokens
   (trie blocks are never served from the prefix cache);
+* a token budget too small for every leaf (6 tokens per step): a beam step split over several target passes gives
+  the same beams;
 * bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs)
   raise a ValueError naming the parameter, and a good request afterwards still works.
 """
@@ -222,3 +224,27 @@ def test_prefix_caching_never_serves_trie_blocks(dsbd, setup):
 def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain):
     assert len(dsbd["bad"]) == 4
     assert [t for t, _ in dsbd["after_bad"][0]] == [t for t, _ in plain["beams"][(2, 0.8)][0]]
+
+
+@pytest.fixture(scope="module")
+def small_budget(setup, dsbd):  # after dsbd: one engine at a time
+    """A DSBD engine whose token budget (6 per step) cannot schedule every leaf of the 5 beam requests at once:
+    vLLM schedules some leaves of a request in one pass and the rest in later passes (the beam step waits)."""
+    folder, draft, _ = setup
+    llm = _llm(folder, max_num_batched_tokens=6, max_num_seqs=4,
+               speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                   "width": WIDTH})
+    try:
+        beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
+        yield beams, metric(llm, "vllm:dsbd_beam_target_passes"), metric(llm, "vllm:dsbd_beam_steps")
+    finally:
+        shutdown(llm)
+
+
+def test_leaves_split_across_passes_give_the_same_beams(small_budget, plain):
+    beams, passes, steps = small_budget
+    assert passes > steps > 0  # some beam steps took more than one target pass
+    for case in CASES:
+        for g, e in zip(beams[case], plain["beams"][case]):
+            assert [t for t, _ in g] == [t for t, _ in e]
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
