@@ -11,8 +11,9 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
 * a batch mixing beam requests (``extra_args["dsbd_beam"]``) and plain greedy requests, with long prompts and a KV
   cache far too small (preemption asserted > 0), equals the same requests one at a time, and the plain ones equal
   plain vLLM greedy;
-* with prefix caching on, plain requests that share the beam requests' prompts give plain vLLM's greedy tokens
-  (trie blocks are never served from the prefix cache);
+* with prefix caching on, a plain request whose prompt is a beam request's prompt followed by the tokens of its trie
+  slots is served the prompt's blocks only (never trie blocks, whose K/V were computed under the trie's masks) and
+  gives the greedy tokens of the Hugging Face model;
 * a token budget too small for every leaf (6 tokens per step): a beam step split over several target passes gives
   the same beams;
 * bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs)

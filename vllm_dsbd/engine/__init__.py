@@ -1,4 +1,4 @@
-"""The DSBD engine inside vLLM 0.26.0 (single-output-beam mode).
+"""The DSBD engine inside vLLM 0.26.0 (single-output-beam mode, and beam requests without a draft).
 
 Following one request from the plugin to the kernels:
 
@@ -11,7 +11,11 @@ Following one request from the plugin to the kernels:
   (:mod:`.attention`), verification instead of rejection sampling (:mod:`.sampler`, over ``core.verify_forest``)
   followed by the KV commit (:mod:`.kv`), and the next forests (:mod:`.drafter`, over ``core.beam_step``).
 * :mod:`.attention` and :mod:`.kv` call ``dsbd_kernels`` (forest attention, KV commit): their torch references on CPU.
-* :mod:`.metrics`: layers passed per iteration and width per layer.
+* :mod:`.beams`: beam requests (``extra_args["dsbd_beam"]``, or ``LLM.beam_search`` / OpenAI ``use_beam_search``
+  through patches ``beam_search_route`` / ``beam_serving_route``): the W beams of one vLLM request as a trie in its
+  own KV slots, stepped by the runner (vLLM's beam search at T = 0, beam sampling at T > 0); patch ``beam_scheduler``
+  finishes the request and carries the beams to the front end.
+* :mod:`.metrics`: layers passed per iteration and width per layer; beam passes, steps and KV blocks.
 * :mod:`.graphs`: no CUDA graph replays over forest attention (PIECEWISE split at attention, or NONE), set when the
   config is built (patch ``vllm_post_init``) and checked by :mod:`.worker`; :mod:`.support`: what the engine
   cannot do (model features, logits processors, thinking budgets), refused at start-up with the reason.
