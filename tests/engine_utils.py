@@ -3,7 +3,8 @@
 - in-process engine core (fast start), 1 GiB of KV cache, no OpenMP core binding and one torch thread: on 2 shared
   cores OpenMP spin-waits otherwise make generation about 100x slower (these settings last for the pytest session);
 - ``shutdown``: frees an engine so the next one in the same process can start;
-- ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram).
+- ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
+- ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS.
 """
 import gc
 import os
@@ -30,3 +31,24 @@ def metric(llm, name: str):
         if m.name == name:
             return getattr(m, "value", m)
     return None
+
+
+def with_eos(source, folder, eos: int):
+    """Copies the model folder ``source`` to ``folder`` with token ``eos`` as its EOS (tokenizer, config.json and
+    generation_config.json), so that a random test model really ends sequences. Returns ``folder``."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(source, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.eos_token = tok.convert_ids_to_tokens(eos)
+    tok.save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.exists():
+            cfg = json.loads(path.read_text())
+            cfg["eos_token_id"] = eos
+            path.write_text(json.dumps(cfg))
+    return folder

@@ -21,14 +21,12 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
 """
 from __future__ import annotations
 
-import json
 import random
-import shutil
 
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
@@ -58,18 +56,7 @@ def setup(tmp_path_factory):
     g0 = _greedy(next_token_logits_fn(load_hf(target)), SHORT[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 1 and t not in g0[:i])  # the second greedy token
     folder = tmp_path_factory.mktemp("beams") / "target"
-    shutil.copytree(target, folder)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.eos_token = tok.convert_ids_to_tokens(eos)
-    tok.save_pretrained(folder)
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        if path.exists():
-            cfg = json.loads(path.read_text())
-            cfg["eos_token_id"] = eos
-            path.write_text(json.dumps(cfg))
+    with_eos(target, folder, eos)
     return folder, draft, eos
 
 

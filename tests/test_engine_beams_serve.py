@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
 
+from engine_utils import with_eos
 from vllm_dsbd.models import tiny_llama_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -75,18 +75,7 @@ def models(tmp_path_factory):
     eos = EOS
     tmp = tmp_path_factory.mktemp("beams_serve")
     folder = tmp / "target"
-    shutil.copytree(target, folder)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.eos_token = tok.convert_ids_to_tokens(eos)
-    tok.save_pretrained(folder)
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        if path.exists():
-            cfg = json.loads(path.read_text())
-            cfg["eos_token_id"] = eos
-            path.write_text(json.dumps(cfg))
+    with_eos(target, folder, eos)
     template = tmp / "chat.jinja"
     template.write_text(TEMPLATE)
     return folder, draft, eos, template

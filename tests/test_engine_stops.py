@@ -16,13 +16,11 @@ EOS really ends generation. Temperature 0; DSBD engine width 4, depth 3; plain v
 """
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
@@ -47,18 +45,7 @@ def setup(tmp_path_factory):
     g0 = _greedy(target_fn, PROMPTS[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 3 and t not in g0[:i])  # first new token from position 3 on
     folder = tmp_path_factory.mktemp("eos") / "target"
-    shutil.copytree(target, folder)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.eos_token = tok.convert_ids_to_tokens(eos)
-    tok.save_pretrained(folder)
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        if path.exists():
-            cfg = json.loads(path.read_text())
-            cfg["eos_token_id"] = eos
-            path.write_text(json.dumps(cfg))
+    with_eos(target, folder, eos)
     return folder, draft, eos, target_fn, draft_fn
 
 
