@@ -8,6 +8,8 @@ decisions with no broadcast of its own. Checked:
 
 * temperature 0, widths 1 and 2: TP = 2 emits exactly TP = 1's tokens;
 * seeded temperature-1 requests: TP = 2 emits exactly TP = 1's tokens;
+* beam requests inside the engine (``LLM.beam_search`` at T = 0, seeded beam sampling at T = 1): TP = 2 returns
+  exactly TP = 1's beams (the finished beams travel from the rank-0 runner to the scheduler through the executor);
 * unseeded temperature-1 requests finish (no hang), and the two ranks' decision digests (a hash of every forest, every
   emitted token, accepted path and width, ``DSBDWorker.dsbd_decisions``) are equal, as are their counts;
 * the DSBD Prometheus counters count each decision once (rank 0 reports), equal to vLLM's own spec-decode counters;
@@ -27,6 +29,7 @@ import pytest
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
+from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.engine.metrics import PROMETHEUS_DIR_ENV  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
@@ -64,6 +67,15 @@ def _run(target, draft, tp: int) -> dict:
                                        "width": WIDTH})
     try:
         out = {"greedy": _tokens(llm, _greedy()), "seeded": _tokens(llm, _seeded())}
+        # beams inside the engine: deterministic (T = 0) and sampled (seeded T = 1) beam requests
+        beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                                BeamSearchParams(beam_width=WIDTH, max_tokens=8, length_penalty=0.9))
+        out["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in beams]
+        sampled = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [vllm.SamplingParams(
+            temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True, detokenize=False,
+            extra_args={"dsbd_beam": {"width": WIDTH, "max_tokens": 6, "ignore_eos": True}}) for i in range(len(PROMPTS))],
+            use_tqdm=False)
+        out["sampled_beams"] = [[b["token_ids"] for b in o.kv_transfer_params["dsbd_beam"]] for o in sampled]
         before_ranks = llm.collective_rpc("dsbd_decisions")
         before = {k: metric(llm, k) or 0 for k in ("vllm:dsbd_iterations", "vllm:spec_decode_num_drafts",
                                                   "vllm:spec_decode_num_accepted_tokens")}
@@ -106,6 +118,16 @@ def tp2(pair, tp1):  # tp1 first: one engine at a time
 
 def test_greedy_equals_tp1(tp1, tp2):
     assert tp2["greedy"] == tp1["greedy"]
+
+
+def test_beam_requests_equal_tp1(tp1, tp2):
+    """Beams inside the engine under TP = 2: the runner's finished beams reach the scheduler through the
+    multiprocess executor, and both ranks step the beams alike (deterministic and seeded sampled beams equal TP = 1's)."""
+    assert [[t for t, _ in g] for g in tp2["beams"]] == [[t for t, _ in g] for g in tp1["beams"]]
+    for g, e in zip(tp2["beams"], tp1["beams"]):
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+    assert tp2["sampled_beams"] == tp1["sampled_beams"]
+    assert all(len(b) == WIDTH for b in tp1["sampled_beams"])
 
 
 def test_seeded_sampling_equals_tp1(tp1, tp2):
