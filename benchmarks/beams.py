@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--loop-without-prefix-caching", action="store_true",
+                    help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
     args = ap.parse_args(argv)
 
@@ -97,10 +99,15 @@ def main(argv=None) -> int:
     kw = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0, enable_prefix_caching=True,
               block_size=bs, disable_log_stats=False, max_num_seqs=64)
     rows = []
-    for label in tqdm(["vllm beam_search", "in-engine beam search"], desc="engines", unit="engine"):
+    labels = ["vllm beam_search", "in-engine beam search"]
+    if args.loop_without_prefix_caching:
+        labels.append("vllm beam_search, no prefix caching,")
+    for label in tqdm(labels, desc="engines", unit="engine"):
         extra = {} if label.startswith("vllm") else dict(speculative_config={
             "method": "dsbd", "model": str(draft), "num_speculative_tokens": 3, "width": W})
-        llm = vllm.LLM(model=str(target), **kw, **extra)
+        if "no prefix caching" in label:
+            extra["enable_prefix_caching"] = False
+        llm = vllm.LLM(model=str(target), **{**kw, **extra})
         try:
             r = _run(llm, prompts, W, N)
             blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
@@ -114,6 +121,9 @@ def main(argv=None) -> int:
     # vLLM's loop: W live beams of prompt + N tokens; the prompt's full blocks shared through the prefix cache
     loop_blocks = sum(len(p) // bs + W * (math.ceil((len(p) + N) / bs) - len(p) // bs) for p in prompts) / len(prompts)
     loop["blocks"], loop["blocks_how"] = loop_blocks, "computed: W beams x (prompt + tokens), prompt blocks shared"
+    for r in rows[2:]:  # without prefix caching every beam holds its own prompt too
+        r["blocks"] = W * plain_blocks
+        r["blocks_how"] = "computed: W beams x (prompt + tokens)"
     rows[1]["blocks"], rows[1]["blocks_how"] = rows[1]["measured_blocks"], "measured (vllm:dsbd_beam_kv_blocks)"
     same = sum(a == b for a, b in zip(rows[0]["beams"], rows[1]["beams"]))
     lines = [f"# Beam search W = {W}: vLLM's front-end loop vs in the DSBD engine", "",
@@ -129,8 +139,10 @@ def main(argv=None) -> int:
                      f"{blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x |")
     speed = (sum(len(b) for b in rows[1]["best"]) / rows[1]["seconds"]) / (
         sum(len(b) for b in rows[0]["best"]) / rows[0]["seconds"])
-    lines += ["", f"In-engine / vLLM loop best-beam tokens per second: **{speed:.1f}x**. Same beams (tokens and "
-              f"order) for {same} of {len(prompts)} prompts. One plain request of the same prompt and length holds "
+    rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]
+    extra_rows = "".join(f" Against {r['label']}: {rate[1] / x:.1f}x." for r, x in zip(rows[2:], rate[2:]))
+    lines += ["", f"In-engine / vLLM loop best-beam tokens per second: **{speed:.1f}x**.{extra_rows} Same beams "
+              f"(tokens and order) for {same} of {len(prompts)} prompts. One plain request of the same prompt and length holds "
               f"{plain_blocks:.1f} blocks.", "",
               f"Command: `python benchmarks/beams.py {' '.join(argv if argv is not None else sys.argv[1:])}`"]
     out = Path(args.out)

@@ -235,8 +235,8 @@ class BeamRequest:
             for b, t, cum, v, _ in cands:
                 self._finish(old[b], [t], [v], cum, "length")
             self.live = []
-            return StepResult(row=[self.tokens[old[0].node] if old[0].node >= 0 else cands[0][1] if cands else 0],
-                              finished=True)
+            # vLLM appends one token before the scheduler stops the request (patch beam_scheduler); any id will do
+            return StepResult(row=[self.tokens[old[0].node] if old[0].node >= 0 else 0], finished=True)
         kept = sorted({b for b, *_ in cands})
         moves: list[tuple[int, int]] = []
         if old[0].node < 0:  # first step: the only leaf is the prompt's last token

@@ -19,6 +19,12 @@ Where an engine step goes through it (the methods are vLLM's; ours wrap or repla
 5. ``propose_draft_token_ids`` (replaces the chain drafter): ``drafter.DSBDDrafter.propose_forests`` drafts the next
    forest of every request from its new root; the node tokens go back to the scheduler as the request's draft
    tokens (at most ``width * depth`` = vLLM's ``num_speculative_tokens``).
+
+A beam request (``extra_args["dsbd_beam"]``, ``beams.py``) takes the same five places with its own branch: its
+scheduled tokens are trie leaves (``_plan_beam``: positions and the trie's attention entry), ``_beam_step`` steps its
+beams (``beams.BeamRequest``) and moves the kept leaves' K/V (``_commit_beam_kv``), its "draft tokens" are its
+remaining leaves, and ``sample_tokens`` hands finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``,
+read by patch ``beam_scheduler``).
 """
 from __future__ import annotations
 
