@@ -4,7 +4,8 @@
   cores OpenMP spin-waits otherwise make generation about 100x slower (these settings last for the pytest session);
 - ``shutdown``: frees an engine so the next one in the same process can start;
 - ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
-- ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS.
+- ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
+- ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests).
 """
 import gc
 import os
@@ -52,3 +53,12 @@ def with_eos(source, folder, eos: int):
             cfg["eos_token_id"] = eos
             path.write_text(json.dumps(cfg))
     return folder
+
+
+def greedy_tokens(fn, prompt, n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from ``fn(ids [1, L]) -> logits [1, V]`` (``models.next_token_logits_fn``)."""
+    out = list(prompt)
+    for _ in range(n):
+        out.append(int(fn(torch.tensor([out])).argmax(-1)[0]))
+    return out[len(prompt):]
+

@@ -26,7 +26,7 @@ import random
 import pytest
 import torch
 
-from engine_utils import metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
+from engine_utils import greedy_tokens, metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
@@ -42,18 +42,11 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 slots: the least max_model_len allows, fa
 CACHED = LONG[0] + LONG[1][:2]  # 112 tokens: 7 full blocks; the trie starts on a block boundary
 
 
-def _greedy(fn, prompt, n):
-    out = list(prompt)
-    for _ in range(n):
-        out.append(int(fn(torch.tensor([out])).argmax(-1)[0]))
-    return out[len(prompt):]
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
-    g0 = _greedy(next_token_logits_fn(load_hf(target)), SHORT[0], 8)
+    g0 = greedy_tokens(next_token_logits_fn(load_hf(target)), SHORT[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 1 and t not in g0[:i])  # the second greedy token
     folder = tmp_path_factory.mktemp("beams") / "target"
     with_eos(target, folder, eos)
@@ -206,7 +199,7 @@ def test_prefix_caching_never_serves_trie_blocks(dsbd, setup):
     assert dsbd["cache_hits"] == len(CACHED)
     fn = next_token_logits_fn(load_hf(setup[0]))
     with torch.no_grad():
-        assert dsbd["probe_tokens"] == _greedy(fn, probe, MAX_TOKENS)
+        assert dsbd["probe_tokens"] == greedy_tokens(fn, probe, MAX_TOKENS)
 
 
 def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain):

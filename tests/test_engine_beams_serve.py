@@ -17,9 +17,7 @@ request afterwards still gets the same answer.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 import sys
 import time
 import urllib.error
@@ -30,6 +28,7 @@ import pytest
 import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
 
 from engine_utils import with_eos
+from server_utils import running_server
 from vllm_dsbd.models import tiny_llama_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -91,40 +90,9 @@ def _post(base, path, payload, timeout=300):
         return e.code, json.loads(e.read() or b"null")
 
 
-@contextlib.contextmanager
 def _server(cmd, env, log_path):
     port = free_port()
-    cmd = cmd + ["--host", "127.0.0.1", "--port", str(port)]
-    base = f"http://127.0.0.1:{port}"
-    with open(log_path, "w+b") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-        def tail():
-            log.seek(0)
-            return log.read().decode(errors="replace")[-4000:]
-
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited with {proc.returncode}:\n{tail()}")
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not healthy in {STARTUP_TIMEOUT_S} s:\n{tail()}")
-                time.sleep(1)
-            yield base, proc, tail
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return running_server(cmd + ["--host", "127.0.0.1", "--port", str(port)], port, env, log_path, STARTUP_TIMEOUT_S)
 
 
 def _common(target, template):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
+from server_utils import running_server  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -92,36 +92,9 @@ def server(pair, plain_texts, tmp_path_factory):  # plain_texts first: its engin
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                         "{% if add_generation_prompt %}assistant:{% endif %}")
     port = free_port()
-    log = open(tmp / "server.log", "w+b")
-    proc = subprocess.Popen(_serve_cmd(target, draft, port, '{"width": 2}', template), env=server_env(),
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read().decode(errors='replace')[-4000:]}")
-            try:
-                with _request(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"server not healthy in {STARTUP_TIMEOUT_S} s:\n"
-                            f"{log.read().decode(errors='replace')[-4000:]}")
-            time.sleep(1)
-        yield base, proc, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with running_server(_serve_cmd(target, draft, port, '{"width": 2}', template), port, server_env(),
+                        tmp / "server.log", STARTUP_TIMEOUT_S) as (base, proc, tail):
+        yield base, proc, tail
 
 
 def _completion(base, **extra):

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 
-from engine_utils import metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
+from engine_utils import greedy_tokens, metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
@@ -30,19 +29,12 @@ WIDTH, DEPTH, MAX_TOKENS = 4, 3, 24
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105]]
 
 
-def _greedy(fn, prompt, n):
-    out = list(prompt)
-    for _ in range(n):
-        out.append(int(fn(torch.tensor([out])).argmax(-1)[0]))
-    return out[len(prompt):]
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
     target_fn, draft_fn = next_token_logits_fn(load_hf(target)), next_token_logits_fn(load_hf(draft))
-    g0 = _greedy(target_fn, PROMPTS[0], 8)
+    g0 = greedy_tokens(target_fn, PROMPTS[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 3 and t not in g0[:i])  # first new token from position 3 on
     folder = tmp_path_factory.mktemp("eos") / "target"
     with_eos(target, folder, eos)
@@ -78,7 +70,7 @@ def _run(llm, cases, width=None):
 @pytest.fixture(scope="module")
 def runs(setup):
     folder, draft, eos, target_fn, _ = setup
-    g1 = _greedy(target_fn, PROMPTS[1], 10)
+    g1 = greedy_tokens(target_fn, PROMPTS[1], 10)
     stop_token = next(t for i, t in enumerate(g1) if i >= 3 and t not in g1[:i] and t != eos)
     plain = _llm(folder)
     probe = plain.generate([{"prompt_token_ids": PROMPTS[2]}],

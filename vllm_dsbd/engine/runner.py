@@ -22,7 +22,7 @@ Where an engine step goes through it (the methods are vLLM's; ours wrap or repla
 
 A beam request (``extra_args["dsbd_beam"]``, ``beams.py``) takes the same five places with its own branch: its
 scheduled tokens are trie leaves (``_plan_beam``: positions and the trie's attention entry), ``_beam_step`` steps its
-beams (``beams.BeamRequest``) and moves the kept leaves' K/V (``_commit_beam_kv``), its "draft tokens" are its
+beams (``beams.BeamRequest``) and moves the kept leaves' K/V (``_move_kv``), its "draft tokens" are its
 remaining leaves, and ``sample_tokens`` hands finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``,
 read by patch ``beam_scheduler``).
 """
@@ -216,8 +216,8 @@ class DSBDRunnerMixin:
         beam_moves = []
         for k, row in enumerate(plan):
             if row.state.beam is not None:
-                results[k] = self._beam_step(logits, row, bool(discard[k]), beam_moves)
-        self._commit_beam_kv(beam_moves)
+                results[k] = self._beam_step(logits, k, row, bool(discard[k]), beam_moves)
+        self._move_kv(beam_moves)  # the kept beam leaves' K/V to their compacted slots
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
                 self.dsbd_stats.record(row, res)
@@ -227,7 +227,7 @@ class DSBDRunnerMixin:
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
 
-    def _beam_step(self, logits, row, skip: bool, moves: list) -> sampler.RowResult:
+    def _beam_step(self, logits, i: int, row, skip: bool, moves: list) -> sampler.RowResult:
         """A beam request's part of the step: collect its leaves' logits, step the beams once every leaf is in."""
         beam = row.state.beam
         if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
@@ -243,20 +243,8 @@ class DSBDRunnerMixin:
                 blocks = -(-(beam.prompt_len + len(beam.tokens)) // bs)
         self.dsbd_stats.record_beam(stepped, blocks)
         row.beam_result = out
-        ids = self.input_batch.req_id_to_index[row.state.req_id]
-        moves.extend((ids, s, d) for s, d in out.moves)
+        moves.extend((i, [s], [d]) for s, d in out.moves)  # i: the request's batch row (plan order = batch order)
         return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
-
-    def _commit_beam_kv(self, moves: list[tuple[int, int, int]]) -> None:
-        """Moves kept beam leaves' K/V (every layer) to their compacted slots: (batch row, src slot, dst slot)."""
-        if not moves:
-            return
-        for gid, planes in self._kv_planes().items():
-            bt = self.input_batch.block_table[gid]
-            table, bs = bt.block_table.np, bt.block_size
-            src = np.concatenate([kv.slots_of(table[i], [s], bs) for i, s, _ in moves])
-            dst = np.concatenate([kv.slots_of(table[i], [d], bs) for i, _, d in moves])
-            kv.commit(planes, src, dst)
 
     def _dsbd_logprobs(self, logits, plan, results, max_len: int):
         """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits
@@ -300,6 +288,12 @@ class DSBDRunnerMixin:
         if not moves:
             return
         self.dsbd_stats.record_moves(sum(sum(a != b for a, b in zip(s, d)) for _, s, d in moves))
+        self._move_kv(moves)
+
+    def _move_kv(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
+        """Moves K/V of every layer (target and draft) within requests: (batch row, src positions, dst positions)."""
+        if not moves:
+            return
         for gid, planes in self._kv_planes().items():
             bt = self.input_batch.block_table[gid]
             table, bs = bt.block_table.np, bt.block_size

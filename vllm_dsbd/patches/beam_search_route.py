@@ -52,20 +52,25 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
                           detokenize=False, skip_clone=True, extra_args={BEAM_KEY: bp.to_dict()})
 
 
-def beam_outputs(engine_input, out, tokenizer):
-    """vLLM's ``BeamSearchOutput`` from a finished beam request's ``RequestOutput``."""
-    from vllm.entrypoints.generate.beam_search.utils import BeamSearchOutput, BeamSearchSequence
-    from vllm.logprobs import Logprob
-
+def finished_beams(out) -> list[dict]:
+    """The beams a finished DSBD beam request carries (``kv_transfer_params["dsbd_beam"]``, best first)."""
     from vllm_dsbd.engine.beams import BEAM_KEY
 
     params = out.kv_transfer_params or {}
     if BEAM_KEY not in params:
         raise RuntimeError(f"DSBD beam request {out.request_id} finished without beams (finish reason "
                            f"{out.outputs[0].finish_reason if out.outputs else None!r})")
+    return params[BEAM_KEY]
+
+
+def beam_outputs(engine_input, out, tokenizer):
+    """vLLM's ``BeamSearchOutput`` from a finished beam request's ``RequestOutput``."""
+    from vllm.entrypoints.generate.beam_search.utils import BeamSearchOutput, BeamSearchSequence
+    from vllm.logprobs import Logprob
+
     prompt = list(engine_input["prompt_token_ids"])
     seqs = []
-    for b in params[BEAM_KEY]:
+    for b in finished_beams(out):
         tokens = prompt + list(b["token_ids"])
         seqs.append(BeamSearchSequence(
             orig_prompt=engine_input, tokens=tokens,

@@ -74,17 +74,13 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
     from vllm import CompletionOutput, RequestOutput
     from vllm.logprobs import Logprob
 
-    from vllm_dsbd.engine.beams import BEAM_KEY
+    from vllm_dsbd.patches.beam_search_route import finished_beams
 
-    kv = out.kv_transfer_params or {}
-    if BEAM_KEY not in kv:
-        raise RuntimeError(f"DSBD beam request {out.request_id} finished without beams (finish reason "
-                           f"{out.outputs[0].finish_reason if out.outputs else None!r})")
     eos = tokenizer.eos_token_id
     prompt_token_ids = list(prompt["prompt_token_ids"])
     n_prompt = len(prompt_token_ids)
     outputs = []
-    for i, b in enumerate(kv[BEAM_KEY]):
+    for i, b in enumerate(finished_beams(out)):
         gen = list(b["token_ids"])
         stop = b["finish_reason"] == "stop"
         logprobs = [{t: Logprob(logprob=lp)} for t, lp in zip(gen, b["logprobs"])]
@@ -127,8 +123,6 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     try:
         sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
                                  cfg.model_config.max_model_len, width)
-    except VLLMValidationError:
-        raise
     except ValueError as e:
         raise _validation_error(str(e)) from e
     sp.output_kind = RequestOutputKind.FINAL_ONLY
