@@ -118,6 +118,8 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         out["beam_steps"] = metric(llm, "vllm:dsbd_beam_steps") - steps0
         out["beam_passes"] = metric(llm, "vllm:dsbd_beam_target_passes")
         out["beam_requests"] = metric(llm, "vllm:dsbd_beam_requests")
+        out["beam_nodes"] = metric(llm, "vllm:dsbd_beam_draft_nodes")
+        out["beam_layers"] = metric(llm, "vllm:dsbd_beam_layers_passed")
         # prefix caching: a plain request whose prompt is a beam request's prompt followed by the tokens of the
         # beam request's trie slots (vLLM's token list of that request) must not be served the trie blocks
         bp = BeamSearchParams(beam_width=WIDTH, max_tokens=2 * MAX_TOKENS)
@@ -175,7 +177,11 @@ def test_beam_steps_counted_by_the_engine(dsbd):
     n_req = len(CASES) * len(SHORT)
     assert dsbd["beam_requests"] >= n_req
     assert 0 < dsbd["beam_steps"] <= n_req * MAX_TOKENS
-    assert dsbd["beam_passes"] >= dsbd["beam_steps"]
+    # the draft (the target's first 2 of 3 layers) made forests; some layers passed (a beam step with no target
+    # pass of its own), and every other beam step took at least one target pass
+    assert dsbd["beam_nodes"] > 0 and dsbd["beam_layers"] > 0
+    assert dsbd["beam_passes"] >= dsbd["beam_steps"] - dsbd["beam_layers"]
+    assert dsbd["beam_passes"] < dsbd["beam_steps"]
 
 
 def test_mixed_batch_under_preemption_equals_one_at_a_time(dsbd, plain):
@@ -208,7 +214,36 @@ def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain)
 
 
 @pytest.fixture(scope="module")
-def small_budget(setup, dsbd):  # after dsbd: one engine at a time
+def self_draft(setup, dsbd):  # after dsbd: one engine at a time
+    """DSBD full width with the target as its own draft: the draft's beam search is the target's, so (up to float
+    rounding between the draft's and the target's passes) every forest layer passes."""
+    folder, _, _ = setup
+    llm = _llm(folder, max_num_seqs=8,
+               speculative_config={"method": "dsbd", "model": str(folder), "num_speculative_tokens": DEPTH,
+                                   "width": WIDTH})
+    try:
+        beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
+        yield beams, {k: metric(llm, f"vllm:dsbd_beam_{k}") for k in
+                      ("target_passes", "steps", "draft_nodes", "layers_passed")}
+    finally:
+        shutdown(llm)
+
+
+def test_full_width_forest_with_a_perfect_draft(self_draft, plain):
+    beams, m = self_draft
+    for case in CASES:
+        for g, e in zip(beams[case], plain["beams"][case]):
+            assert [t for t, _ in g] == [t for t, _ in e]
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+    # depth 3: up to 4 beam steps per target pass; the first step of a request (after its prefill) and the steps
+    # cut short by max_tokens or EOS take more
+    assert m["layers_passed"] > 0 and m["draft_nodes"] >= m["layers_passed"] * 2
+    assert m["steps"] == m["target_passes"] + m["layers_passed"]
+    assert m["target_passes"] / m["steps"] <= 0.5, m
+
+
+@pytest.fixture(scope="module")
+def small_budget(setup, self_draft):  # after self_draft: one engine at a time
     """A DSBD engine whose token budget (6 per step) cannot schedule every leaf of the 5 beam requests at once:
     vLLM schedules some leaves of a request in one pass and the rest in later passes (the beam step waits)."""
     folder, draft, _ = setup

@@ -243,7 +243,7 @@ def test_cli_speculative_method_dsbd(pair, flag):
     spec = vc.speculative_config
     assert spec.method == "dsbd" and spec.uses_draft_model() and spec.draft_model_config.model == draft
     assert vc.additional_config["dsbd"] == DSBDConfig(depth=3).to_dict()
-    assert spec.num_speculative_tokens == 2 * 3  # default width 2 x depth 3 slots
+    assert spec.num_speculative_tokens == 2 * 3 + 1  # default width 2 x depth 3 forest slots + 1 beam leaf
 
 
 def test_cli_additional_config_and_bad_method(pair, capsys):
@@ -254,7 +254,7 @@ def test_cli_additional_config_and_bad_method(pair, capsys):
     )
     vc = ea.create_engine_config()
     assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=2, mode="single")
-    assert vc.speculative_config.num_speculative_tokens == 8
+    assert vc.speculative_config.num_speculative_tokens == 4 * 2 + 3
     with pytest.raises(SystemExit):
         serve_parser().parse_args([target, "--speculative-method", "beam"])
     assert "invalid choice: 'beam'" in capsys.readouterr().err
@@ -267,18 +267,18 @@ def test_engine_args_dsbd(pair):
     spec = vc.speculative_config
     assert spec.method == "dsbd" and spec.uses_draft_model()
     assert spec.draft_model_config.model == draft
-    assert spec.num_speculative_tokens == 12 and vc.num_speculative_tokens == 12  # width * depth slots
+    assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
     }
     cfg = DSBDConfig.from_vllm_config(vc)
-    assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 12) and uses_dsbd(vc)
+    assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
     assert spec.max_num_new_slots_for_drafting == 1  # the draft-model path's extra slot per request
     assert vc.scheduler_config.async_scheduling is False  # DSBD's sampler is synchronous
     # the EngineArgs keep what the user gave; a second build gives the same config
     assert ea.speculative_config == given
     vc2 = ea.create_engine_config()
-    assert vc2.speculative_config.num_speculative_tokens == 12
+    assert vc2.speculative_config.num_speculative_tokens == 15
     assert vc2.additional_config == vc.additional_config
 
 
@@ -289,7 +289,7 @@ def test_knobs_from_additional_config(pair):
                   additional_config={"dsbd": knobs, "other": 1})
     assert vc.additional_config["other"] == 1
     assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(depth=2, **knobs)
-    assert vc.speculative_config.num_speculative_tokens == 6
+    assert vc.speculative_config.num_speculative_tokens == 3 * 2 + 2
     # the same key in both places must agree
     _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 3},
                   additional_config={"dsbd": {"width": 3}})
@@ -392,7 +392,7 @@ def test_dsbd_config_defaults_and_roundtrip():
     assert (cfg.width, cfg.depth, cfg.min_width, cfg.width_threshold, cfg.dynamic_width, cfg.mode) == (
         2, 3, 1, 0.9, True, "sample"
     )
-    assert cfg.num_speculative_slots == 6
+    assert cfg.num_speculative_slots == 7
     assert list(DSBDConfig.keys()) == ALLOWED
     assert DSBDConfig.from_dict(None) == cfg == DSBDConfig.from_dict({})
     other = DSBDConfig.from_dict({"width": 5, "depth": 1, "width_threshold": 1, "min_width": 5})

@@ -7,8 +7,10 @@ Where the settings come from (the plugin's patch ``vllm_dsbd.patches.dsbd_knobs`
 * ``additional_config={"dsbd": {"width": 4, ...}}``, or both (a key given in both places must agree).
 
 ``num_speculative_tokens`` as the user gives it is the draft **depth** G. The scheduler must reserve one slot per
-forest node, and a forest has ``width`` nodes per depth, so the plugin builds vLLM's ``SpeculativeConfig`` with
-``num_speculative_tokens = width * depth`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
+scheduled "draft token": a forest has ``width`` nodes per depth, and a beam request also schedules its ``width - 1``
+live leaves after vLLM's last token, so the plugin builds vLLM's ``SpeculativeConfig`` with
+``num_speculative_tokens = width * depth + width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays
+here.
 
 Per request, ``SamplingParams(extra_args={"dsbd_width": k})`` (OpenAI API: ``"vllm_xargs": {"dsbd_width": k}``) caps
 the width of that request at ``k`` (``1 <= k <= width``); see :func:`request_width`.
@@ -117,11 +119,12 @@ class DSBDConfig:
 
     @property
     def num_speculative_slots(self) -> int:
-        """Speculative token slots the scheduler reserves per request: one per forest node, ``width * depth``.
+        """Speculative token slots the scheduler reserves per request, ``width * depth + width - 1``: one per forest
+        node (``width`` per depth), plus the ``width - 1`` leaves a beam request schedules before its forest.
 
         This is what vLLM's ``SpeculativeConfig.num_speculative_tokens`` holds for method "dsbd".
         """
-        return self.width * self.depth
+        return self.width * self.depth + self.width - 1
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> DSBDConfig:
@@ -130,7 +133,7 @@ class DSBDConfig:
 
         Raises:
             ValueError: the engine is not a DSBD engine, ``additional_config["dsbd"]`` is missing or invalid, or
-                ``speculative_config.num_speculative_tokens != width * depth``.
+                ``speculative_config.num_speculative_tokens != width * depth + width - 1``.
         """
         spec = getattr(vllm_config, "speculative_config", None)
         method = getattr(spec, "method", None)
@@ -146,7 +149,7 @@ class DSBDConfig:
         if spec.num_speculative_tokens != cfg.num_speculative_slots:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens} but DSBD needs "
-                f"width*depth = {cfg.width}*{cfg.depth} = {cfg.num_speculative_slots} slots"
+                f"width*depth + width-1 = {cfg.num_speculative_slots} slots (width {cfg.width}, depth {cfg.depth})"
             )
         return cfg
 

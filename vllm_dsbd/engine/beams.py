@@ -114,6 +114,20 @@ class StepResult:
     moves: list[tuple[int, int]] = field(default_factory=list)  # (src slot, dst slot) K/V moves
     next_drafts: list[int] = field(default_factory=list)  # the leaves vLLM schedules as draft tokens next
     finished: bool = False
+    stepped: bool = False  # a beam step was made (False: only some leaves are in, see BeamRequest.partial)
+    draft_nodes: int = 0  # forest nodes this pass verified
+    layers_passed: int = 0  # forest layers whose W target beams were all draft nodes (T = 0)
+
+
+@dataclass
+class BeamForest:
+    """A draft forest hanging off the live beams, stored after the trie: node c at slot ``P + len(trie) + c``, in
+    depth-major order (``beam_drafter``). Its nodes are numbered after the trie's (``len(trie) + c``)."""
+
+    tokens: list[int]
+    parents: list[int]  # node number of the parent (a leaf of the trie for depth 1)
+    depths: list[int]  # depth below the prompt, as the trie's
+    drafted: list[bool]  # the draft model's K/V of the node are in its slot (the draft ran on it)
 
 
 @dataclass
@@ -137,6 +151,8 @@ class BeamRequest:
         self.parents: list[int] = []  # -1: child of the prompt's last token
         self.depths: list[int] = []  # 1-based
         self.logprobs: list[float] = []  # raw log-probability of the node's token after its parent
+        self.has_draft: list[bool] = []  # the draft model's K/V of the node are in its slot
+        self.forest: BeamForest | None = None  # drafted after the last step, verified by the next
         self.live: list[_Live] = [_Live(-1, 0.0, 0.0)]
         self.finished: list[Finished] = []
         self.steps = 0
@@ -156,11 +172,27 @@ class BeamRequest:
         return len(self.live)
 
     def position(self, slot: int) -> int:
-        """RoPE position of the token at ``slot``."""
-        return slot if slot < self.prompt_len else self.prompt_len - 1 + self.depths[slot - self.prompt_len]
+        """RoPE position of the token at ``slot`` (prompt, trie node or forest node)."""
+        P, n = self.prompt_len, len(self.tokens)
+        if slot < P:
+            return slot
+        return P - 1 + (self.depths[slot - P] if slot < P + n else self.forest.depths[slot - P - n])
+
+    def node_parents(self) -> list[int]:
+        """Parent of every node after the prompt (trie, then forest): ``attention.ForestBatch``'s parent list."""
+        return self.parents + (self.forest.parents if self.forest is not None else [])
 
     def leaf_tokens(self, start: int) -> list[int]:
         return [self.tokens[b.node] for b in self.live[start:] if b.node >= 0]
+
+    def first_without_draft(self) -> int:
+        """The first trie node whose draft-model K/V are missing (``len(trie)`` when none is)."""
+        return next((j for j, ok in enumerate(self.has_draft) if not ok), len(self.has_draft))
+
+    def resumed(self) -> None:
+        """After a preemption: the request's K/V are gone (recomputed from vLLM's token list); so is the forest."""
+        self.forest = None
+        self.has_draft = [False] * len(self.tokens)
 
     # the step ------------------------------------------------------------------------------------------------
     def partial(self, logits: torch.Tensor) -> StepResult | None:
@@ -170,6 +202,7 @@ class BeamRequest:
         m = len(self.leaf_logits)
         if m >= self.num_leaves:
             return None
+        self.forest = None  # not every leaf was scheduled, so neither was the forest after them
         if m < self.fixed:
             raise RuntimeError(f"DSBD beams: {m} leaf logits after a pass that computed leaf {self.fixed - 1}")
         nxt = self.leaf_tokens(m)  # leaves m.. (never the prompt: a first step has one leaf)
@@ -178,12 +211,16 @@ class BeamRequest:
         self.fixed = m + 1
         return StepResult(row=row, next_drafts=nxt[1:])
 
-    def step(self, eos_score_token: int | None) -> StepResult:
-        """One beam step over the collected leaf logits. ``eos_score_token``: the EOS id vLLM's length penalty
-        looks at (the tokenizer's, even when EOS is ignored)."""
+    def step(self, eos_score_token: int | None, forest_logits: torch.Tensor | None = None) -> StepResult:
+        """One beam step over the collected leaf logits, then (T = 0, a forest verified) more steps while the
+        target's new beams are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V], the
+        first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS id vLLM's length penalty looks at
+        (the tokenizer's, even when EOS is ignored)."""
         logits = torch.stack(self.leaf_logits)  # [Wl, V]
         self.leaf_logits = []
+        forest, self.forest = self.forest, None
         self._eos_score = eos_score_token
+        self._start = self.live[0].node  # leaf 0's node: the trie before it never moves
         p = self.params
         eos = None if p.ignore_eos else p.eos_token_id
         lp = torch.log_softmax(logits.float(), dim=-1)
@@ -192,7 +229,39 @@ class BeamRequest:
         else:
             cands = self._sample(logits, lp, eos)
         self.steps += 1
-        return self._apply(cands)
+        nodes = passed = 0
+        if forest is not None and forest_logits is not None and forest_logits.shape[0] and self.temperature <= 0.0:
+            nodes = forest_logits.shape[0]
+            cands, passed = self._verify_layers(cands, forest, forest_logits.float().cpu(), eos)
+        out = self._apply(cands)
+        out.stepped, out.draft_nodes, out.layers_passed = True, nodes, passed
+        return out
+
+    def _verify_layers(self, cands, forest: BeamForest, logits: torch.Tensor, eos: int | None):
+        """T = 0: while the target's W new beams are all nodes of the forest, they become the live beams (their
+        logits are known) and the target's next beam step runs on them. Returns the last candidates and the layers
+        passed. The forest's scheduled nodes join the node lists (node ``len(trie) + c`` at its slot); the ones that
+        end up on no beam are dropped by :meth:`_apply`."""
+        n0, F = len(self.tokens), logits.shape[0]
+        self.tokens += forest.tokens[:F]
+        self.parents += forest.parents[:F]
+        self.depths += forest.depths[:F]
+        self.logprobs += [0.0] * F
+        self.has_draft += forest.drafted[:F]
+        index = {(forest.parents[c], forest.tokens[c]): n0 + c for c in range(F)}
+        passed = 0
+        while cands and self.steps < self.params.max_tokens:
+            nodes = [index.get((self.live[b].node, t)) for b, t, *_ in cands]
+            if None in nodes:
+                break
+            for nd, (_, _, _, v, _) in zip(nodes, cands):
+                self.logprobs[nd] = v
+            self.live = [_Live(nd, cum, ss) for nd, (_, _, cum, _, ss) in zip(nodes, cands)]
+            lp = torch.log_softmax(logits[torch.tensor(nodes) - n0], dim=-1)
+            cands = self._search(lp, eos)
+            self.steps += 1
+            passed += 1
+        return cands, passed
 
     def _search(self, lp: torch.Tensor, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width
@@ -228,45 +297,49 @@ class BeamRequest:
         return cands
 
     def _apply(self, cands) -> StepResult:
-        """Compacts the kept leaves, appends the new ones, and builds the row for vLLM."""
+        """Keeps the nodes the new beams hang from, compacted after the fixed leaves, appends the new leaves, and
+        builds the row for vLLM."""
         P, old = self.prompt_len, self.live
         done = not cands or self.steps >= self.params.max_tokens
         if done:  # the last step: the new beams are final ("length"); nothing more is scheduled
             for b, t, cum, v, _ in cands:
                 self._finish(old[b], [t], [v], cum, "length")
             self.live = []
+            start = self._start
             # vLLM appends one token before the scheduler stops the request (patch beam_scheduler); any id will do
-            return StepResult(row=[self.tokens[old[0].node] if old[0].node >= 0 else 0], finished=True)
-        kept = sorted({b for b, *_ in cands})
-        moves: list[tuple[int, int]] = []
-        if old[0].node < 0:  # first step: the only leaf is the prompt's last token
-            base, new_index = len(self.tokens), {0: -1}
-            row_kept: list[int] = []
-        else:
-            # leaves are nodes start .. start + Wl - 1; the first `fixed` are in vLLM's token list and stay where
-            # they are (dead ones as holes), the kept ones after them move down
-            start, f = old[0].node, self.fixed
-            new_index = {b: old[b].node for b in kept if b < f}
-            dst = start + f
-            for k, b in enumerate([b for b in kept if b >= f]):
-                src_node, dst_node = old[b].node, dst + k
-                new_index[b] = dst_node
-                if src_node != dst_node:
-                    moves.append((P + src_node, P + dst_node))
-                    for arr in (self.tokens, self.parents, self.depths, self.logprobs):
-                        arr[dst_node] = arr[src_node]
-            base = dst + sum(1 for b in kept if b >= f)
-            for arr in (self.tokens, self.parents, self.depths, self.logprobs):
-                del arr[base:]
-            row_kept = self.tokens[start + f : base]
+            return StepResult(row=[self.tokens[start] if start >= 0 else 0], finished=True)
+        # nodes before `lo` are in vLLM's token list (the trie before this step's leaves and the `fixed` leaves): they
+        # stay where they are, dead ones as holes; the kept nodes after them (leaves and forest nodes that a new beam
+        # hangs from) move down in slot order, so parents stay before children
+        lo = self._start + self.fixed
+        keep: set[int] = set()
+        for b, *_ in cands:
+            nd = old[b].node
+            while nd >= lo and nd not in keep:
+                keep.add(nd)
+                nd = self.parents[nd]
+        new_index = {nd: lo + k for k, nd in enumerate(sorted(keep))}
+        moves = [(P + nd, P + dst) for nd, dst in new_index.items() if nd != dst]
+        arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.has_draft)
+        for nd, dst in sorted(new_index.items()):
+            for arr in arrays:
+                arr[dst] = arr[nd]
+            par = self.parents[dst]
+            self.parents[dst] = new_index.get(par, par)
+        base = lo + len(keep)
+        for arr in arrays:
+            del arr[base:]
+        row_kept = self.tokens[lo:base]
         self.fixed = 1
         live = []
         for b, t, cum, v, ss in cands:
-            par = new_index[b]
+            par = old[b].node
+            par = new_index.get(par, par)
             self.tokens.append(t)
             self.parents.append(par)
             self.depths.append(1 if par < 0 else self.depths[par] + 1)
             self.logprobs.append(v)
+            self.has_draft.append(False)
             live.append(_Live(len(self.tokens) - 1, cum, ss))
         self.live = live
         first = self.tokens[live[0].node]

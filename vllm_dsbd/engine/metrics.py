@@ -125,6 +125,9 @@ def _build_collectors() -> dict:
         "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
         "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),
         "beam_requests": PCounter("vllm:dsbd_beam_requests", "beam requests finished", **kw),
+        "beam_nodes": PCounter("vllm:dsbd_beam_draft_nodes", "draft forest nodes verified on beam requests", **kw),
+        "beam_layers": PCounter("vllm:dsbd_beam_layers_passed",
+                                "forest layers whose target beams were all draft nodes (beam requests)", **kw),
         "beam_blocks": Histogram("vllm:dsbd_beam_kv_blocks", "KV blocks held by a beam request when it finished",
                                  buckets=[float(2 ** b) for b in range(0, 14)], **kw),
     }
@@ -155,6 +158,8 @@ class DSBDStats:
         self.beam_steps = 0  # beam steps done (every live beam grew by one token)
         self.beam_requests = 0  # beam requests finished
         self.beam_blocks: list[int] = []  # KV blocks held by each finished beam request
+        self.beam_draft_nodes = 0  # forest nodes verified on beam requests
+        self.beam_layers_passed = 0  # forest layers passed on beam requests (each a beam step with no target pass)
         self._log_interval = log_interval_s
         self._last_log = time.monotonic()
         self._prom: dict | None = None
@@ -193,16 +198,21 @@ class DSBDStats:
                             pass
             return self._prom
 
-    def record_beam(self, stepped: bool, blocks: int | None) -> None:
-        """One target pass over a beam request: whether it completed a beam step, and the request's KV blocks if
-        it finished."""
+    def record_beam(self, step, blocks: int | None) -> None:
+        """One target pass over a beam request (``step``: its ``beams.StepResult``: beam steps made, forest nodes
+        verified, layers passed), and the request's KV blocks if it finished."""
         prom = self._prometheus()
+        steps = (1 + step.layers_passed) if step.stepped else 0
         self.beam_passes += 1
-        self.beam_steps += int(stepped)
+        self.beam_steps += steps
+        self.beam_draft_nodes += step.draft_nodes
+        self.beam_layers_passed += step.layers_passed
         if prom is not None:
             prom["beam_passes"].inc()
-            if stepped:
-                prom["beam_steps"].inc()
+            for name, v in (("beam_steps", steps), ("beam_nodes", step.draft_nodes),
+                            ("beam_layers", step.layers_passed)):
+                if v:
+                    prom[name].inc(v)
         if blocks is not None:
             self.beam_requests += 1
             self.beam_blocks.append(blocks)
@@ -264,5 +274,6 @@ class DSBDStats:
         return (f"{self.forest_iterations} forest iterations, {self.mean_layers_passed():.2f} layers passed on "
                 f"average, mean width per layer [{widths}], {self.tokens} tokens in {self.iterations} iterations, "
                 f"{self.kv_moves} KV slots moved"
-                + (f"; beams: {self.beam_steps} steps in {self.beam_passes} target passes, {self.beam_requests} "
-                   f"requests finished" if self.beam_passes else ""))
+                + (f"; beams: {self.beam_steps} steps in {self.beam_passes} target passes ({self.beam_layers_passed} "
+                   f"forest layers passed of {self.beam_draft_nodes} draft nodes), {self.beam_requests} requests "
+                   "finished" if self.beam_passes else ""))

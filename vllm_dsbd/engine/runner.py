@@ -18,7 +18,7 @@ Where an engine step goes through it (the methods are vLLM's; ours wrap or repla
    (``num_computed_tokens -= rejected``) true.
 5. ``propose_draft_token_ids`` (replaces the chain drafter): ``drafter.DSBDDrafter.propose_forests`` drafts the next
    forest of every request from its new root; the node tokens go back to the scheduler as the request's draft
-   tokens (at most ``width * depth`` = vLLM's ``num_speculative_tokens``).
+   tokens (at most ``width * depth``; vLLM's ``num_speculative_tokens`` is ``width * depth + width - 1``).
 
 A beam request (``extra_args["dsbd_beam"]``, ``beams.py``) takes the same five places with its own branch: its
 scheduled tokens are trie leaves (``_plan_beam``: positions and the trie's attention entry), ``_beam_step`` steps its
@@ -37,6 +37,7 @@ import torch
 from vllm_dsbd.config import DSBDConfig
 
 from . import attention, kv, sampler
+from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .drafter import DraftJob, DSBDDrafter
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
@@ -156,16 +157,20 @@ class DSBDRunnerMixin:
         return plan, fb
 
     def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int, row):
-        """Positions and the trie attention entry of a beam request's scheduled slots ``[computed, computed + ns)``
-        (leaves of a step, or the trie recomputed after a preemption); ``row.leaves`` = leaves whose logits this
-        pass gives (the last token and the drafts that are leaves, not vLLM's -1 placeholders)."""
+        """Positions and the attention entry (trie and forest under ancestor masks, context = the prompt) of a beam
+        request's scheduled slots ``[computed, computed + ns)``: the leaves of a step and the forest drafted after
+        them, or the trie recomputed after a preemption. ``row.leaves`` / ``row.forest_nodes``: leaves and forest
+        nodes whose logits this pass gives (the last token and the drafts, not vLLM's -1 placeholders)."""
         P = beam.prompt_len
         drafts = [t for t in sched if t >= 0]
+        leaves = beam.leaf_tokens(beam.fixed)
         if drafts:
-            expect = beam.leaf_tokens(beam.fixed)[: len(drafts)]
+            expect = (leaves + (beam.forest.tokens if beam.forest is not None else []))[: len(drafts)]
             if drafts != expect:
-                raise RuntimeError(f"DSBD beams: scheduled drafts {drafts} are not the request's leaves {expect}")
-        row.leaves = 1 + len(drafts)
+                raise RuntimeError(f"DSBD beams: scheduled drafts {drafts} are not the request's leaves and forest "
+                                   f"{expect}")
+        row.leaves = 1 + min(len(drafts), len(leaves))
+        row.forest_nodes = max(0, len(drafts) - len(leaves))
         lo = max(computed, P)
         hi = computed + ns - (len(sched) - len(drafts))
         if hi <= lo:
@@ -175,7 +180,7 @@ class DSBDRunnerMixin:
         self.positions[rows[0] : rows[-1] + 1] = torch.tensor([beam.position(s) for s in slots],
                                                               dtype=self.positions.dtype)
         nodes = [s - P for s in slots]
-        return (i, rows, P, beam.parents[: nodes[-1] + 1], nodes)
+        return (i, rows, P, beam.node_parents()[: nodes[-1] + 1], nodes)
 
     # 3. the target pass under forest attention
     def _model_forward(self, *args, **kwargs):
@@ -232,16 +237,16 @@ class DSBDRunnerMixin:
         beam = row.state.beam
         if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
             return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
-        n = row.leaves
+        n, f = row.leaves, row.forest_nodes
         out = beam.partial(logits[row.first_row : row.first_row + n])
         blocks = None
-        if stepped := out is None:
-            out = beam.step(beam.params.eos_token_id)
+        if out is None:
+            out = beam.step(beam.params.eos_token_id, logits[row.first_row + n : row.first_row + n + f])
             if out.finished:
                 self._dsbd_finished[row.state.req_id] = beam.payload()
                 bs = self.input_batch.block_table[0].block_size
                 blocks = -(-(beam.prompt_len + len(beam.tokens)) // bs)
-        self.dsbd_stats.record_beam(stepped, blocks)
+        self.dsbd_stats.record_beam(out, blocks)
         row.beam_result = out
         moves.extend((i, [s], [d]) for s, d in out.moves)  # i: the request's batch row (plan order = batch order)
         return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
@@ -312,15 +317,17 @@ class DSBDRunnerMixin:
         if results is None:
             return out
         discard = self.discard_request_mask.np[:num_reqs]
-        cfg, jobs = self.dsbd_cfg, []
+        cfg, jobs, beam_jobs = self.dsbd_cfg, [], []
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if discard[i] or st is None:
                 continue
-            if st.beam is not None:  # the leaves still to compute are the request's drafts
+            if st.beam is not None:  # the leaves still to compute, then the forest, are the request's drafts
                 step = getattr(plan_rows[i], "beam_result", None) if plan_rows is not None else None
                 if step is not None and not step.finished:
                     out[i] = list(step.next_drafts)
+                    if step.stepped and (job := self._beam_draft_job(i, st, len(step.next_drafts))) is not None:
+                        beam_jobs.append(job)
                 continue
             res = results[i]
             n_before = int(batch.num_tokens_no_spec[i])
@@ -342,7 +349,30 @@ class DSBDRunnerMixin:
         for job, pf in zip(jobs, forests):
             job.state.pending = pf
             out[job.row] = list(pf.tokens) if pf is not None else []
+        propose_beam_forests(self.drafter, beam_jobs)
+        for job in beam_jobs:
+            if job.state.beam.forest is not None:
+                out[job.row] += job.state.beam.forest.tokens
         return out
+
+    def _beam_draft_job(self, i: int, st, num_leaf_drafts: int) -> BeamDraftJob | None:
+        """The draft job of a beam request after a full step (T = 0 only; T > 0 beam requests are not drafted for
+        yet): depth up to the steps left, nodes up to the draft slots left after the leaves and the KV blocks the
+        request owns now (the drafter writes the forest's draft K/V)."""
+        beam = st.beam
+        depth = min(self.dsbd_cfg.depth, beam.params.max_tokens - beam.steps - 1)
+        if st.temperature > 0.0 or depth <= 0:
+            return None
+        bt = self.input_batch.block_table[self.drafter.kv_cache_gid]
+        end = beam.prompt_len + len(beam.tokens)  # first slot after the trie
+        room = int(bt.num_blocks_per_row[i]) * bt.block_size - end
+        max_nodes = min(self.dsbd_cfg.num_speculative_slots - num_leaf_drafts, room, self.max_model_len - 1 - end)
+        if max_nodes <= 0:
+            return None
+        start = catch_up_start(st)
+        P = beam.prompt_len
+        tail = self.input_batch.token_ids_cpu[i, start:P].tolist() if start < P else []
+        return BeamDraftJob(state=st, row=i, prompt_tail=tail, start=start, depth=depth, max_nodes=max_nodes)
 
 
 def _reports_metrics() -> bool:

@@ -40,6 +40,7 @@ class RowPlan:
     num_nodes: int = 0  # n
     drafted_depth: int = 0  # depth the drafter built (before any truncation)
     leaves: int = 0  # beam requests: leaves whose logits rows this pass has (first_row, first_row + 1, ...)
+    forest_nodes: int = 0  # beam requests: forest nodes whose logits rows follow the leaves'
     beam_result: object = None  # beam requests: the beams.StepResult of this pass
 
 

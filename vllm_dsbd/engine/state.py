@@ -71,6 +71,8 @@ class Requests:
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache beyond the prefix
             old.pending = None
             old.draft_len = min(old.draft_len, num_computed_tokens)
+            if old.beam is not None:
+                old.beam.resumed()
             return old
         sp = sampling_params
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)

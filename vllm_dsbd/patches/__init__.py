@@ -58,7 +58,7 @@ to add a speculative method with its own config keys and proposer; no such regis
 7. ``dsbd_knobs`` - target ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
    What: DSBD settings given in ``speculative_config`` (width, min_width, width_threshold, dynamic_width, mode,
    depth) or ``additional_config["dsbd"]`` are validated (``DSBDConfig``) and stored in
-   ``additional_config["dsbd"]``; vLLM's ``SpeculativeConfig`` gets ``num_speculative_tokens = width * depth``.
+   ``additional_config["dsbd"]``; vLLM's ``SpeculativeConfig`` gets ``num_speculative_tokens = width * depth + width - 1``.
    Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
    How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
    and slot count.

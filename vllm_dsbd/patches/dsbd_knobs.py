@@ -10,8 +10,8 @@ method "dsbd" the wrapper, before the original runs:
    ``additional_config["dsbd"]`` (a key given in both places must agree) and validates them with
    ``DSBDConfig.from_dict`` (unknown keys and bad values raise ``ValueError`` naming the key);
 3. takes depth = ``num_speculative_tokens`` (default 3) and builds the ``SpeculativeConfig`` with
-   ``num_speculative_tokens = width * depth``: one scheduler slot per forest node. Setting it here, before the
-   ``VllmConfig`` exists, is the only safe place: the scheduler (``num_spec_tokens``, ``num_lookahead_tokens``,
+   ``num_speculative_tokens = width * depth + width - 1``: one scheduler slot per forest node and per beam leaf.
+   Setting it here, before the ``VllmConfig`` exists, is the only safe place: the scheduler (``num_spec_tokens``, ``num_lookahead_tokens``,
    token budget), the worker's runner (buffers, rejection-sampler/metrics sizes) and the spec-decoding stats are
    built from the pickled config in other processes and must all agree;
 4. after the original returns, stores ``DSBDConfig.to_dict()`` in a new ``additional_config`` dict.
@@ -69,7 +69,7 @@ def merged_speculative_dict(engine_args: Any) -> dict[str, Any]:
 def split_dsbd(spec: dict[str, Any], additional_config: Mapping[str, Any] | None, spec_fields: set[str]):
     """Splits a merged ``speculative_config`` dict of method "dsbd" into (vLLM's part, DSBDConfig).
 
-    vLLM's part has ``num_speculative_tokens = width * depth``. Raises ValueError naming the offending key.
+    vLLM's part has ``num_speculative_tokens = width * depth + width - 1``. Raises ValueError naming the offending key.
     """
     spec = dict(spec)
     knobs = {k: spec.pop(k) for k in list(spec) if k not in spec_fields}
@@ -147,7 +147,7 @@ def _patch(mod: types.ModuleType) -> None:
             if importlib.util.find_spec("vllm_dsbd.engine") is None:
                 logger.warning_once(
                     "DSBD engine (vllm_dsbd.engine) not installed: running vLLM's draft-model speculation with "
-                    "%d linear draft tokens (width*depth) instead of the DSBD forest",
+                    "%d linear draft tokens (width*depth + width-1) instead of the DSBD forest",
                     cfg.num_speculative_slots,
                 )
             return result

@@ -1,0 +1,148 @@
+"""Draft forests for beam requests (DSBD full width, temperature 0): the draft model beam-searches a few steps ahead
+of the W live beams of every beam request of the step, in one draft pass per depth.
+
+* Pass 0 ("catch-up"): the slots whose draft K/V are missing, from the first of them to the end of the trie (the
+  prompt's after its prefill, then the new leaves and any node whose draft K/V never were): prompt slots causally,
+  trie nodes under the trie's ancestor masks (``attention.ForestBatch``, context = the prompt). Its logits at the
+  live leaves start the draft's beam search.
+* Depth d = 1..G: the draft's beam step from the current beams, scored as the target's beam search scores them
+  (cumulative log-probabilities, EOS finishing a beam so never continued): the W best (beam, token) pairs of the
+  joint. The depth-d nodes go after the trie and the earlier depths (node c of the forest at slot
+  ``P + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under forest attention.
+
+The forest goes back to the request (``BeamRequest.forest``); its tokens follow the remaining leaves as the request's
+draft tokens, so the target computes them with the leaves in the next pass and ``BeamRequest.step`` verifies them.
+A forest is cut (deepest nodes first) to what fits in the scheduler's draft slots and in the KV blocks the request
+owns now (the drafter may not write beyond them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import ForestBatch
+from .beams import BeamForest
+from .kv import slots_of
+from .state import RequestState
+
+
+@dataclass
+class BeamDraftJob:
+    state: RequestState
+    row: int  # the request's row in the runner's input batch (its block-table row)
+    prompt_tail: list[int]  # prompt tokens from ``start`` (catch-up start) to the prompt's end, if start < P
+    start: int  # first slot of the catch-up pass
+    depth: int  # >= 1
+    max_nodes: int  # forest nodes the scheduler can take after the leaves
+
+
+def catch_up_start(st: RequestState) -> int:
+    """First slot of a beam request whose draft K/V are missing (prompt or trie)."""
+    beam = st.beam
+    return st.draft_len if st.draft_len < beam.prompt_len else beam.prompt_len + beam.first_without_draft()
+
+
+def _top_pairs(logits: torch.Tensor, scores: list[float], width: int, eos: int | None):
+    """The draft's beam step at temperature 0: the ``width`` best (beam, token) pairs by cumulative score
+    (float64, as the target's beam search sums them), EOS excluded. Returns [(beam, token, score)]."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    joint = lp + torch.tensor(scores, dtype=torch.float64)[:, None]
+    if eos is not None:
+        joint[:, eos] = -torch.inf
+    vals, idx = torch.topk(joint.flatten(), min(width, joint.numel()))
+    V = logits.shape[-1]
+    return [(i // V, i % V, v) for i, v in zip(idx.tolist(), vals.tolist()) if v > -torch.inf]
+
+
+@torch.inference_mode()
+def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
+    """Drafts the forest of every job (``state.beam.forest``); updates the draft K/V bookkeeping."""
+    if not jobs:
+        return
+    table, bs, owned = drafter._block_table()
+    rows = torch.tensor([j.row for j in jobs], dtype=torch.int64)
+    block_rows = table[rows]
+    brow = block_rows.numpy()
+    owned = [int(owned[j.row]) for j in jobs]
+
+    # pass 0: catch-up; logits at every live leaf
+    ids, pos, slots, qlens, seqs, entries, sample = [], [], [], [], [], [], []
+    t0 = 0
+    for k, job in enumerate(jobs):
+        beam = job.state.beam
+        P, n = beam.prompt_len, len(beam.tokens)
+        s = list(range(job.start, P + n))
+        ids += job.prompt_tail + beam.tokens[max(0, job.start - P):]
+        pos += [beam.position(x) for x in s]
+        slots.append(slots_of(brow[k], s, bs, owned[k]))
+        qlens.append(len(s))
+        seqs.append(P + n)
+        trie = [x for x in s if x >= P]
+        entries.append((k, [t0 + x - job.start for x in trie], P, list(beam.parents), [x - P for x in trie]))
+        sample += [t0 + P + b.node - job.start for b in beam.live]
+        t0 += len(s)
+    fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
+    logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
+    leaf_logits, at = [], 0
+    for job in jobs:
+        beam = job.state.beam
+        leaf_logits.append(logits[at : at + len(beam.live)])
+        at += len(beam.live)
+        beam.has_draft = [True] * len(beam.tokens)
+        job.state.draft_len = max(job.state.draft_len, beam.prompt_len)
+
+    # depths 1..G: the draft's beam search; pass d computes the depth-d nodes' logits when a deeper depth follows
+    forests = [BeamForest([], [], [], []) for _ in jobs]
+    beams_of = [[(b.node, b.score) for b in job.state.beam.live] for job in jobs]  # (node number, score)
+    for d in range(1, max(j.depth for j in jobs) + 1):
+        layer_of = {}
+        for k, job in enumerate(jobs):
+            beam, f = job.state.beam, forests[k]
+            cap = job.max_nodes - len(f.tokens)
+            if d > job.depth or cap <= 0 or not beams_of[k]:
+                continue
+            p = beam.params
+            eos = None if p.ignore_eos else p.eos_token_id
+            pairs = _top_pairs(leaf_logits[k], [sc for _, sc in beams_of[k]], p.width, eos)[:cap]
+            n = len(beam.tokens)
+            layer = []
+            for b, t, sc in pairs:
+                par = beams_of[k][b][0]
+                f.tokens.append(t)
+                f.parents.append(par)
+                f.depths.append((beam.depths[par] if par < n else f.depths[par - n]) + 1)
+                f.drafted.append(False)
+                layer.append((n + len(f.tokens) - 1, sc))
+            beams_of[k] = layer
+            if d < job.depth and len(f.tokens) < job.max_nodes:
+                layer_of[k] = layer
+        if not layer_of:
+            break
+        ids, pos, slots, qlens, seqs, entries = [], [], [], [], [], []
+        t0 = 0
+        for e, (k, layer) in enumerate(layer_of.items()):
+            beam, f = jobs[k].state.beam, forests[k]
+            P, n = beam.prompt_len, len(beam.tokens)
+            nodes = [nd for nd, _ in layer]
+            ids += [f.tokens[nd - n] for nd in nodes]
+            pos += [P - 1 + f.depths[nd - n] for nd in nodes]
+            slots.append(slots_of(brow[k], [P + nd for nd in nodes], bs, owned[k]))
+            qlens.append(len(nodes))
+            seqs.append(P + n + len(f.tokens))
+            entries.append((e, list(range(t0, t0 + len(nodes))), P, beam.parents + f.parents, nodes))
+            t0 += len(nodes)
+            for nd in nodes:
+                f.drafted[nd - n] = True
+        sub = list(layer_of)
+        fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
+        logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
+                                  list(range(t0)), fb, d)
+        at = 0
+        for k in sub:
+            m = len(layer_of[k])
+            leaf_logits[k] = logits[at : at + m]
+            at += m
+    for job, f in zip(jobs, forests):
+        job.state.beam.forest = f if f.tokens else None
