@@ -1,17 +1,21 @@
-"""Beam search: vLLM's ``LLM.beam_search`` (its front-end loop) against beam search inside the DSBD engine (γ = 0).
+"""Beam search: vLLM's ``LLM.beam_search`` (its front-end loop) against beam search inside the DSBD engine, without
+a draft (γ = 0) and with DSBD's draft forests (full width, γ = the engine's depth).
 
-One script, both rows side by side on the same prompts and weights (float32 on CPU), temperature 0, one engine at a
-time, prefix caching on for both (vLLM's loop relies on it to avoid re-prefilling every beam every step):
+One script, the rows side by side on the same prompts and weights (float32 on CPU), temperature 0, one engine at a
+time, prefix caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam every step):
 
 * ``vllm beam_search W``: a plain engine, ``LLM.beam_search`` (per token, one engine request per live beam);
-* ``in-engine beam search W``: a DSBD engine, the same ``LLM.beam_search`` call (one engine request per prompt, the
-  beams a trie in the request's KV slots).
+* ``in-engine beam search W (γ = 0)``: a DSBD engine, one engine request per prompt (the beams a trie in the
+  request's KV slots), draft depth 0 on the request (``extra_args["dsbd_beam"]["depth"]``): no forest;
+* ``DSBD full width W γ = G``: the same engine and requests with the engine's draft depth: the draft beam-searches G
+  steps ahead of the live beams and one target pass verifies the forest (``LLM.beam_search`` takes this path).
 
 Reported per row: wall seconds, best-beam tokens per second, target passes (vLLM's loop: engine requests it made,
-from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), and KV blocks held per request (in-engine:
-measured, ``vllm:dsbd_beam_kv_blocks``; vLLM's loop: its W live beams each hold their prompt + tokens, shared prompt
-blocks counted once: computed from the outputs, stated as such), against one plain request of the same prompt and
-length. Whether both rows return the same beams is checked and printed.
+from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), target passes per beam step (in-engine:
+``vllm:dsbd_beam_target_passes / vllm:dsbd_beam_steps``, counted by the engine), and KV blocks held per request
+(in-engine: measured, ``vllm:dsbd_beam_kv_blocks``; vLLM's loop: its W live beams each hold their prompt + tokens,
+shared prompt blocks counted once: computed from the outputs, stated as such), against one plain request of the same
+prompt and length. Whether the rows return the same beams is checked and printed.
 
     python benchmarks/beams.py                 # SmolLM2-135M-Instruct, 8 ShareGPT prompts, W = 4, 32 tokens
     python benchmarks/beams.py --tiny          # the tiny random Llama (a smoke run)
@@ -45,19 +49,42 @@ def _value(llm, name) -> float:
     return sum(float(getattr(m, "value", 0.0) or 0.0) for m in llm.get_metrics() if m.name == name)
 
 
-def _run(llm, prompts, width, max_tokens):
+_COUNTERS = ("vllm:request_success", "vllm:dsbd_beam_target_passes", "vllm:dsbd_beam_steps",
+             "vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
+
+
+def _beam_search(llm, prompts, bp, depth):
+    """``LLM.beam_search``, or (``depth`` given, a DSBD engine) the same engine requests with that draft depth."""
+    if depth is None:
+        return llm.beam_search([{"prompt_token_ids": p} for p in prompts], bp, use_tqdm=False)
+    from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params
+
+    cfg = llm.llm_engine.vllm_config
+    eos = llm.get_tokenizer().eos_token_id
+    params = [beam_request_params(bp, eos, len(p), cfg.model_config.max_model_len,
+                                  cfg.additional_config["dsbd"]["width"]) for p in prompts]
+    for sp in params:
+        sp.extra_args["dsbd_beam"]["depth"] = depth
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    return [beam_outputs({"type": "token", "prompt_token_ids": p}, o, tok) for p, o in zip(prompts, outs)]
+
+
+def _run(llm, prompts, width, max_tokens, depth=None):
     from vllm.sampling_params import BeamSearchParams
 
     bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
-    llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=width, max_tokens=2))  # warm-up
-    req0, pass0 = _value(llm, "vllm:request_success"), _value(llm, "vllm:dsbd_beam_target_passes")
+    _beam_search(llm, prompts[:1], BeamSearchParams(beam_width=width, max_tokens=2), depth)  # warm-up
+    c0 = {k: _value(llm, k) for k in _COUNTERS}
     t0 = time.perf_counter()
-    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], bp, use_tqdm=False)
+    outs = _beam_search(llm, prompts, bp, depth)
     secs = time.perf_counter() - t0
+    c = {k.split(":")[1]: _value(llm, k) - c0[k] for k in _COUNTERS}
     best = [list(o.sequences[0].tokens[len(p):]) for o, p in zip(outs, prompts)]
     beams = [[list(s.tokens) for s in o.sequences] for o in outs]
-    return dict(seconds=secs, best=best, beams=beams, requests=_value(llm, "vllm:request_success") - req0,
-                beam_passes=_value(llm, "vllm:dsbd_beam_target_passes") - pass0)
+    return dict(seconds=secs, best=best, beams=beams, requests=c["request_success"],
+                beam_passes=c["dsbd_beam_target_passes"], beam_steps=c["dsbd_beam_steps"],
+                draft_nodes=c["dsbd_beam_draft_nodes"], layers_passed=c["dsbd_beam_layers_passed"])
 
 
 def main(argv=None) -> int:
@@ -67,6 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--depth", type=int, default=3, help="the DSBD engine's draft depth γ")
+    ap.add_argument("--self-draft", action="store_true",
+                    help="also run DSBD full width with the target as its own draft (the acceptance ceiling: every "
+                         "forest layer passes; it costs a second target per draft pass)")
     ap.add_argument("--loop-without-prefix-caching", action="store_true",
                     help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
@@ -85,12 +116,12 @@ def main(argv=None) -> int:
     if args.tiny:
         target, draft = models.tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1,
                                                target_layers=3, draft_layers=2)
-        name = "tiny random Llama (3 layers)"
+        name, draft_desc = "tiny random Llama (3 layers)", "its first 2 layers"
     else:
         import demo_vllm
 
         target = models.smollm2_dir()
-        draft, _ = demo_vllm.draft_folder(target, 8)
+        draft, draft_desc = demo_vllm.draft_folder(target, 8)
         name = "SmolLM2-135M-Instruct"
     tok = models.load_tokenizer(target)
     prompts, prompt_desc, _ = load_prompts(tok, args.num_prompts, 128, args.tiny)
@@ -99,51 +130,69 @@ def main(argv=None) -> int:
     kw = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0, enable_prefix_caching=True,
               block_size=bs, disable_log_stats=False, max_num_seqs=64)
     rows = []
-    labels = ["vllm beam_search", "in-engine beam search"]
+    G = args.depth
+    # (label, engine, draft depth on the request: None = LLM.beam_search as the user calls it)
+    runs = [("vllm beam_search", "plain", None), ("in-engine beam search (γ = 0)", "dsbd", 0),
+            (f"DSBD full width γ = {G}", "dsbd", None)]
+    if args.self_draft:
+        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", None))
     if args.loop_without_prefix_caching:
-        labels.append("vllm beam_search, no prefix caching,")
-    for label in tqdm(labels, desc="engines", unit="engine"):
-        extra = {} if label.startswith("vllm") else dict(speculative_config={
-            "method": "dsbd", "model": str(draft), "num_speculative_tokens": 3, "width": W})
-        if "no prefix caching" in label:
-            extra["enable_prefix_caching"] = False
-        llm = vllm.LLM(model=str(target), **{**kw, **extra})
-        try:
-            r = _run(llm, prompts, W, N)
-            blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
-            r["measured_blocks"] = (blocks.sum / blocks.count) if blocks is not None and blocks.count else None
-        finally:
-            shutdown(llm)
+        runs.append(("vllm beam_search, no prefix caching,", "plain-nocache", None))
+
+    def dsbd(d):
+        return dict(speculative_config={"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W})
+
+    engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
+               "dsbd-self": dsbd(target)}
+    llm, current = None, None
+    for label, engine, depth in tqdm(runs, desc="rows", unit="row"):
+        if engine != current:
+            if llm is not None:
+                shutdown(llm)
+            llm, current = vllm.LLM(model=str(target), **{**kw, **engines[engine]}), engine
+        blocks0 = _metric(llm, "vllm:dsbd_beam_kv_blocks")
+        b0 = (blocks0.sum, blocks0.count) if blocks0 is not None else (0.0, 0)
+        r = _run(llm, prompts, W, N, depth)
+        blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
+        n_b = blocks.count - b0[1] if blocks is not None else 0
+        r["measured_blocks"] = (blocks.sum - b0[0]) / n_b if n_b else None
         r["label"] = f"{label} W={W}"
         rows.append(r)
+    shutdown(llm)
     plain_blocks = sum(math.ceil((len(p) + N) / bs) for p in prompts) / len(prompts)
     loop = rows[0]
     # vLLM's loop: W live beams of prompt + N tokens; the prompt's full blocks shared through the prefix cache
     loop_blocks = sum(len(p) // bs + W * (math.ceil((len(p) + N) / bs) - len(p) // bs) for p in prompts) / len(prompts)
     loop["blocks"], loop["blocks_how"] = loop_blocks, "computed: W beams x (prompt + tokens), prompt blocks shared"
-    for r in rows[2:]:  # without prefix caching every beam holds its own prompt too
-        r["blocks"] = W * plain_blocks
-        r["blocks_how"] = "computed: W beams x (prompt + tokens)"
-    rows[1]["blocks"], rows[1]["blocks_how"] = rows[1]["measured_blocks"], "measured (vllm:dsbd_beam_kv_blocks)"
-    same = sum(a == b for a, b in zip(rows[0]["beams"], rows[1]["beams"]))
+    for r in rows[1:]:
+        if r["measured_blocks"] is not None:
+            r["blocks"], r["blocks_how"] = r["measured_blocks"], "measured (vllm:dsbd_beam_kv_blocks)"
+        else:  # vLLM's loop without prefix caching: every beam holds its own prompt too
+            r["blocks"], r["blocks_how"] = W * plain_blocks, "computed: W beams x (prompt + tokens)"
+    same = [sum(a == b for a, b in zip(rows[0]["beams"], r["beams"])) for r in rows[1:]]
     lines = [f"# Beam search W = {W}: vLLM's front-end loop vs in the DSBD engine", "",
              f"{name}, {prompt_desc} (first {len(prompts)}), {N} tokens, temperature 0, float32, "
              f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on.", "",
-             "| row | wall s | best-beam tok/s | target passes | KV blocks / request | vs one plain request |",
-             "|---|---|---|---|---|---|"]
+             "| row | wall s | best-beam tok/s | target passes | target passes per beam step | forest layers passed "
+             "/ draft nodes | KV blocks / request | vs one plain request |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         toks = sum(len(b) for b in r["best"])
         passes = r["beam_passes"] if r["beam_passes"] else r["requests"]
+        per_step = f"{r['beam_passes'] / r['beam_steps']:.3f}" if r["beam_steps"] else "1 engine request per beam"
+        forest = f"{r['layers_passed']:.0f} / {r['draft_nodes']:.0f}" if r["beam_steps"] else "-"
         blocks = r["blocks"]
-        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {passes:.0f} | "
-                     f"{blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x |")
-    speed = (sum(len(b) for b in rows[1]["best"]) / rows[1]["seconds"]) / (
-        sum(len(b) for b in rows[0]["best"]) / rows[0]["seconds"])
+        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {passes:.0f} | {per_step} | "
+                     f"{forest} | {blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x |")
     rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]
-    extra_rows = "".join(f" Against {r['label']}: {rate[1] / x:.1f}x." for r, x in zip(rows[2:], rate[2:]))
-    lines += ["", f"In-engine / vLLM loop best-beam tokens per second: **{speed:.1f}x**.{extra_rows} Same beams "
-              f"(tokens and order) for {same} of {len(prompts)} prompts. One plain request of the same prompt and length holds "
-              f"{plain_blocks:.1f} blocks.", "",
+    speed = rate[1] / rate[0]
+    extra_rows = "".join(f" {rows[2]['label']} / {r['label']}: {rate[2] / x:.1f}x." for r, x in zip(rows, rate)
+                         if r is not rows[2])
+    lines += ["", f"Best-beam tokens per second, in-engine (γ = 0) / vLLM loop: **{speed:.1f}x**.{extra_rows} Same "
+              f"beams (tokens and order) as vLLM's loop, of {len(prompts)} prompts: "
+              + ", ".join(f"{r['label']} {n}" for r, n in zip(rows[1:], same))
+              + f". One plain request of the same prompt and length holds {plain_blocks:.1f} blocks. Draft: "
+              f"{draft_desc}.", "",
               f"Command: `python benchmarks/beams.py {' '.join(argv if argv is not None else sys.argv[1:])}`"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

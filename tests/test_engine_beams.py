@@ -65,6 +65,18 @@ def _beam_search(llm, prompts, width, lp):
     return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
 
 
+def _no_draft(params):
+    """The same beam request with draft depth 0: in-engine beam search without forests (γ = 0)."""
+    params.extra_args["dsbd_beam"]["depth"] = 0
+    return params
+
+
+def _beam_search_no_draft(llm, prompts, width, lp, eos):
+    bp = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=lp)
+    params = [_no_draft(beam_request_params(bp, eos, len(p), 256, WIDTH)) for p in prompts]
+    return _read(llm, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+
+
 def _greedy_params():
     return vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -120,6 +132,8 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         out["beam_requests"] = metric(llm, "vllm:dsbd_beam_requests")
         out["beam_nodes"] = metric(llm, "vllm:dsbd_beam_draft_nodes")
         out["beam_layers"] = metric(llm, "vllm:dsbd_beam_layers_passed")
+        out["no_draft"] = {case: _beam_search_no_draft(llm, SHORT, *case, eos) for case in CASES}
+        out["no_draft_nodes"] = metric(llm, "vllm:dsbd_beam_draft_nodes") - out["beam_nodes"]
         # prefix caching: a plain request whose prompt is a beam request's prompt followed by the tokens of the
         # beam request's trie slots (vLLM's token list of that request) must not be served the trie blocks
         bp = BeamSearchParams(beam_width=WIDTH, max_tokens=2 * MAX_TOKENS)
@@ -170,6 +184,15 @@ def test_beam_search_equals_vllm(dsbd, plain, setup, case):
     ends = [t[-1] for g in got for t, _ in g]
     assert eos in ends, ends
     assert any(len(t) == len(p) + MAX_TOKENS for g, p in zip(got, SHORT) for t, _ in g)
+
+
+def test_beam_search_without_a_draft_equals_vllm(dsbd, plain):
+    # draft depth 0 on the request (extra_args["dsbd_beam"]["depth"]): no forest drafted, the same beams
+    assert dsbd["no_draft_nodes"] == 0
+    for case in CASES:
+        for g, e in zip(dsbd["no_draft"][case], plain["beams"][case]):
+            assert [t for t, _ in g] == [t for t, _ in e]
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
 
 
 def test_beam_steps_counted_by_the_engine(dsbd):

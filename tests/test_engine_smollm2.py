@@ -52,7 +52,8 @@ def _generate(target, prompts, spec=None, extra_args=None, beams=False):
     if beams:  # LLM.beam_search: vLLM's loop on the plain engine, in the engine on the DSBD engine
         res[1]["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in
                            llm.beam_search([{"prompt_token_ids": p} for p in prompts], BEAM)]
-        res[1]["beam_steps"] = metric(llm, "vllm:dsbd_beam_steps")
+        for k in ("steps", "target_passes", "draft_nodes", "layers_passed"):
+            res[1][f"beam_{k}"] = metric(llm, f"vllm:dsbd_beam_{k}")
     shutdown(llm)
     return res
 
@@ -87,6 +88,11 @@ def test_in_engine_beam_search_equals_vllm_beam_search(runs):
     the real model: same sequences in the same order, cumulative log-probabilities to 1e-4."""
     dsbd_m = runs[4]
     assert dsbd_m["beam_steps"] and dsbd_m["beam_steps"] > 0  # the beams were stepped in the engine
+    print("BEAMSMOL", {k: v for k, v in dsbd_m.items() if k.startswith("beam_")})
+    # at T = 0 the draft beam-searched forests off the live beams; some forest layers passed (beam steps made with
+    # no target pass of their own)
+    assert dsbd_m["beam_draft_nodes"] > 0 and dsbd_m["beam_layers_passed"] > 0
+    assert dsbd_m["beam_steps"] == dsbd_m["beam_target_passes"] + dsbd_m["beam_layers_passed"]
     for got, expected in zip(dsbd_m["beams"], dsbd_m["plain_beams"]):
         assert [t for t, _ in got] == [t for t, _ in expected]
         assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, expected))

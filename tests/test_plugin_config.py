@@ -425,7 +425,7 @@ def test_dsbd_config_rejects(d, match):
 def test_from_vllm_config_checks():
     class Spec:
         method = "dsbd"
-        num_speculative_tokens = 6
+        num_speculative_tokens = 7  # width 2 * depth 3 + width 2 - 1
 
     class VC:
         speculative_config = Spec()
@@ -433,7 +433,8 @@ def test_from_vllm_config_checks():
 
     assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, depth=3)
     VC.additional_config = {"dsbd": {"width": 2, "depth": 2}}
-    with pytest.raises(ValueError, match="num_speculative_tokens=6 but DSBD needs width\\*depth = 2\\*2 = 4"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs width\*depth \+ width-1 = 5 slots "
+                                         r"\(width 2, depth 2\)"):
         DSBDConfig.from_vllm_config(VC())
     VC.additional_config = {}
     with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] is missing"):

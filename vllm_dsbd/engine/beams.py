@@ -1,4 +1,5 @@
-"""Beams inside one vLLM request (DESIGN.md §2, "Full width lives inside one vLLM request"), without a draft (γ = 0).
+"""Beams inside one vLLM request (DESIGN.md §2, "Full width lives inside one vLLM request"), with or without DSBD's
+draft forest.
 
 A beam request keeps its W live beams as a trie of nodes stored in the request's own KV slots. vLLM's token list of
 the request is always ``prompt + trie node tokens in slot order`` (node j at slot ``P + j``, P = prompt length), so
@@ -7,23 +8,31 @@ leaves (the live beams' last tokens) are always its last nodes: leaf 0 is vLLM's
 and leaves 1.. are scheduled as the request's "draft tokens". A leaf's RoPE position is ``P - 1 + depth`` and its
 attention sees the prompt and its own ancestors (``attention.ForestBatch`` with context P over the trie).
 
+At temperature 0, after each step the draft model beam-searches a forest a few steps ahead of the live beams
+(``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot ``P + len(trie) + c``) and
+scheduled as draft tokens after the leaves, so one target pass computes the leaves and the forest together.
+
 One beam step, when the logits of every leaf are in (:meth:`BeamRequest.step`):
 
 * T = 0: vLLM's ``LLM.beam_search``: each live beam's top ``2W`` tokens are candidates (raw log-probabilities,
   cumulative scores summed in float64 as vLLM sums Python floats); a candidate ending in EOS finishes (unless EOS is
-  ignored); the ``W`` best other candidates (stable sort, as vLLM's ``sorted``) are the new live beams.
+  ignored); the ``W`` best other candidates (stable sort, as vLLM's ``sorted``) are the new live beams. With a
+  forest: while the W new beams are all forest nodes, their logits are in this pass too, so the next beam step runs
+  on them at once (a forest layer *passed*); the first step whose beams are not all forest nodes ends the pass. The
+  draft only decides how many steps one target pass makes: every step is the target's own, so the beams are vLLM's.
 * T > 0: target beam sampling (``core.beam_step``): ``W`` (beam, token) pairs drawn without replacement from the
-  joint; a drawn pair ending in EOS finishes.
+  joint; a drawn pair ending in EOS finishes. (No forest yet at T > 0.)
 
-Then the leaves that got a child are kept and moved to the first leaf slots (:class:`StepResult` says which slots
-move), except that leaf 0's slot is never reused by another leaf (a pruned leaf 0 stays as a dead node), so vLLM's
-token at every slot stays true. What goes back to vLLM is the row ``[kept leaves after leaf 0's slot] + [new leaf
-0]``: vLLM appends it, counts ``len(row) - 1`` accepted drafts and rolls back the rest, which lands exactly on the
-new layout. When vLLM scheduled (or, after a preemption, recomputed) only some of the leaves, the step waits: the
-logits of the computed leaves are kept and the row is the next leaves (:meth:`BeamRequest.partial`).
+Then the nodes the new beams hang from (leaves and passed forest nodes) are kept and moved down in slot order to
+the first free slots (:class:`StepResult` says which slots move), except that the leaves already in vLLM's token
+list never move (a pruned one stays as a dead node), so vLLM's token at every slot stays true. What goes back to
+vLLM is the row ``[kept nodes after vLLM's last token] + [new leaf 0]``: vLLM appends it, counts ``len(row) - 1``
+accepted drafts and rolls back the rest, which lands exactly on the new layout. When vLLM scheduled (or, after a
+preemption, recomputed) only some of the leaves, the step waits: the logits of the computed leaves are kept and the
+row is the next leaves (:meth:`BeamRequest.partial`); the forest is dropped.
 
 A pruned subtree deeper than the leaves stays in the slots as dead nodes (no re-layout yet): KV held is the prompt
-plus every node that was ever kept, at most ``W + 1`` per step.
+plus every node that was ever kept.
 
 This module imports no vLLM.
 """
@@ -41,7 +50,8 @@ from vllm_dsbd.core.sampling import beam_step
 
 from vllm_dsbd.config import BEAM_KEY  # SamplingParams.extra_args[BEAM_KEY]: the beam request's settings (a dict)
 
-_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n")
+MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
+_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth")
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class BeamParams:
     ignore_eos: bool = False
     eos_token_id: int | None = None
     n: int | None = None  # beams returned (default: width)
+    depth: int | None = None  # draft depth of the request's forests (default: the engine's; 0: no draft)
 
     @staticmethod
     def parse(value: Any, max_width: int) -> "BeamParams":
@@ -87,7 +98,8 @@ class BeamParams:
         if not isinstance(ign, bool):
             raise ValueError(f"{name}['ignore_eos'] must be true or false, got {ign!r}")
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
-                          ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n)
+                          ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
+                          depth=integer("depth", 0, required=False))
 
     def engine_tokens(self) -> int:
         """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
@@ -153,6 +165,10 @@ class BeamRequest:
         self.logprobs: list[float] = []  # raw log-probability of the node's token after its parent
         self.has_draft: list[bool] = []  # the draft model's K/V of the node are in its slot
         self.forest: BeamForest | None = None  # drafted after the last step, verified by the next
+        # drafting backs off while forests fail: after a forest that passed no layer, the next `draft_skip` steps
+        # are not drafted for (1, 2, 4, .. up to MAX_BACKOFF steps; back to every step when a layer passes)
+        self.draft_skip = 0
+        self._backoff = 0
         self.live: list[_Live] = [_Live(-1, 0.0, 0.0)]
         self.finished: list[Finished] = []
         self.steps = 0
@@ -233,6 +249,8 @@ class BeamRequest:
         if forest is not None and forest_logits is not None and forest_logits.shape[0] and self.temperature <= 0.0:
             nodes = forest_logits.shape[0]
             cands, passed = self._verify_layers(cands, forest, forest_logits.float().cpu(), eos)
+            self._backoff = 0 if passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
+            self.draft_skip = self._backoff
         out = self._apply(cands)
         out.stepped, out.draft_nodes, out.layers_passed = True, nodes, passed
         return out

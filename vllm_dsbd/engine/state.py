@@ -65,12 +65,16 @@ class Requests:
 
     def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0) -> RequestState:
         """(Re)registers a request that starts (or restarts after a preemption) with ``num_computed_tokens`` tokens
-        already in the cache (a prefix-cache hit; their draft K/V are assumed valid too). A resumed beam request
-        keeps its trie (its slots are recomputed from vLLM's token list, which holds the trie's tokens)."""
+        already in the cache (a prefix-cache hit). Their draft K/V are NOT trusted: the request that computed a
+        cached block need not have run the draft over it (a request that never drafted: depth 0, a T > 0 beam
+        request, one token to go), and a draft over a block of zeros or stale K/V drafts badly (measured: with the
+        target as its own draft, 23 of 828 forest nodes' layers passed instead of nearly all). So the first draft
+        pass of a request runs the draft over its whole context. A resumed beam request keeps its trie (its slots
+        are recomputed from vLLM's token list, which holds the trie's tokens)."""
         old = self._states.get(req_id)
-        if old is not None:  # resumed: keep the seed, forget the forest and the draft cache beyond the prefix
+        if old is not None:  # resumed: keep the seed, forget the forest and the draft cache
             old.pending = None
-            old.draft_len = min(old.draft_len, num_computed_tokens)
+            old.draft_len = 0
             if old.beam is not None:
                 old.beam.resumed()
             return old
@@ -87,7 +91,7 @@ class Requests:
             top_p=float(sp.top_p),
             eos=-1 if (sp.ignore_eos or eos is None) else int(eos),
             max_tokens=sp.max_tokens,
-            draft_len=num_computed_tokens,
+            draft_len=0,  # prefix-cache hits have the target's K/V, not necessarily the draft's
         )
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is not None:
