@@ -1,0 +1,63 @@
+"""How often a deterministic full-width forest layer could pass with a given draft: along the target's own beam
+search (W beams), is the target's set of W best (beam, token) pairs inside the draft's K best pairs from the same
+beams? K = W is DSBD's forest (W nodes per depth); larger K shows what wider forests would buy. Hugging Face models,
+no vLLM, no KV cache (every step recomputes): a quick offline check of a draft, not a speed benchmark.
+
+    python benchmarks/beam_acceptance.py              # SmolLM2-135M and its distilled draft, 6 prompts, 16 steps
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--ks", default="4,6,8,12,16")
+    args = ap.parse_args(argv)
+    import torch
+
+    import demo_vllm
+    from harness import load_prompts
+    from vllm_dsbd import models
+
+    torch.set_num_threads(2)
+    target_dir = models.smollm2_dir()
+    draft_dir, draft_desc = demo_vllm.draft_folder(target_dir, 8)
+    T = models.next_token_logits_fn(models.load_hf(target_dir))
+    D = models.next_token_logits_fn(models.load_hf(draft_dir))
+    tok = models.load_tokenizer(target_dir)
+    prompts, _, _ = load_prompts(tok, 8, 128, False)
+    W, ks = args.width, [int(k) for k in args.ks.split(",")]
+    hits, total = {k: 0 for k in ks}, 0
+    with torch.no_grad():
+        for p in prompts[: args.num_prompts]:
+            beams = [(list(p), 0.0)]
+            for step in range(args.steps):
+                seqs = torch.tensor([b[0] for b in beams])
+                lt, ld = (torch.log_softmax(f(seqs).double(), -1) for f in (T, D))
+                V = lt.shape[1]
+                sc = torch.tensor([b[1] for b in beams], dtype=torch.float64)[:, None]
+                jt, jd = (lt + sc).flatten(), (ld + sc).flatten()
+                jt[tok.eos_token_id :: V] = -torch.inf  # EOS finishes a beam: never a live beam
+                jd[tok.eos_token_id :: V] = -torch.inf
+                top = set(torch.topk(jt, W).indices.tolist())
+                if step > 0:  # the first step has one beam (the prompt), as in the engine (no forest yet)
+                    total += 1
+                    for k in ks:
+                        hits[k] += top <= set(torch.topk(jd, k).indices.tolist())
+                beams = [(beams[i // V][0] + [i % V], float(jt[i])) for i in sorted(top, key=lambda i: -float(jt[i]))]
+    print(f"draft: {draft_desc}; W = {W}; {total} beam steps over {args.num_prompts} prompts")
+    for k in ks:
+        print(f"  forest width K = {k:2d}: the target's {W} pairs inside the draft's {k}: {hits[k] / total:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
