@@ -21,10 +21,11 @@ Where an engine step goes through it (the methods are vLLM's; ours wrap or repla
    tokens (at most ``width * depth``; vLLM's ``num_speculative_tokens`` is ``width * depth + width - 1``).
 
 A beam request (``extra_args["dsbd_beam"]``, ``beams.py``) takes the same five places with its own branch: its
-scheduled tokens are trie leaves (``_plan_beam``: positions and the trie's attention entry), ``_beam_step`` steps its
-beams (``beams.BeamRequest``) and moves the kept leaves' K/V (``_move_kv``), its "draft tokens" are its
-remaining leaves, and ``sample_tokens`` hands finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``,
-read by patch ``beam_scheduler``).
+scheduled tokens are trie leaves and the draft forest after them (``_plan_beam``: positions and the attention entry
+over trie and forest), ``_beam_step`` steps its beams (``beams.BeamRequest``: the target's beam step, repeated on the
+forest while its layers pass) and moves the kept nodes' K/V (``_move_kv``), its "draft tokens" are its remaining
+leaves plus the forest ``beam_drafter.propose_beam_forests`` drafts (``_beam_draft_job``), and ``sample_tokens`` hands
+finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``, read by patch ``beam_scheduler``).
 """
 from __future__ import annotations
 
