@@ -172,14 +172,20 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         shutdown(llm)
 
 
+def _assert_same_beams(got, expected):
+    """Per prompt: the same beams (tokens, in order) with cumulative log-probabilities equal to 1e-4."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert [t for t, _ in g] == [t for t, _ in e]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"W{w}-lp{lp}" for w, lp in CASES])
 def test_beam_search_equals_vllm(dsbd, plain, setup, case):
     eos = setup[2]
     got, expected = dsbd["beams"][case], plain["beams"][case]
     assert len(got) == len(expected) == len(SHORT)
-    for g, e in zip(got, expected):
-        assert [t for t, _ in g] == [t for t, _ in e]
-        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+    _assert_same_beams(got, expected)
     # EOS finished some returned beams early (the EOS rule was exercised), and some beams ran the full length
     ends = [t[-1] for g in got for t, _ in g]
     assert eos in ends, ends
@@ -190,9 +196,7 @@ def test_beam_search_without_a_draft_equals_vllm(dsbd, plain):
     # draft depth 0 on the request (extra_args["dsbd_beam"]["depth"]): no forest drafted, the same beams
     assert dsbd["no_draft_nodes"] == 0
     for case in CASES:
-        for g, e in zip(dsbd["no_draft"][case], plain["beams"][case]):
-            assert [t for t, _ in g] == [t for t, _ in e]
-            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+        _assert_same_beams(dsbd["no_draft"][case], plain["beams"][case])
 
 
 def test_beam_steps_counted_by_the_engine(dsbd):
@@ -211,9 +215,8 @@ def test_mixed_batch_under_preemption_equals_one_at_a_time(dsbd, plain):
     assert dsbd["preempted"] > 0
     n = len(LONG)
     assert dsbd["mixed"][n:] == dsbd["one_by_one"][n:]
-    for g, e in zip(dsbd["mixed"][:n], dsbd["one_by_one"][:n]):  # tokens equal; log-probabilities to 1e-4 (the
-        assert [t for t, _ in g] == [t for t, _ in e]  # batch's shape changes float rounding)
-        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+    # tokens equal; log-probabilities to 1e-4 (the batch's shape changes float rounding)
+    _assert_same_beams(dsbd["mixed"][:n], dsbd["one_by_one"][:n])
     # the beam requests equal vLLM's beam search, the greedy ones plain greedy
     for g, e in zip(dsbd["mixed"][:n], plain["long_beams"]):
         assert [t for t, _ in g] == [t for t, _ in e]
@@ -255,9 +258,7 @@ def self_draft(setup, dsbd):  # after dsbd: one engine at a time
 def test_full_width_forest_with_a_perfect_draft(self_draft, plain):
     beams, m = self_draft
     for case in CASES:
-        for g, e in zip(beams[case], plain["beams"][case]):
-            assert [t for t, _ in g] == [t for t, _ in e]
-            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+        _assert_same_beams(beams[case], plain["beams"][case])
     # depth 3: up to 4 beam steps per target pass; the first step of a request (after its prefill) and the steps
     # cut short by max_tokens or EOS take more
     assert m["layers_passed"] > 0 and m["draft_nodes"] >= m["layers_passed"] * 2
@@ -284,6 +285,4 @@ def test_leaves_split_across_passes_give_the_same_beams(small_budget, plain):
     beams, passes, steps = small_budget
     assert passes > steps > 0  # some beam steps took more than one target pass
     for case in CASES:
-        for g, e in zip(beams[case], plain["beams"][case]):
-            assert [t for t, _ in g] == [t for t, _ in e]
-            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+        _assert_same_beams(beams[case], plain["beams"][case])

@@ -223,7 +223,7 @@ class DSBDRunnerMixin:
         for k, row in enumerate(plan):
             if row.state.beam is not None:
                 results[k] = self._beam_step(logits, k, row, bool(discard[k]), beam_moves)
-        self._move_kv(beam_moves)  # the kept beam leaves' K/V to their compacted slots
+        self._move_kv(beam_moves)  # the kept beam nodes' K/V to their compacted slots
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
                 self.dsbd_stats.record(row, res)
