@@ -1,0 +1,71 @@
+"""``engine/beams.py`` without vLLM: the settings a beam request may give, and one full-width step at T = 0 over a
+hand-made forest (which layers pass, which nodes are kept and where they move, what goes back to vLLM)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_dsbd.engine.beams import BeamForest, BeamParams, BeamRequest
+
+V, P = 8, 5
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"width": 2, "max_tokens": 4, "depth": -1}, r"\['depth'\] must be an integer in >= 0, got -1"),
+    ({"width": 2, "max_tokens": 4, "depth": "2"}, r"\['depth'\] must be an integer"),
+    ({"width": 2, "max_tokens": 4, "depth": True}, r"\['depth'\] must be an integer"),
+    ({"width": 8, "max_tokens": 4}, r"\['width'\] = 8 is above the engine's DSBD width 4"),
+    ({"width": 2, "max_tokens": 0}, r"\['max_tokens'\] must be an integer in >= 1"),
+    ({"width": 2, "max_tokens": 4, "n": 3}, r"\['n'\] must be an integer in \[1, 2\]"),
+    ({"width": 2, "max_tokens": 4, "length_penalty": float("nan")}, r"\['length_penalty'\] must be a finite"),
+    ({"width": 2, "max_tokens": 4, "dpeth": 1}, r"unknown key\(s\) \['dpeth'\]"),
+    ([2, 4], r"must be a mapping"),
+])
+def test_bad_beam_settings_name_the_key(value, match):
+    with pytest.raises(ValueError, match=match):
+        BeamParams.parse(value, max_width=4)
+
+
+def test_depth_is_optional():
+    assert BeamParams.parse({"width": 2, "max_tokens": 4}, 4).depth is None
+    assert BeamParams.parse({"width": 2, "max_tokens": 4, "depth": 0}, 4).depth == 0
+
+
+def _row(**peaks):
+    r = torch.zeros(V)
+    for t, v in peaks.items():
+        r[int(t[1:])] = v
+    return r
+
+
+def test_full_width_step_passes_a_layer_then_compacts():
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0)
+    # step 1 from the prompt: beams "3" (best) and "5"
+    assert beam.partial(_row(t3=10.0, t5=9.5)[None]) is None
+    out = beam.step(None)
+    assert (out.row, out.next_drafts, beam.tokens) == ([3], [5], [3, 5])
+    # step 2: leaves node 0 ("3") and node 1 ("5"); the target's best pairs are (node 0, 1) and (node 0, 2). The
+    # forest has both at depth 1 (nodes 2, 3) and two children of node 2 at depth 2 (nodes 4, 5: tokens 4 and 6)
+    beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
+                             drafted=[True, True, False, False])
+    assert beam.position(P + 2) == P + 1 and beam.position(P + 4) == P + 2  # RoPE position = P - 1 + depth
+    assert beam.node_parents() == [-1, -1, 0, 0, 2, 2]
+    assert beam.partial(torch.stack([_row(t1=10.0, t2=9.0), _row()])) is None
+    # forest logits: after node 2 the best is 4 (a forest node), after node 3 it is 7 (not one): layer 1 passes,
+    # layer 2 does not
+    out = beam.step(None, torch.stack([_row(t4=10.0), _row(t7=10.0), _row(), _row()]))
+    assert (out.stepped, out.draft_nodes, out.layers_passed, beam.steps) == (True, 4, 1, 3)
+    # leaf 0 (node 0, vLLM's last token) stays; leaf 1 ("5") got no child: dropped; forest nodes 2, 3 are kept and
+    # move down to slots P + 1, P + 2; the new leaves "4" (under "1") and "7" (under "2") follow
+    assert out.moves == [(P + 2, P + 1), (P + 3, P + 2)]
+    assert beam.tokens == [3, 1, 2, 4, 7] and beam.parents == [-1, 0, 0, 1, 2] and beam.depths == [1, 2, 2, 3, 3]
+    assert beam.has_draft == [False, True, True, False, False]
+    # vLLM appends the kept nodes after its last token and the new leaf 0; leaf 1 is the next draft
+    assert (out.row, out.next_drafts) == ([1, 2, 4], [7])
+    assert beam.forest is None and beam.draft_skip == 0
+    # a forest that passes no layer: its nodes leave nothing behind, and drafting pauses one step
+    beam.forest = BeamForest(tokens=[0, 0], parents=[3, 3], depths=[4, 4], drafted=[False, False])
+    beam.partial(torch.stack([_row(t5=10.0), _row(t6=10.0)]))
+    out = beam.step(None, torch.stack([_row(), _row()]))
+    assert (out.layers_passed, beam.steps, beam.draft_skip) == (0, 4, 1)
+    assert beam.tokens == [3, 1, 2, 4, 7, 5, 6] and out.moves == [] and out.row == [7, 5]
