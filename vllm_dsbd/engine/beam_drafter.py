@@ -1,13 +1,15 @@
-"""Draft forests for beam requests (DSBD full width, temperature 0): the draft model beam-searches a few steps ahead
-of the W live beams of every beam request of the step, in one draft pass per depth.
+"""Draft forests for beam requests (DSBD full width): the draft model beam-searches (T = 0) or beam-samples (T > 0) a
+few steps ahead of the W live beams of every beam request of the step, in one draft pass per depth.
 
 * Pass 0 ("catch-up"): the slots whose draft K/V are missing, from the first of them to the end of the trie (the
   prompt's after its prefill, then the new leaves and any node whose draft K/V never were): prompt slots causally,
   trie nodes under the trie's ancestor masks (``attention.ForestBatch``, context = the prompt). Its logits at the
   live leaves start the draft's beam search.
-* Depth d = 1..G: the draft's beam step from the current beams, scored as the target's beam search scores them
-  (cumulative log-probabilities, EOS finishing a beam so never continued): the W best (beam, token) pairs of the
-  joint. The depth-d nodes go after the trie and the earlier depths (node c of the forest at slot
+* Depth d = 1..G: the draft's beam step from the current beams. T = 0: scored as the target's beam search scores
+  them (cumulative log-probabilities, EOS finishing a beam so never continued), the W best (beam, token) pairs of the
+  joint. T > 0: W pairs drawn without replacement from the draft's beam-sampling joint Q (``core.beam_step``, keyed
+  by the request's seed and the tokens' position), in draw order, with Q kept for the exact verification
+  (``BeamRequest.step``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths (node c of the forest at slot
   ``P + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under forest attention.
 
 The forest goes back to the request (``BeamRequest.forest``); its tokens follow the remaining leaves as the request's
@@ -21,6 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vllm_dsbd.core import rng
+from vllm_dsbd.core.params import BatchParams
+from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch
 from .beams import BeamForest
@@ -42,6 +48,21 @@ def catch_up_start(st: RequestState) -> int:
     """First slot of a beam request whose draft K/V are missing (prompt or trie)."""
     beam = st.beam
     return st.draft_len if st.draft_len < beam.prompt_len else beam.prompt_len + beam.first_without_draft()
+
+
+def _sampled_pairs(beam, logits: torch.Tensor, scores: list[float], live: list[bool], d: int):
+    """The draft's beam-sampling step at temperature T > 0 (``core.beam_step``, the request's temperature, top-k and
+    top-p on the joint, keyed by its seed, the depth-d tokens' position and ``Stream.DRAFT_DRAW``): W (beam, token)
+    pairs drawn without replacement from the draft joint Q, in draw order. EOS is an ordinary draw (a drafted EOS is
+    not continued). Returns ([(beam, token, draft score)], log Q [S * V] float32)."""
+    params = BatchParams.make(1, temperature=beam.temperature, top_k=beam.top_k, top_p=beam.top_p,
+                              width=beam.params.width, seed=beam.seed, eos=-1)
+    pos = torch.tensor([beam.prompt_len + beam.steps + d - 1], dtype=torch.int64)
+    st = beam_step(logits.float()[None], torch.tensor([scores], dtype=torch.float32),
+                   torch.tensor([live], dtype=torch.bool), params, pos, rng.Stream.DRAFT_DRAW)
+    pairs = [(int(st.parent[0, j]), int(st.token[0, j]), float(st.score[0, j]))
+             for j in range(st.valid.shape[1]) if bool(st.valid[0, j])]
+    return pairs, st.joint[0]
 
 
 def _top_pairs(logits: torch.Tensor, scores: list[float], width: int, eos: int | None):
@@ -93,19 +114,28 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         beam.has_draft = [True] * len(beam.tokens)
         job.state.draft_len = max(job.state.draft_len, beam.prompt_len)
 
-    # depths 1..G: the draft's beam search; pass d computes the depth-d nodes' logits when a deeper depth follows
+    # depths 1..G: the draft's beam search / beam sampling; pass d computes the depth-d nodes' logits when a deeper
+    # depth follows
     forests = [BeamForest([], [], [], []) for _ in jobs]
-    beams_of = [[(b.node, b.score) for b in job.state.beam.live] for job in jobs]  # (node number, score)
+    # the beams each depth is drawn from: (node number, score, continues); depth 1: the live beams
+    beams_of = [[(b.node, b.score if job.state.beam.temperature <= 0.0 else b.sample_score, True)
+                 for b in job.state.beam.live] for job in jobs]
     for d in range(1, max(j.depth for j in jobs) + 1):
         layer_of = {}
         for k, job in enumerate(jobs):
             beam, f = job.state.beam, forests[k]
             cap = job.max_nodes - len(f.tokens)
-            if d > job.depth or cap <= 0 or not beams_of[k]:
+            if d > job.depth or cap <= 0 or not any(c for *_, c in beams_of[k]):
                 continue
             p = beam.params
             eos = None if p.ignore_eos else p.eos_token_id
-            pairs = _top_pairs(leaf_logits[k], [sc for _, sc in beams_of[k]], p.width, eos)[:cap]
+            scores = [sc for _, sc, _ in beams_of[k]]
+            if beam.temperature <= 0.0:
+                pairs = _top_pairs(leaf_logits[k], scores, p.width, eos)[:cap]
+            else:
+                pairs, q = _sampled_pairs(beam, leaf_logits[k], scores, [c for *_, c in beams_of[k]], d)
+                pairs = pairs[:cap]
+                f.q.append(q)
             n = len(beam.tokens)
             layer = []
             for b, t, sc in pairs:
@@ -114,9 +144,11 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
                 f.parents.append(par)
                 f.depths.append((beam.depths[par] if par < n else f.depths[par - n]) + 1)
                 f.drafted.append(False)
-                layer.append((n + len(f.tokens) - 1, sc))
+                f.layers.append(d)
+                f.slots.append(b)
+                layer.append((n + len(f.tokens) - 1, sc, eos is None or t != eos))
             beams_of[k] = layer
-            if d < job.depth and len(f.tokens) < job.max_nodes:
+            if d < job.depth and len(f.tokens) < job.max_nodes and any(c for *_, c in layer):
                 layer_of[k] = layer
         if not layer_of:
             break
@@ -125,7 +157,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         for e, (k, layer) in enumerate(layer_of.items()):
             beam, f = jobs[k].state.beam, forests[k]
             P, n = beam.prompt_len, len(beam.tokens)
-            nodes = [nd for nd, _ in layer]
+            nodes = [nd for nd, *_ in layer]
             ids += [f.tokens[nd - n] for nd in nodes]
             pos += [P - 1 + f.depths[nd - n] for nd in nodes]
             slots.append(slots_of(brow[k], [P + nd for nd in nodes], bs, owned[k]))

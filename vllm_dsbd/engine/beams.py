@@ -8,7 +8,7 @@ leaves (the live beams' last tokens) are always its last nodes: leaf 0 is vLLM's
 and leaves 1.. are scheduled as the request's "draft tokens". A leaf's RoPE position is ``P - 1 + depth`` and its
 attention sees the prompt and its own ancestors (``attention.ForestBatch`` with context P over the trie).
 
-At temperature 0, after each step the draft model beam-searches a forest a few steps ahead of the live beams
+After each step the draft model beam-searches (T = 0) or beam-samples (T > 0) a forest a few steps ahead of the live beams
 (``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot ``P + len(trie) + c``) and
 scheduled as draft tokens after the leaves, so one target pass computes the leaves and the forest together.
 
@@ -20,8 +20,12 @@ One beam step, when the logits of every leaf are in (:meth:`BeamRequest.step`):
   forest: while the W new beams are all forest nodes, their logits are in this pass too, so the next beam step runs
   on them at once (a forest layer *passed*); the first step whose beams are not all forest nodes ends the pass. The
   draft only decides how many steps one target pass makes: every step is the target's own, so the beams are vLLM's.
-* T > 0: target beam sampling (``core.beam_step``): ``W`` (beam, token) pairs drawn without replacement from the
-  joint; a drawn pair ending in EOS finishes. (No forest yet at T > 0.)
+* T > 0: target beam sampling: ``W`` (beam, token) pairs drawn without replacement from the joint
+  (``core.beam_step``); a drawn pair ending in EOS finishes. With a forest (drawn by the draft's beam sampling, its
+  joint Q kept per depth), each layer is DSBD's exact verification (``core.verify_layer``: recursive rejection
+  sampling without replacement, so the W outputs are W draws without replacement from the target joint): while the
+  new beams are all forest nodes the next layer runs on their logits. The beams' law is target beam sampling
+  whatever the draft (with ``dynamic_width`` the paper's rule picks each drafted layer's width from P and Q).
 
 Then the nodes the new beams hang from (leaves and passed forest nodes) are kept and moved down in slot order to
 the first free slots (:class:`StepResult` says which slots move), except that the leaves already in vLLM's token
@@ -45,13 +49,16 @@ from typing import Any
 import torch
 
 from vllm_dsbd.core import rng
+from vllm_dsbd.core.joint import joint_logprobs
 from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sampling import beam_step
+from vllm_dsbd.core.verify import verify_layer
+from vllm_dsbd.core.width import choose_width
 
 from vllm_dsbd.config import BEAM_KEY  # SamplingParams.extra_args[BEAM_KEY]: the beam request's settings (a dict)
 
 MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
-_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth")
+_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width")
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class BeamParams:
     eos_token_id: int | None = None
     n: int | None = None  # beams returned (default: width)
     depth: int | None = None  # draft depth of the request's forests (default: the engine's; 0: no draft)
+    dynamic_width: bool = False  # T > 0: the paper's dynamic width per drafted layer (default: fixed width W)
 
     @staticmethod
     def parse(value: Any, max_width: int) -> "BeamParams":
@@ -94,12 +102,13 @@ class BeamParams:
         lp = value.get("length_penalty", 1.0)
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise ValueError(f"{name}['length_penalty'] must be a finite number, got {lp!r}")
-        ign = value.get("ignore_eos", False)
-        if not isinstance(ign, bool):
-            raise ValueError(f"{name}['ignore_eos'] must be true or false, got {ign!r}")
+        ign, dyn = value.get("ignore_eos", False), value.get("dynamic_width", False)
+        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
                           ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
-                          depth=integer("depth", 0, required=False))
+                          depth=integer("depth", 0, required=False), dynamic_width=dyn)
 
     def engine_tokens(self) -> int:
         """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
@@ -128,7 +137,8 @@ class StepResult:
     finished: bool = False
     stepped: bool = False  # a beam step was made (False: only some leaves are in, see BeamRequest.partial)
     draft_nodes: int = 0  # forest nodes this pass verified
-    layers_passed: int = 0  # forest layers whose W target beams were all draft nodes (T = 0)
+    layers_passed: int = 0  # forest layers whose target beams were all draft nodes (another beam step ran on them)
+    widths: list[int] = field(default_factory=list)  # T > 0: K of every verified layer that had drafts
 
 
 @dataclass
@@ -140,6 +150,11 @@ class BeamForest:
     parents: list[int]  # node number of the parent (a leaf of the trie for depth 1)
     depths: list[int]  # depth below the prompt, as the trie's
     drafted: list[bool]  # the draft model's K/V of the node are in its slot (the draft ran on it)
+    layers: list[int] = field(default_factory=list)  # forest depth of the node (1 = child of a live beam)
+    slots: list[int] = field(default_factory=list)  # the parent's index among the beams its depth was drawn from
+    # T > 0: per forest depth, log Q over (parent index, token) ([S * V] float32, S = beams drawn from): the draft
+    # joint that depth's nodes were drawn from without replacement, in node order (= draw order)
+    q: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -153,8 +168,9 @@ class BeamRequest:
     """The trie and live beams of one beam request."""
 
     def __init__(self, params: BeamParams, prompt_len: int, temperature: float, seed: int, top_k: int = 0,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, tau: float = 0.9, min_width: int = 1):
         self.params = params
+        self.tau, self.min_width = tau, min_width  # the engine's dynamic-width rule (``dynamic_width`` requests)
         self.top_k, self.top_p = top_k, top_p  # on the flattened joint (T > 0 only, as in core.joint)
         self.prompt_len = prompt_len
         self.temperature = temperature
@@ -239,33 +255,45 @@ class BeamRequest:
         self._start = self.live[0].node  # leaf 0's node: the trie before it never moves
         p = self.params
         eos = None if p.ignore_eos else p.eos_token_id
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        if self.temperature <= 0.0:
-            cands = self._search(lp, eos)
-        else:
-            cands = self._sample(logits, lp, eos)
-        self.steps += 1
+        if forest is None or forest_logits is None or not forest_logits.shape[0]:
+            forest = None
         nodes = passed = 0
-        if forest is not None and forest_logits is not None and forest_logits.shape[0] and self.temperature <= 0.0:
+        widths: list[int] = []
+        if self.temperature <= 0.0:
+            cands = self._search(torch.log_softmax(logits.float(), dim=-1), eos)
+            self.steps += 1
+            if forest is not None:
+                cands, passed = self._verify_layers(cands, forest, forest_logits.float().cpu(), eos)
+        elif forest is not None:
+            cands, passed, widths = self._sample_layers(logits.float(), forest, forest_logits.float().cpu(), eos)
+        else:
+            cands = self._sample(logits, torch.log_softmax(logits.float(), dim=-1), eos)
+            self.steps += 1
+        if forest is not None:
             nodes = forest_logits.shape[0]
-            cands, passed = self._verify_layers(cands, forest, forest_logits.float().cpu(), eos)
             self._backoff = 0 if passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
             self.draft_skip = self._backoff
         out = self._apply(cands)
-        out.stepped, out.draft_nodes, out.layers_passed = True, nodes, passed
+        out.stepped, out.draft_nodes, out.layers_passed, out.widths = True, nodes, passed, widths
         return out
 
-    def _verify_layers(self, cands, forest: BeamForest, logits: torch.Tensor, eos: int | None):
-        """T = 0: while the target's W new beams are all nodes of the forest, they become the live beams (their
-        logits are known) and the target's next beam step runs on them. Returns the last candidates and the layers
-        passed. The forest's scheduled nodes join the node lists (node ``len(trie) + c`` at its slot); the ones that
-        end up on no beam are dropped by :meth:`_apply`."""
-        n0, F = len(self.tokens), logits.shape[0]
+    def _graft(self, forest: BeamForest, F: int) -> int:
+        """Adds the forest's first F nodes (the ones vLLM scheduled) to the node lists (node ``len(trie) + c`` at its
+        slot); the ones that end up on no beam are dropped by :meth:`_apply`. Returns ``len(trie)`` before."""
+        n0 = len(self.tokens)
         self.tokens += forest.tokens[:F]
         self.parents += forest.parents[:F]
         self.depths += forest.depths[:F]
         self.logprobs += [0.0] * F
         self.has_draft += forest.drafted[:F]
+        return n0
+
+    def _verify_layers(self, cands, forest: BeamForest, logits: torch.Tensor, eos: int | None):
+        """T = 0: while the target's W new beams are all nodes of the forest, they become the live beams (their
+        logits are known) and the target's next beam step runs on them. Returns the last candidates and the layers
+        passed."""
+        F = logits.shape[0]
+        n0 = self._graft(forest, F)
         index = {(forest.parents[c], forest.tokens[c]): n0 + c for c in range(F)}
         passed = 0
         while cands and self.steps < self.params.max_tokens:
@@ -280,6 +308,78 @@ class BeamRequest:
             self.steps += 1
             passed += 1
         return cands, passed
+
+    def _sample_layers(self, logits: torch.Tensor, forest: BeamForest, flogits: torch.Tensor, eos: int | None):
+        """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1, ``core.verify_layer``). Layer
+        d's target joint P (over the current beams) and the draft joint Q its depth-d nodes were drawn from give K
+        outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so
+        each layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits
+        are in ``flogits``), the next layer runs on them; the first layer that has a beam outside the forest, or no
+        drafts (the bonus layer), ends the pass. Returns (last candidates, layers passed, widths of drafted
+        layers)."""
+        F = flogits.shape[0]
+        n0 = self._graft(forest, F)
+        W = self.params.width
+        params = BatchParams.make(1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, width=W,
+                                  seed=self.seed, eos=-1, min_width=min(self.min_width, W), tau=self.tau,
+                                  dynamic=self.params.dynamic_width)
+        par_logits, layer, passed, widths = logits, 1, 0, []
+        while True:
+            drafts = [c for c in range(F) if forest.layers[c] == layer]  # in draw order
+            cands, nodes, k = self._sample_layer(par_logits, forest, drafts, n0, params, eos)
+            self.steps += 1
+            if drafts:
+                widths.append(k)
+            if not drafts or not cands or None in nodes or self.steps >= self.params.max_tokens:
+                return cands, passed, widths
+            passed += 1
+            # the layer passed: the next layer's beams are forest nodes; its parent slots are this depth's nodes
+            # (what the deeper drafts were drawn from), the ones that are not beams stay in as dead slots
+            live = [_Live(n0 + c, -math.inf, -math.inf) for c in drafts]
+            slot_of = {n0 + c: i for i, c in enumerate(drafts)}
+            for nd, (_, _, cum, v, ss) in zip(nodes, cands):
+                self.logprobs[nd] = v
+                live[slot_of[nd]] = _Live(nd, cum, ss)
+            self.live = live
+            par_logits = flogits[torch.tensor(drafts)]
+            layer += 1
+
+    def _sample_layer(self, logits: torch.Tensor, forest: BeamForest, drafts: list[int], n0: int,
+                      params: BatchParams, eos: int | None):
+        """One verified layer over the beams ``self.live`` (dead slots: score -inf). Returns (candidates, their forest
+        node numbers or None, K)."""
+        S, V = logits.shape
+        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32)
+        logp, jscore = joint_logprobs(logits[None], scores, torch.isfinite(scores), params)
+        J = S * V
+        k = torch.clamp(torch.isfinite(logp).sum(1), max=self.params.width)
+        if drafts:
+            didx = torch.tensor([[forest.slots[c] * V + forest.tokens[c] for c in drafts]], dtype=torch.int64)
+            logq = forest.q[forest.layers[drafts[0]] - 1][None].float()
+            logq = torch.nn.functional.pad(logq, (0, J - logq.shape[1]), value=-math.inf)[:, :J]
+            if self.params.dynamic_width:
+                par_ok = torch.isfinite(logp).reshape(1, S, V).any(2)
+                q_valid = (torch.exp(logq).reshape(1, S, V) * par_ok[:, :, None]).reshape(1, J)
+                k = choose_width(torch.exp(logp), q_valid, torch.tensor([len(drafts)]), params.width,
+                                 params.min_width, params.tau)
+        else:
+            didx = torch.zeros(1, 1, dtype=torch.int64)
+            logq = torch.full_like(logp, -math.inf)
+        dval = torch.ones_like(didx, dtype=torch.bool) if drafts else torch.zeros_like(didx, dtype=torch.bool)
+        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64)
+        out, ok = verify_layer(logp, didx, dval, logq, k, params.seed, pos)
+        lp = torch.log_softmax(logits, dim=-1)
+        node_of = {int(j): n0 + c for j, c in zip(didx[0].tolist(), drafts)}
+        cands, nodes = [], []
+        for j in out[0][ok[0]].tolist():
+            b, t = divmod(j, V)
+            v, beam = float(lp[b, t]), self.live[b]
+            if eos is not None and t == eos:
+                self._finish(beam, [t], [v], beam.score + v, "stop")
+            else:
+                cands.append((b, t, beam.score + v, v, float(jscore[0, j])))
+                nodes.append(node_of.get(j))
+        return cands, nodes, int(k[0])
 
     def _search(self, lp: torch.Tensor, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width

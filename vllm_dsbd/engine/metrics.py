@@ -7,7 +7,8 @@ default registry of the process that runs the model runner):
 * ``vllm:dsbd_iterations_total``: iterations that verified a forest (one per request per engine step);
 * ``vllm:dsbd_layers_passed``: histogram of layers passed per iteration (buckets 0..depth); tokens gained per
   iteration = layers passed + 1;
-* ``vllm:dsbd_layer_width{layer="d"}``: histogram of the width K of verified draft layer d (1-based);
+* ``vllm:dsbd_layer_width{layer="d"}``: histogram of the width K of verified draft layer d (1-based; beam requests
+  at T > 0 count theirs too);
 * ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
 * ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place);
 * ``vllm:dsbd_draft_nodes_total``: draft forest nodes verified by the target.
@@ -207,6 +208,7 @@ class DSBDStats:
         self.beam_steps += steps
         self.beam_draft_nodes += step.draft_nodes
         self.beam_layers_passed += step.layers_passed
+        self._record_widths(step.widths, prom)
         if prom is not None:
             prom["beam_passes"].inc()
             for name, v in (("beam_steps", steps), ("beam_nodes", step.draft_nodes),
@@ -239,15 +241,19 @@ class DSBDStats:
             prom["iterations"].inc()
             prom["nodes"].inc(row.num_nodes)
             prom["layers"].observe(res.passed)
-        for d, k in enumerate(res.widths):
-            if d < len(self.width_per_layer):
-                self.width_per_layer[d][int(k)] += 1
-            if prom is not None:
-                prom["width"].labels(layer=str(d + 1)).observe(int(k))
+        self._record_widths(res.widths, prom)
         now = time.monotonic()
         if now - self._last_log >= self._log_interval:
             self._last_log = now
             logger.info("DSBD: %s", self.summary())
+
+    def _record_widths(self, widths, prom) -> None:
+        """K of each verified draft layer (index d = layer d + 1; beam requests: the drafted layers of a pass)."""
+        for d, k in enumerate(widths):
+            if d < len(self.width_per_layer):
+                self.width_per_layer[d][int(k)] += 1
+            if prom is not None:
+                prom["width"].labels(layer=str(d + 1)).observe(int(k))
 
     def decisions_digest(self) -> dict:
         """What the tensor-parallel test compares across ranks."""

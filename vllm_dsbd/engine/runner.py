@@ -357,8 +357,7 @@ class DSBDRunnerMixin:
         return out
 
     def _beam_draft_job(self, i: int, st, num_leaf_drafts: int) -> BeamDraftJob | None:
-        """The draft job of a beam request after a full step (T = 0 only; T > 0 beam requests are not drafted for
-        yet): depth up to the steps left (and the request's ``depth``), nodes up to the draft slots left after the
+        """The draft job of a beam request after a full step: depth up to the steps left (and the request's ``depth``), nodes up to the draft slots left after the
         leaves and the KV blocks the request owns now (the drafter writes the forest's draft K/V). Without a pinned
         depth, drafting pauses after forests that passed no layer (``BeamRequest.draft_skip``): the beams do not
         depend on it (every beam step is the target's), only the cost does."""
@@ -369,7 +368,7 @@ class DSBDRunnerMixin:
         elif beam.draft_skip > 0:  # recent forests passed no layer: this step goes without one (beams.py)
             beam.draft_skip -= 1
             return None
-        if st.temperature > 0.0 or depth <= 0:
+        if depth <= 0:
             return None
         bt = self.input_batch.block_table[self.drafter.kv_cache_gid]
         end = beam.prompt_len + len(beam.tokens)  # first slot after the trie

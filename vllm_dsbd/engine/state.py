@@ -96,7 +96,7 @@ class Requests:
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is not None:
             st.beam = BeamRequest(BeamParams.parse(beam, self.cfg.width), prompt_len, st.temperature, st.seed,
-                                  st.top_k, st.top_p)
+                                  st.top_k, st.top_p, self.cfg.width_threshold, self.cfg.min_width)
         self._states[req_id] = st
         return st
 
