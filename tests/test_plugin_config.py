@@ -34,7 +34,7 @@ from vllm_dsbd import patches  # noqa: E402
 from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
-ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode"]
+ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft"]
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +206,17 @@ def test_method_literal_accepts_dsbd_and_still_rejects_others():
     assert "dsbd" in get_kwargs(SpeculativeConfig)["method"]["choices"]  # what --spec-method offers
     with pytest.raises(Exception, match="Input should be"):
         SpeculativeConfig(method="beam", num_speculative_tokens=3)
-    with pytest.raises(Exception, match="needs a draft model|without speculative model"):
-        SpeculativeConfig(method="dsbd", num_speculative_tokens=3)
+
+
+def test_spec_config_without_a_draft_model():
+    """Patches spec_post_init, uses_draft_model and spec_repr on vLLM's own SpeculativeConfig: "dsbd" without a
+    model is an engine without a draft (vLLM alone raises "without speculative model" / AttributeError in repr)."""
+    sc = SpeculativeConfig(method="dsbd", num_speculative_tokens=3)
+    assert (sc.method, sc.model, sc.draft_model_config, sc.draft_parallel_config) == ("dsbd", None, None, None)
+    assert not sc.uses_draft_model() and sc.max_num_new_slots_for_drafting == 0
+    assert repr(sc) == "SpeculativeConfig(method='dsbd', model=None, num_spec_tokens=3)"
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert repr(ngram) == "SpeculativeConfig(method='ngram', model=None, num_spec_tokens=2)"  # the original
 
 
 def test_proposer_model_returns_tuple():
@@ -270,6 +279,7 @@ def test_engine_args_dsbd(pair):
     assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
+        "draft": True,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -332,10 +342,8 @@ def test_bad_knobs_fail_at_startup(pair, knobs, match, where):
         build(target, spec, **kwargs)
 
 
-def test_dsbd_needs_a_draft_model_and_plain_layout(pair):
+def test_dsbd_plain_layout_and_mutually_exclusive_flags(pair):
     target, draft = pair
-    with pytest.raises(ValueError, match="'dsbd' needs a draft model"):
-        build(target, {"method": "dsbd", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="'parallel_drafting'.*not supported with method 'dsbd'"):
         build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 3, "parallel_drafting": True})
     with pytest.raises(ValueError, match="mutually exclusive"):
@@ -343,6 +351,59 @@ def test_dsbd_needs_a_draft_model_and_plain_layout(pair):
                    ).create_engine_config()
     with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] must be a mapping"):
         build(target, {"method": "dsbd", "model": draft}, additional_config={"dsbd": 4})
+
+
+@pytest.mark.parametrize("how", ["offline", "cli", "cli-additional-config"])
+def test_engine_without_a_draft_model(pair, how):
+    """No ``model``: an engine without a draft (depth 0, max(1, W - 1) slots for a beam request's leaves, no draft
+    config, not a draft-model engine), spelled offline and in `vllm serve`'s parser."""
+    target, _ = pair
+    if how == "offline":
+        ea = EngineArgs(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
+                        speculative_config={"method": "dsbd", "width": 4})
+    else:
+        extra = (["--speculative-config", '{"width": 4}'] if how == "cli"
+                 else ["--additional-config", '{"dsbd": {"width": 4}}'])
+        ea = engine_args_from_cli([target, "--speculative-method", "dsbd", *extra, "--dtype", "float32",
+                                   "--enforce-eager", "--max-model-len", "256"])
+    vc = ea.create_engine_config()
+    spec = vc.speculative_config
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=0, draft=False)
+    assert vc.additional_config["dsbd"]["draft"] is False and vc.additional_config["dsbd"]["depth"] == 0
+    assert spec.method == "dsbd" and spec.model is None and spec.draft_model_config is None
+    assert spec.num_speculative_tokens == 3 and not spec.uses_draft_model()
+    assert spec.max_num_new_slots_for_drafting == 0  # no extra slot per request for a draft
+    assert "speculative_config=SpeculativeConfig(method='dsbd', model=None, num_spec_tokens=3)" in str(vc)
+    assert ea.create_engine_config().additional_config == vc.additional_config  # a second build: the same
+
+
+def test_engine_without_a_draft_model_refuses_draft_settings(pair):
+    target, draft = pair
+    _, vc = build(target, {"method": "dsbd", "width": 1})
+    assert vc.speculative_config.num_speculative_tokens == 1  # W - 1 = 0 leaves, but vLLM needs >= 1
+    _, vc = build(target, {"method": "dsbd", "depth": 0, "width": 2}, additional_config={"dsbd": {"draft": False}})
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=2, draft=False)
+    for spec, match in (
+        ({"method": "dsbd", "num_speculative_tokens": 3}, (r"= 3 needs a draft model, and none is given: set "
+                                                           r"speculative_config\['model'\] \(--spec-model\)")),
+        ({"method": "dsbd", "depth": 2}, r"= 2 needs a draft model"),
+        ({"method": "dsbd", "mode": "single"}, r"'mode'='single' keeps beams in draft layers"),
+        ({"method": "dsbd", "draft": True}, r"'draft'=True disagrees with speculative_config\['model'\]=None"),
+        ({"method": "dsbd", "model": draft, "draft": False}, r"'draft'=False disagrees"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            build(target, spec)
+    with pytest.raises(ValueError, match=r"= 3 needs a draft model"):  # --spec-tokens without --spec-model
+        engine_args_from_cli([target, "--speculative-method", "dsbd", "--spec-tokens", "3", "--dtype", "float32",
+                              "--enforce-eager", "--max-model-len", "256"]).create_engine_config()
+
+
+def test_dsbd_config_without_a_draft():
+    cfg = DSBDConfig(width=4, draft=False)
+    assert (cfg.depth, cfg.num_speculative_slots) == (0, 3)
+    assert DSBDConfig(width=1, draft=False).num_speculative_slots == 1
+    assert DSBDConfig.from_dict(cfg.to_dict()) == cfg == DSBDConfig(width=4, depth=0, draft=False)
+    assert (DSBDConfig().depth, DSBDConfig(depth=None).depth) == (3, 3)  # with a draft model: depth 3 by default
 
 
 # A fingerprint of what vLLM builds, run in this process (plugin registered) and in one without the plugin.
@@ -415,6 +476,10 @@ def test_dsbd_config_defaults_and_roundtrip():
         ({"width_threshold": True}, r"'width_threshold' must be a number"),
         ({"dynamic_width": 1}, r"'dynamic_width' must be true or false, got 1"),
         ({"mode": None}, r"'mode' must be one of"),
+        ({"draft": "no"}, r"'draft' must be true or false, got 'no'"),
+        ({"draft": False, "depth": 2}, r"'depth' \(num_speculative_tokens: the draft depth\) = 2 needs a draft model"),
+        ({"draft": False, "mode": "single"}, r"'mode'='single' keeps beams in draft layers and needs a draft model"),
+        ({"draft": False, "width": 0}, r"'width' must be an integer >= 1, got 0"),
     ],
 )
 def test_dsbd_config_rejects(d, match):
@@ -425,6 +490,7 @@ def test_dsbd_config_rejects(d, match):
 def test_from_vllm_config_checks():
     class Spec:
         method = "dsbd"
+        model = "d"
         num_speculative_tokens = 7  # width 2 * depth 3 + width 2 - 1
 
     class VC:
@@ -439,6 +505,16 @@ def test_from_vllm_config_checks():
     VC.additional_config = {}
     with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] is missing"):
         DSBDConfig.from_vllm_config(VC())
+    VC.additional_config = {"dsbd": {"width": 2, "draft": False}}
+    with pytest.raises(ValueError, match=r"\['draft'\] is False but the engine's speculative_config.model is 'd'"):
+        DSBDConfig.from_vllm_config(VC())
+    Spec.model = None
+    VC.additional_config = {"dsbd": {"width": 2, "draft": False}}
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs max\(1, width-1\) = 1 slots "
+                                         r"\(width 2, no draft model\)"):
+        DSBDConfig.from_vllm_config(VC())
+    Spec.num_speculative_tokens = 1
+    assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, draft=False)
     Spec.method = "draft_model"
     assert not uses_dsbd(VC())
     with pytest.raises(ValueError, match="not a DSBD engine"):
@@ -478,6 +554,16 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
         check_request(SamplingParams(presence_penalty=1.0, min_p=0.2), cfg)
     with pytest.raises(ValueError, match=r"dsbd_width"):
         check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)
+
+
+def test_beam_depth_on_an_engine_without_a_draft_is_refused():
+    cfg = DSBDConfig(width=4, draft=False)
+    beam = {"width": 4, "max_tokens": 8}
+    assert check_request(SamplingParams(extra_args={"dsbd_beam": beam}), cfg) == 4
+    assert check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 0}}), cfg) == 4
+    with pytest.raises(ValueError, match=r"^extra_args\['dsbd_beam'\]\['depth'\] = 2: this DSBD engine has no draft"):
+        check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 2}}), cfg)
+    assert check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 2}}), DSBDConfig(width=4)) == 4
 
 
 def test_unknown_dsbd_request_key_is_refused():

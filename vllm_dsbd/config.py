@@ -12,6 +12,11 @@ live leaves after vLLM's last token, so the plugin builds vLLM's ``SpeculativeCo
 ``num_speculative_tokens = width * depth + width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays
 here.
 
+Without a ``model`` (``speculative_config={"method": "dsbd", "width": 4}``) the engine has no draft model
+(``draft=False``, depth 0): beam requests are in-engine beam search / beam sampling with no forests, other requests
+are sampled from the target, one target pass per token. Its ``num_speculative_tokens`` is ``max(1, width - 1)``
+(a beam request's leaves; vLLM needs at least 1).
+
 Per request, ``SamplingParams(extra_args={"dsbd_width": k})`` (OpenAI API: ``"vllm_xargs": {"dsbd_width": k}``) caps
 the width of that request at ``k`` (``1 <= k <= width``); see :func:`request_width`.
 
@@ -32,6 +37,7 @@ REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
 BEAM_KEY = "dsbd_beam"  # SamplingParams.extra_args[BEAM_KEY]: a beam request (engine/beams.py BeamParams)
 REQUEST_KEYS = (REQUEST_WIDTH_KEY, BEAM_KEY)
 MODES = ("sample", "single", "full")
+DEFAULT_DEPTH = 3  # the draft depth when an engine with a draft model is given none
 
 
 def _is_int(value: Any) -> bool:
@@ -44,7 +50,8 @@ class DSBDConfig:
 
     Attributes:
         width: W, the most beams / draft nodes per depth (>= 1).
-        depth: gamma, the draft depth; vLLM's ``num_speculative_tokens`` as the user gives it (>= 1).
+        depth: gamma, the draft depth; vLLM's ``num_speculative_tokens`` as the user gives it (>= 1 with a draft
+            model, 0 without; ``None``: 3 with a draft model, 0 without).
         min_width: the least width the dynamic-width rule may choose (1 <= min_width <= width).
         width_threshold: tau in (0, 1]; dynamic width picks the largest k with Pr[#accepted >= k] >= tau.
         dynamic_width: choose the width per layer (True) or always use ``width`` (False).
@@ -54,18 +61,34 @@ class DSBDConfig:
             paper's single-output-beam mode, opt-in: layers keep K <= ``width`` beams (dynamic width) and each
             iteration emits one of them; for width > 1 its output law depends on how well the draft agrees (no
             fixed target process; each layer is exact given its width). "full" (W live beams across iterations) is
-            part of the algorithm but not available in the engine yet, and is rejected.
+            part of the algorithm but not available in the engine yet, and is rejected. Without a draft model
+            only "sample" (no draft layers to keep beams in).
+        draft: whether the engine has a draft model (set by the plugin from ``speculative_config["model"]``). False:
+            no draft is loaded or run; beam requests are beam search / beam sampling in the engine, other requests
+            plain target sampling (``min_width``, ``width_threshold`` and ``dynamic_width`` have no effect).
     """
 
     width: int = 2
-    depth: int = 3
+    depth: int | None = None
     min_width: int = 1
     width_threshold: float = 0.9
     dynamic_width: bool = True
     mode: str = "sample"
+    draft: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("width", "depth", "min_width"):
+        if not isinstance(self.draft, bool):
+            raise ValueError(f"DSBD config: 'draft' must be true or false, got {self.draft!r}")
+        if self.depth is None:
+            object.__setattr__(self, "depth", DEFAULT_DEPTH if self.draft else 0)
+        elif not self.draft and not (_is_int(self.depth) and self.depth == 0):
+            raise ValueError(
+                f"DSBD config: 'depth' (num_speculative_tokens: the draft depth) = {self.depth!r} needs a draft model, "
+                "and none is given: set speculative_config['model'] (--spec-model) to a draft model, or leave "
+                "'depth' and num_speculative_tokens out for an engine without a draft (beam search and beam sampling "
+                "in the engine, plain requests sampled from the target)"
+            )
+        for key in ("width", "depth", "min_width") if self.draft else ("width", "min_width"):
             value = getattr(self, key)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"DSBD config: {key!r} must be an integer >= 1, got {value!r}")
@@ -86,6 +109,12 @@ class DSBDConfig:
             )
         if self.mode not in MODES:
             raise ValueError(f"DSBD config: 'mode' must be one of {list(MODES)}, got {self.mode!r}")
+        if not self.draft and self.mode != "sample":
+            raise ValueError(
+                f"DSBD config: 'mode'={self.mode!r} keeps beams in draft layers and needs a draft model, and none is "
+                "given: set speculative_config['model'] (--spec-model), or leave 'mode' out (beam requests are beam "
+                "search / beam sampling in the engine without a draft)"
+            )
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -120,11 +149,19 @@ class DSBDConfig:
     @property
     def num_speculative_slots(self) -> int:
         """Speculative token slots the scheduler reserves per request, ``width * depth + width - 1``: one per forest
-        node (``width`` per depth), plus the ``width - 1`` leaves a beam request schedules before its forest.
+        node (``width`` per depth), plus the ``width - 1`` leaves a beam request schedules before its forest; without
+        a draft model ``max(1, width - 1)`` (the leaves; vLLM requires ``num_speculative_tokens >= 1``).
 
         This is what vLLM's ``SpeculativeConfig.num_speculative_tokens`` holds for method "dsbd".
         """
+        if not self.draft:
+            return max(1, self.width - 1)
         return self.width * self.depth + self.width - 1
+
+    def _slots_rule(self) -> str:
+        if not self.draft:
+            return f"max(1, width-1) = {self.num_speculative_slots} slots (width {self.width}, no draft model)"
+        return f"width*depth + width-1 = {self.num_speculative_slots} slots (width {self.width}, depth {self.depth})"
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> DSBDConfig:
@@ -132,8 +169,9 @@ class DSBDConfig:
         with the plugin registered), checked against the ``SpeculativeConfig`` vLLM built.
 
         Raises:
-            ValueError: the engine is not a DSBD engine, ``additional_config["dsbd"]`` is missing or invalid, or
-                ``speculative_config.num_speculative_tokens != width * depth + width - 1``.
+            ValueError: the engine is not a DSBD engine, ``additional_config["dsbd"]`` is missing or invalid, its
+                ``draft`` flag disagrees with ``speculative_config.model``, or ``num_speculative_tokens`` is not
+                :attr:`num_speculative_slots`.
         """
         spec = getattr(vllm_config, "speculative_config", None)
         method = getattr(spec, "method", None)
@@ -146,10 +184,17 @@ class DSBDConfig:
                 "LLM(...) or `vllm serve` with the vllm_dsbd plugin registered (it fills it in)"
             )
         cfg = cls.from_dict(additional[ADDITIONAL_CONFIG_KEY])
+        model = getattr(spec, "model", None)
+        if cfg.draft != (model is not None):
+            raise ValueError(
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]['draft'] is {cfg.draft} but the engine's "
+                f"speculative_config.model is {model!r}: build DSBD engines through EngineArgs, LLM(...) or "
+                "`vllm serve` with the vllm_dsbd plugin registered"
+            )
         if spec.num_speculative_tokens != cfg.num_speculative_slots:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens} but DSBD needs "
-                f"width*depth + width-1 = {cfg.num_speculative_slots} slots (width {cfg.width}, depth {cfg.depth})"
+                f"{cfg._slots_rule()}"
             )
         return cfg
 
@@ -203,7 +248,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
 
     Raises:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
-            (the message names the parameter), or a bad width.
+            (the message names the parameter), a bad width, or a beam request's draft ``depth`` on an engine without
+            a draft model.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -213,7 +259,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
     if extra.get(BEAM_KEY) is not None:
         from vllm_dsbd.engine.beams import BeamParams
 
-        BeamParams.parse(extra[BEAM_KEY], cfg.width)  # ValueError naming extra_args['dsbd_beam'][key]
+        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width)  # ValueError naming extra_args['dsbd_beam'][key]
+        if not cfg.draft and beam.depth:
+            raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
+                             "so its beam requests have no draft forest; leave 'depth' out (or 0)")
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
         names = ", ".join(bad)

@@ -5,7 +5,8 @@ Following one request from the plugin to the kernels:
 * ``vllm_dsbd.plugin.register()`` applies the patches; ``dsbd_knobs`` turns ``speculative_config={"method": "dsbd",
   "model": DRAFT, "num_speculative_tokens": G, "width": W}`` into vLLM's draft-model configuration with
   ``num_speculative_tokens = W * G + W - 1`` (one scheduler slot per forest node, plus a beam request's W - 1
-  leaves) and ``additional_config["dsbd"]``;
+  leaves) and ``additional_config["dsbd"]`` (without ``model``: an engine without a draft model, ``max(1, W - 1)``
+  slots, :class:`.drafter.NoDrafter`);
   ``dsbd_worker`` makes the engine's workers :mod:`.worker`'s, which build :mod:`.runner`'s DSBD runner.
 * :mod:`.runner` (``DSBDRunnerMixin``) hooks the five places of an engine step: request states (:mod:`.state`),
   positions and the forest attention batch of the target pass, the forward pass under forest attention

@@ -14,9 +14,13 @@ proposal itself (:meth:`DSBDDrafter.propose_forests`), which per batch of reques
 
 Forest node (d, j) of a request is written where the target will write it (slot of position L + its compact index),
 so after verification one commit moves the accepted path's K/V of target and draft layers alike.
+
+An engine without a draft model gets :class:`NoDrafter` instead (nothing to load, no forest to draft).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +40,46 @@ from .attention import ForestBatch, forest_scope
 from .kv import slots_of
 from .sampler import _params
 from .state import PendingForest, RequestState
+
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+
+class NoDrafter:
+    """The drafter of a DSBD engine without a draft model: loads nothing and drafts no forest (its requests have
+    depth 0, so the runner never gives it a job)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def load_model(self, target_model) -> None:  # vLLM's runner calls it after loading the target
+        logger.info("DSBD: engine without a draft model: no draft to load")
+
+    def propose(self, *args, **kwargs):  # what vLLM's custom-class proposer check asks for; never called
+        raise RuntimeError("DSBD engine without a draft model: there is nothing to propose")
+
+    def propose_forests(self, jobs: list) -> list:
+        if jobs:
+            raise RuntimeError("DSBD engine without a draft model was asked to draft a forest")
+        return []
+
+
+@contextlib.contextmanager
+def vllm_runner_init(spec, has_draft: bool):
+    """Around vLLM's runner ``__init__``: an engine without a draft model is seen as vLLM's method "custom_class" with
+    :class:`NoDrafter` as the class. vLLM's runner picks its drafter by method and raises "Unknown speculative
+    decoding method" for one it does not know (gpu_model_runner.py:595-653); "dsbd" without a draft is not a
+    draft-model engine (patch ``uses_draft_model``). Nothing else in that ``__init__`` (nor in the worker's
+    ``init_device``, which builds vLLM's runner: ``worker.py``) reads the method or the model."""
+    if has_draft:
+        yield
+        return
+    method, model = spec.method, spec.model
+    spec.method, spec.model = "custom_class", f"{__name__}.{NoDrafter.__name__}"
+    try:
+        yield
+    finally:
+        spec.method, spec.model = method, model
 
 
 @dataclass

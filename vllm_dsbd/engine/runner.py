@@ -39,7 +39,7 @@ from vllm_dsbd.config import DSBDConfig
 
 from . import attention, kv, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
-from .drafter import DraftJob, DSBDDrafter
+from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
 
@@ -50,9 +50,12 @@ class DSBDRunnerMixin:
     """Put before vLLM's runner class in the bases (``class X(DSBDRunnerMixin, CPUModelRunner)``)."""
 
     def __init__(self, vllm_config, device):
-        super().__init__(vllm_config, device)
-        self.dsbd_cfg = DSBDConfig.from_vllm_config(vllm_config)
-        # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"); ours replaces it
+        cfg = DSBDConfig.from_vllm_config(vllm_config)
+        with vllm_runner_init(vllm_config.speculative_config, cfg.draft):  # no draft model: vLLM builds a NoDrafter
+            super().__init__(vllm_config, device)
+        self.dsbd_cfg = cfg
+        # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
+        # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
@@ -68,10 +71,16 @@ class DSBDRunnerMixin:
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
                              "target's raw logprobs or logits): use 'raw_logprobs' or 'raw_logits'")
+        if not self.dsbd_cfg.draft:
+            logger.info("DSBD engine: width %d, no draft model (beam requests: beam search / beam sampling in the "
+                        "engine; other requests: one target pass per token)", self.dsbd_cfg.width)
+            return
         logger.info("DSBD engine: width %d, depth %d, %s width, mode %s", self.dsbd_cfg.width, self.dsbd_cfg.depth,
                     "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode)
 
     def _make_dsbd_drafter(self, vllm_config, device):
+        if not self.dsbd_cfg.draft:
+            return NoDrafter()
         return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -361,6 +370,8 @@ class DSBDRunnerMixin:
         leaves and the KV blocks the request owns now (the drafter writes the forest's draft K/V). Without a pinned
         depth, drafting pauses after forests that passed no layer (``BeamRequest.draft_skip``): the beams do not
         depend on it (every beam step is the target's), only the cost does."""
+        if not self.dsbd_cfg.draft:  # an engine without a draft model drafts no forest
+            return None
         beam = st.beam
         depth = min(self.dsbd_cfg.depth, beam.params.max_tokens - beam.steps - 1)
         if beam.params.depth is not None:  # pinned by the request

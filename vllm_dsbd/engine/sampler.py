@@ -83,7 +83,7 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[RowResult]:
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass."""
-    R, G, W = len(rows), cfg.depth, cfg.width
+    R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     # the core runs on the host (the drafter keeps its forests there too): one copy of the pass's logits rows
     logits = logits.float().cpu()

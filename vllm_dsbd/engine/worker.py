@@ -5,7 +5,8 @@ vLLM 0.26 has no hook to choose the model runner class (``init_device`` builds `
 The plugin's ``dsbd_worker`` patch points a "dsbd" engine's ``worker_cls`` at the classes here. Their ``init_device``
 runs vLLM's (device, distributed environment, seeds and vLLM's own runner), then replaces the runner with the DSBD
 runner of the same kind before anything was loaded into it. (vLLM's runner is built and dropped once at start-up; the
-alternative, rebinding vLLM's module globals while ``init_device`` runs, would be one more patch of vLLM.)
+alternative, rebinding vLLM's module globals while ``init_device`` runs, would be one more patch of vLLM.) For an
+engine without a draft model vLLM's runner is built as the DSBD runner builds its own (``drafter.vllm_runner_init``).
 """
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def _check_config(worker) -> None:
     check(worker.vllm_config)
 
 
+def _vllm_init_device(worker, init_device) -> None:
+    """vLLM's ``init_device``, which builds vLLM's own runner: for an engine without a draft model with the method seen
+    as the DSBD runner sees it while vLLM's runner ``__init__`` runs (vLLM's runner knows no drafter for it)."""
+    from vllm_dsbd.config import DSBDConfig
+
+    from .drafter import vllm_runner_init
+
+    vc = worker.vllm_config
+    with vllm_runner_init(vc.speculative_config, DSBDConfig.from_vllm_config(vc).draft):
+        init_device()
+
+
 class _DecisionsMixin:
     def dsbd_decisions(self) -> dict:
         """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every
@@ -52,7 +65,7 @@ def __getattr__(name):  # the worker classes import vLLM's worker modules: only 
         class DSBDCPUWorker(_DecisionsMixin, CPUWorker):
             def init_device(self):
                 _check_config(self)
-                super().init_device()
+                _vllm_init_device(self, super().init_device)
                 self.model_runner = cpu_runner_class()(self.vllm_config, self.device)
 
         globals()[name] = DSBDCPUWorker
@@ -65,7 +78,7 @@ def __getattr__(name):  # the worker classes import vLLM's worker modules: only 
         class DSBDGPUWorker(_DecisionsMixin, Worker):
             def init_device(self):
                 _check_config(self)
-                super().init_device()
+                _vllm_init_device(self, super().init_device)
                 self.model_runner = gpu_runner_class()(self.vllm_config, self.device)
 
         globals()[name] = DSBDGPUWorker

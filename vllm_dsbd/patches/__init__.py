@@ -23,11 +23,14 @@ to add a speculative method with its own config keys and proposer; no such regis
    Why: ``__post_init__`` raises ``NotImplementedError("Unsupported speculative method")`` for unknown methods
    (config/speculative.py:906-911) and only builds draft configs for the known ones.
    How: run the original with ``method="draft_model"``, restore "dsbd"; refuse drafts that vLLM auto-detects as
-   EAGLE/DFlash/DSpark/Medusa/MLP-speculator/MTP checkpoints.
+   EAGLE/DFlash/DSpark/Medusa/MLP-speculator/MTP checkpoints. Without ``model`` (an engine without a draft model)
+   the original is not run (it only builds draft configs, and raises "num_speculative_tokens was provided but without
+   speculative model", config/speculative.py:692-732): no draft configs.
    When it can go: with 1 (a registry that lets a method declare "I am a draft-model method").
 
 3. ``uses_draft_model`` - target ``SpeculativeConfig.uses_draft_model``.
-   What: true for "dsbd". Why/How: DSBD rides on the draft-model path; the call sites that then see "dsbd" as
+   What: true for "dsbd" with a draft model. Why/How: DSBD rides on the draft-model path; the call sites that then
+   see "dsbd" as
    "draft_model": gpu_model_runner.py:603 (drafter = ``DraftModelProposer``), :4582 (drafter runs a model forward:
    GPU sampled tokens), :5100 (``propose_draft_token_ids`` branch), :6099 (drafter dummy run), :7080 (drafter
    attention backend in ``initialize_metadata_builders``), :7134 (drafter cudagraph dispatcher); cpu_model_runner.py:161
@@ -38,6 +41,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    synchronous); config/vllm.py:2158 (Model Runner V2 lists "dsbd" as unsupported, so dense targets that would
    default to V2 on a GPU fall back to the V1 runner that DSBD extends); llm_base_proposer.py method checks other
    than ``model_returns_tuple`` (all about eagle3/dflash/mtp).
+   A "dsbd" engine without a draft model is not a draft-model engine (false: no draft load, draft KV cache, drafter
+   dummy run or lookahead slots). vLLM's runner has no drafter for such a method (gpu_model_runner.py:595-653 raises
+   "Unknown speculative decoding method"), so the DSBD runner runs vLLM's runner ``__init__`` with the config's
+   method and model seen as vLLM's "custom_class" and ``engine.drafter.NoDrafter`` (``drafter.vllm_runner_init``,
+   restored after; no vLLM code is replaced), and keeps a ``NoDrafter``.
    When it can go: with 1.
 
 4. ``vocab_check`` - target ``SpeculativeConfig.verify_equal_vocab_size_if_draft_model``.
@@ -58,7 +66,9 @@ to add a speculative method with its own config keys and proposer; no such regis
 7. ``dsbd_knobs`` - target ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``.
    What: DSBD settings given in ``speculative_config`` (width, min_width, width_threshold, dynamic_width, mode,
    depth) or ``additional_config["dsbd"]`` are validated (``DSBDConfig``) and stored in
-   ``additional_config["dsbd"]``; vLLM's ``SpeculativeConfig`` gets ``num_speculative_tokens = width * depth + width - 1``.
+   ``additional_config["dsbd"]`` (with ``draft``: whether ``model`` names a draft model); vLLM's ``SpeculativeConfig``
+   gets ``num_speculative_tokens = width * depth + width - 1`` (``max(1, width - 1)`` without a draft model, where a
+   depth given is refused).
    Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
    How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
    and slot count.
@@ -129,7 +139,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    are always 0; and it counts the ``-1`` placeholder drafts it pads new one-token requests with (for full CUDA
    graphs, scheduler.py:843-859) as drafts. How: for "dsbd", drafted tokens are the scheduled nodes that are not
    placeholders (a step with only placeholders is no draft), the stats are made with ``depth`` positions and
-   observed without the chain-only ``num_draft_tokens_per_pos`` (read nowhere in vLLM 0.26; left at 0).
+   observed without the chain-only ``num_draft_tokens_per_pos`` (read nowhere in vLLM 0.26; left at 0). An engine
+   without a draft model makes no spec-decode statistics (its beam requests' leaves in the draft slots are no drafts).
    When it can go: vLLM lets a method describe
    tree-shaped drafts (positions = depths).
 
@@ -167,6 +178,13 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``RequestOutput`` vLLM's loop yields (n choices, best first, text, token ids, cumulative logprob, finish and stop
    reason). How: wrap the async generator; bad requests raise ``VLLMValidationError`` with ``param`` ("n",
    "max_tokens", "prompt") inside it, so the server answers 400 and keeps serving. When it can go: with 16.
+
+18. ``spec_repr`` - target ``vllm.config.speculative.SpeculativeConfig.__repr__``.
+   What: a "dsbd" config without a draft model prints ``SpeculativeConfig(method='dsbd', model=None,
+   num_spec_tokens=N)``. Why: vLLM's ``__repr__`` reads ``draft_model_config.model`` for every method but ngram,
+   suffix, extract_hidden_states and custom_class (config/speculative.py:1348-1362), and that config is None without a
+   draft (2), so the start-up log of the engine's config (``VllmConfig.__str__``) raised ``AttributeError``. How: wrap;
+   other configs go to the original. When it can go: with 1 (a method that declares it has no draft model).
 """
 
 from __future__ import annotations
@@ -197,6 +215,7 @@ PATCHES = (
     "beam_scheduler",
     "beam_search_route",
     "beam_serving_route",
+    "spec_repr",
 )
 
 

@@ -11,6 +11,8 @@ method "dsbd" the wrapper, before the original runs:
    ``DSBDConfig.from_dict`` (unknown keys and bad values raise ``ValueError`` naming the key);
 3. takes depth = ``num_speculative_tokens`` (default 3) and builds the ``SpeculativeConfig`` with
    ``num_speculative_tokens = width * depth + width - 1``: one scheduler slot per forest node and per beam leaf.
+   Without ``model`` the engine has no draft model (``DSBDConfig.draft`` False, depth 0, a depth given is an
+   error) and ``num_speculative_tokens = max(1, width - 1)`` (a beam request's leaves).
    Setting it here, before the ``VllmConfig`` exists, is the only safe place: the scheduler (``num_spec_tokens``, ``num_lookahead_tokens``,
    token budget), the worker's runner (buffers, rejection-sampler/metrics sizes) and the spec-decoding stats are
    built from the pickled config in other processes and must all agree;
@@ -28,12 +30,11 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, METHOD, DSBDConfig
+from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, DEFAULT_DEPTH, METHOD, DSBDConfig
 from vllm_dsbd.patches._patching import when_imported, wrap_method
 
 PATCH_ID = "dsbd_knobs"
 MODULE = "vllm.engine.arg_utils"
-DEFAULT_DEPTH = DSBDConfig().depth
 # SpeculativeConfig settings that change the slot layout of a request; DSBD's forest layout needs them off
 UNSUPPORTED = {
     "num_speculative_tokens_per_batch_size": None,
@@ -69,7 +70,8 @@ def merged_speculative_dict(engine_args: Any) -> dict[str, Any]:
 def split_dsbd(spec: dict[str, Any], additional_config: Mapping[str, Any] | None, spec_fields: set[str]):
     """Splits a merged ``speculative_config`` dict of method "dsbd" into (vLLM's part, DSBDConfig).
 
-    vLLM's part has ``num_speculative_tokens = width * depth + width - 1``. Raises ValueError naming the offending key.
+    vLLM's part has ``num_speculative_tokens = width * depth + width - 1`` (``max(1, width - 1)`` without a draft
+    model). Raises ValueError naming the offending key.
     """
     spec = dict(spec)
     knobs = {k: spec.pop(k) for k in list(spec) if k not in spec_fields}
@@ -90,19 +92,23 @@ def split_dsbd(spec: dict[str, Any], additional_config: Mapping[str, Any] | None
                 )
             knobs[key] = value
 
+    draft = spec.get("model") is not None
+    if knobs.get("draft", draft) != draft:
+        raise ValueError(
+            f"DSBD 'draft'={knobs['draft']!r} disagrees with speculative_config['model']={spec.get('model')!r} (an "
+            "engine has a draft model exactly when 'model' / --spec-model names one); leave 'draft' out"
+        )
+    knobs["draft"] = draft
     depth = spec.get("num_speculative_tokens")
     if depth is not None and knobs.get("depth", depth) != depth:
         raise ValueError(
             f"DSBD 'depth'={knobs['depth']!r} disagrees with num_speculative_tokens={depth!r} (which is the DSBD "
             "draft depth); give one of them"
         )
-    knobs["depth"] = depth if depth is not None else knobs.get("depth", DEFAULT_DEPTH)
+    # no depth given: DEFAULT_DEPTH with a draft model, 0 without (DSBDConfig refuses a depth without a draft)
+    knobs["depth"] = depth if depth is not None else knobs.get("depth", DEFAULT_DEPTH if draft else 0)
     cfg = DSBDConfig.from_dict(knobs)
 
-    if spec.get("model") is None:
-        raise ValueError(
-            f"speculative method {METHOD!r} needs a draft model: set speculative_config['model'] or --spec-model"
-        )
     for key, off in UNSUPPORTED.items():
         if spec.get(key, off) != off:
             raise ValueError(f"speculative_config[{key!r}] is not supported with method {METHOD!r}")
@@ -144,7 +150,7 @@ def _patch(mod: types.ModuleType) -> None:
                 for attr, value in saved.items():
                     setattr(self, attr, value)
             self.additional_config = {**(self.additional_config or {}), ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
-            if importlib.util.find_spec("vllm_dsbd.engine") is None:
+            if cfg.draft and importlib.util.find_spec("vllm_dsbd.engine") is None:
                 logger.warning_once(
                     "DSBD engine (vllm_dsbd.engine) not installed: running vLLM's draft-model speculation with "
                     "%d linear draft tokens (width*depth + width-1) instead of the DSBD forest",

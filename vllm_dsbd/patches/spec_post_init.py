@@ -6,6 +6,12 @@ it does not know. For "dsbd" the wrapper runs the original with ``method = "draf
 If vLLM's auto-detection turned the draft into something else (its path contains "eagle-", "eagle3", "dflash",
 "dspark", or its config is a Medusa/MLP-speculator/MTP checkpoint), "dsbd" is refused: DSBD needs a plain causal LM
 draft sharing the target's vocabulary.
+
+A "dsbd" config without ``model`` is an engine without a draft model: vLLM's ``__post_init__`` has nothing to build
+for it (after inferring the method it only builds the draft's configs, config/speculative.py:692-1050) and
+would raise "num_speculative_tokens was provided but without speculative model" (:692-732), so the original is not
+run: ``draft_model_config`` and ``draft_parallel_config`` stay None and ``prompt_lookup_min/max`` are 0, as for a
+draft model.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ def _patch(sp: types.ModuleType) -> None:
         def __post_init__(self):
             if self.method != METHOD:
                 return orig(self)
+            if self.model is None:  # an engine without a draft model: no draft configs to build
+                self.prompt_lookup_min = self.prompt_lookup_max = 0
+                return self
             self.method = DRAFT_MODEL
             try:
                 result = orig(self)

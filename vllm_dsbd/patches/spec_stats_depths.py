@@ -17,7 +17,9 @@ the scheduler actually scheduled: its ``-1`` placeholders are not drafts, and a 
 draft) and accepted tokens (layers passed) are counted as vLLM
 counts them; accepted-per-position counts layers passed (position p: passed depth p + 1). ``num_draft_tokens_per_pos``
 (read nowhere in vLLM 0.26) stays zero: the scheduler does not know a forest's depth from its node count. Non-DSBD
-engines call the original. The Prometheus counters are sized to match by patch ``spec_stats_prometheus``.
+engines call the original. The Prometheus counters are sized to match by patch ``spec_stats_prometheus``. An engine
+without a draft model (depth 0) drafts nothing: the leaves its beam requests schedule in the draft slots are not
+drafts, so it makes no spec-decode statistics at all (vLLM's counters stay 0).
 
 When it can go: vLLM lets a speculative method describe its drafts as a tree (positions = depths), or DSBD reports its
 own depth statistics to the scheduler.
@@ -52,6 +54,8 @@ def _patch(mod: types.ModuleType) -> None:
             depth = getattr(self, "_dsbd_depth", None)
             if depth is None:
                 depth = self._dsbd_depth = DSBDConfig.from_vllm_config(self.vllm_config).depth
+            if depth == 0:  # no draft model: a beam request's leaves ride in the draft slots, nothing is drafted
+                return spec_decoding_stats
             sched = getattr(self, "_dsbd_scheduler_output", None)
             drafts = sched.scheduled_spec_decode_tokens.get(request_id) if sched is not None else None
             if drafts is not None:  # the nodes actually drafted: vLLM's -1 placeholders are not drafts

@@ -1,4 +1,4 @@
-"""Patch: ``SpeculativeConfig.uses_draft_model()`` is true for "dsbd".
+"""Patch: ``SpeculativeConfig.uses_draft_model()`` is true for "dsbd" with a draft model.
 
 DSBD rides on vLLM's draft-model path: every call site below must treat "dsbd" as "draft_model" (vLLM 0.26):
 
@@ -13,6 +13,10 @@ DSBD rides on vLLM's draft-model path: every call site below must treat "dsbd" a
   drafter writes beyond the scheduled tokens).
 * ``config/speculative.py``: ``max_num_new_slots_for_drafting`` (one extra slot per request for draft models) and
   the ``use_heterogeneous_vocab`` check.
+
+A "dsbd" engine without a draft model (no ``model``; patch ``spec_post_init``) is not a draft-model engine: False, so
+no draft model is loaded, no draft KV cache or lookahead slots are allocated and no drafter dummy run is made. (vLLM's
+runner then knows no drafter for the method; ``engine/runner.py`` handles that.)
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def apply() -> None:
 def _patch(sp: types.ModuleType) -> None:
     def make(orig):
         def uses_draft_model(self) -> bool:
-            return self.method == METHOD or orig(self)
+            return (self.method == METHOD and self.model is not None) or orig(self)
 
         return uses_draft_model
 
