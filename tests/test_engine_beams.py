@@ -1,4 +1,4 @@
-"""Beam search inside the DSBD engine (γ = 0: no draft on beam requests), real vLLM 0.26.0 on CPU, temperature 0.
+"""Beam search and beam sampling inside the DSBD engine, real vLLM 0.26.0 on CPU.
 
 Tiny random Llama target of ``test_engine_greedy.py``, with the tokenizer's EOS moved (in a copy of the folder, as
 ``test_engine_stops.py`` does) to a token greedy decoding emits early, so beams really finish on EOS. Oracle: vLLM's
@@ -17,7 +17,11 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
 * a token budget too small for every leaf (6 tokens per step): a beam step split over several target passes gives
   the same beams;
 * bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs)
-  raise a ValueError naming the parameter, and a good request afterwards still works.
+  raise a ValueError naming the parameter, and a good request afterwards still works;
+* beam sampling (T = 1, seeded) with forests: with the target as its own draft nearly every layer passes (<= 0.5
+  target passes per beam step) and a rerun repeats the beams; with the truncated draft, fixed width emits W pairs on
+  every drafted layer and dynamic width (``dsbd_beam.dynamic_width``) chooses narrower layers; every returned beam's
+  cumulative log-probability is the Hugging Face target's (the law itself: ``test_engine_beam_forest_law.py``).
 """
 from __future__ import annotations
 
@@ -75,6 +79,40 @@ def _beam_search_no_draft(llm, prompts, width, lp, eos):
     bp = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=lp)
     params = [_no_draft(beam_request_params(bp, eos, len(p), 256, WIDTH)) for p in prompts]
     return _read(llm, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+
+
+def _sampled_beams(llm, eos, seed0: int, dynamic: bool = False):
+    """Seeded beam sampling requests at temperature 1 (W = 4, one per short prompt, seeds ``seed0``, ``seed0 + 1``..),
+    with the engine's counters and layer-width histogram over them: (beams per prompt, counter deltas)."""
+    def counters():
+        widths = [m for m in llm.get_metrics() if m.name == "vllm:dsbd_layer_width"]
+        c = {k: metric(llm, f"vllm:dsbd_beam_{k}") or 0 for k in ("target_passes", "steps", "layers_passed")}
+        return {**c, "drafted_layers": sum(m.count for m in widths), "width_sum": sum(m.sum for m in widths)}
+
+    params = [vllm.SamplingParams(temperature=1.0, seed=seed0 + k, max_tokens=MAX_TOKENS * (WIDTH + 1) + 2,
+                                  ignore_eos=True, detokenize=False,
+                                  extra_args={"dsbd_beam": {"width": WIDTH, "max_tokens": MAX_TOKENS,
+                                                            "eos_token_id": eos, "dynamic_width": dynamic}})
+              for k in range(len(SHORT))]
+    before = counters()
+    outs = llm.generate([{"prompt_token_ids": p} for p in SHORT], params, use_tqdm=False)
+    after = counters()
+    return _read(llm, SHORT, outs), {k: after[k] - before[k] for k in after}
+
+
+def _assert_target_logprobs(beams, folder):
+    """Every beam's cumulative log-probability is the target's (Hugging Face model) log-probability of its tokens,
+    to 1e-3: the K/V and positions of every step were right, whichever pass (or forest layer) computed it."""
+    fn = next_token_logits_fn(load_hf(folder))
+    for prompt, per_prompt in zip(SHORT, beams):
+        assert 1 <= len(per_prompt) <= WIDTH
+        for tokens, cum in per_prompt:
+            gen = tokens[len(prompt):]
+            assert tokens[: len(prompt)] == prompt and 0 < len(gen) <= MAX_TOKENS
+            with torch.no_grad():
+                lp = sum(float(torch.log_softmax(fn(torch.tensor([tokens[:i]]))[0].double(), -1)[tokens[i]])
+                         for i in range(len(prompt), len(tokens)))
+            assert abs(lp - cum) < 1e-3, (tokens, lp, cum)
 
 
 def _greedy_params():
@@ -167,6 +205,9 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         bad.append(str(err.value))
         out["bad"] = bad
         out["after_bad"] = _beam_search(llm, SHORT[:1], 2, 0.8)
+        # beam sampling (T = 1) with forests: fixed width, then the paper's dynamic width
+        out["t1_fixed"] = _sampled_beams(llm, eos, 0)
+        out["t1_dynamic"] = _sampled_beams(llm, eos, 0, dynamic=True)
         yield out
     finally:
         shutdown(llm)
@@ -243,20 +284,21 @@ def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain)
 def self_draft(setup, dsbd):  # after dsbd: one engine at a time
     """DSBD full width with the target as its own draft: the draft's beam search is the target's, so (up to float
     rounding between the draft's and the target's passes) every forest layer passes."""
-    folder, _, _ = setup
+    folder, _, eos = setup
     llm = _llm(folder, max_num_seqs=8,
                speculative_config={"method": "dsbd", "model": str(folder), "num_speculative_tokens": DEPTH,
                                    "width": WIDTH})
     try:
         beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
-        yield beams, {k: metric(llm, f"vllm:dsbd_beam_{k}") for k in
-                      ("target_passes", "steps", "draft_nodes", "layers_passed")}
+        m = {k: metric(llm, f"vllm:dsbd_beam_{k}") for k in ("target_passes", "steps", "draft_nodes", "layers_passed")}
+        t1 = [_sampled_beams(llm, eos, 7) for _ in range(2)]  # the same seeds twice
+        yield beams, m, t1
     finally:
         shutdown(llm)
 
 
 def test_full_width_forest_with_a_perfect_draft(self_draft, plain):
-    beams, m = self_draft
+    beams, m, _ = self_draft
     for case in CASES:
         _assert_same_beams(beams[case], plain["beams"][case])
     # depth 3: up to 4 beam steps per target pass; the first step of a request (after its prefill) and the steps
@@ -264,6 +306,32 @@ def test_full_width_forest_with_a_perfect_draft(self_draft, plain):
     assert m["layers_passed"] > 0 and m["draft_nodes"] >= m["layers_passed"] * 2
     assert m["steps"] == m["target_passes"] + m["layers_passed"]
     assert m["target_passes"] / m["steps"] <= 0.5, m
+
+
+def test_beam_sampling_with_a_perfect_draft(self_draft, setup):
+    # T = 1, W = 4, depth 3: with Q = P (up to rounding) nearly every draft is accepted, so nearly every layer passes
+    (first, c), (again, _) = self_draft[2]
+    print("T = 1 beam sampling, the target as its own draft:", c)
+    assert c["layers_passed"] > 0 and c["steps"] == c["target_passes"] + c["layers_passed"]
+    assert c["target_passes"] / c["steps"] <= 0.5, c
+    assert c["drafted_layers"] > 0 and c["width_sum"] == WIDTH * c["drafted_layers"]  # fixed width: K = W
+    assert [[t for t, _ in b] for b in again] == [[t for t, _ in b] for b in first]  # seeded: repeats
+    assert all(len(b) == WIDTH for b in first)
+    _assert_target_logprobs(first, setup[0])
+
+
+def test_beam_sampling_fixed_and_dynamic_width(dsbd, setup):
+    (fixed, cf), (dynamic, cd) = dsbd["t1_fixed"], dsbd["t1_dynamic"]
+    print("T = 1 beam sampling, fixed width:", cf, "dynamic width:", cd)
+    for c in (cf, cd):
+        assert c["steps"] == c["target_passes"] + c["layers_passed"] and c["drafted_layers"] > 0
+    assert cf["width_sum"] == WIDTH * cf["drafted_layers"]  # fixed width: every drafted layer emits W pairs
+    assert cd["width_sum"] < WIDTH * cd["drafted_layers"]  # dynamic width: some layers chose K < W
+    assert [[t for t, _ in b] for b in fixed] != [[t for t, _ in b] for b in dynamic]
+    # fixed width keeps W beams; dynamic width may end a request with fewer (a last layer of width K < W)
+    assert all(len(b) == WIDTH for b in fixed)
+    _assert_target_logprobs(fixed, setup[0])
+    _assert_target_logprobs(dynamic, setup[0])
 
 
 @pytest.fixture(scope="module")
