@@ -1,21 +1,25 @@
 """Beam search: vLLM's ``LLM.beam_search`` (its front-end loop) against beam search inside the DSBD engine, without
 a draft (γ = 0) and with DSBD's draft forests (full width, γ = the engine's depth).
 
-One script, the rows side by side on the same prompts and weights (float32 on CPU), temperature 0, one engine at a
-time, prefix caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam every step):
+One script, the rows side by side on the same prompts and weights (float32 on CPU), one engine at a time, prefix caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam every step):
 
 * ``vllm beam_search W``: a plain engine, ``LLM.beam_search`` (per token, one engine request per live beam);
 * ``in-engine beam search W (γ = 0)``: a DSBD engine, one engine request per prompt (the beams a trie in the
   request's KV slots), draft depth 0 on the request (``extra_args["dsbd_beam"]["depth"]``): no forest;
 * ``DSBD full width W γ = G``: the same engine and requests with the engine's draft depth: the draft beam-searches G
-  steps ahead of the live beams and one target pass verifies the forest (``LLM.beam_search`` takes this path).
+  steps ahead of the live beams and one target pass verifies the forest (``LLM.beam_search`` takes this path);
+* ``--sampling``: beam sampling at temperature 1 (seeded): in-engine γ = 0, and DSBD full width with fixed width
+  (each layer exact: target beam sampling) and with the paper's dynamic width (``dsbd_beam.dynamic_width``);
+* ``--self-draft``: DSBD full width with the target as its own draft (the acceptance ceiling);
+* ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model.
 
 Reported per row: wall seconds, best-beam tokens per second, target passes (vLLM's loop: engine requests it made,
 from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), target passes per beam step (in-engine:
 ``vllm:dsbd_beam_target_passes / vllm:dsbd_beam_steps``, counted by the engine), and KV blocks held per request
 (in-engine: measured, ``vllm:dsbd_beam_kv_blocks``; vLLM's loop: its W live beams each hold their prompt + tokens,
 shared prompt blocks counted once: computed from the outputs, stated as such), against one plain request of the same
-prompt and length. Whether the rows return the same beams is checked and printed.
+prompt and length, and the quality of the best beam (its target log-probability per token). Whether the T = 0 rows
+return vLLM's beams is checked and printed.
 
     python benchmarks/beams.py                 # SmolLM2-135M-Instruct, 8 ShareGPT prompts, W = 4, 32 tokens
     python benchmarks/beams.py --tiny          # the tiny random Llama (a smoke run)
@@ -53,8 +57,9 @@ _COUNTERS = ("vllm:request_success", "vllm:dsbd_beam_target_passes", "vllm:dsbd_
              "vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
 
 
-def _beam_search(llm, prompts, bp, depth):
-    """``LLM.beam_search``, or (``depth`` given, a DSBD engine) the same engine requests with that draft depth."""
+def _beam_search(llm, prompts, bp, depth, dynamic=False):
+    """``LLM.beam_search``, or (``depth`` given, a DSBD engine) the same engine requests with that draft depth (-1:
+    the engine's), seeded 0, 1, .. at temperature > 0, with dynamic width if asked."""
     if depth is None:
         return llm.beam_search([{"prompt_token_ids": p} for p in prompts], bp, use_tqdm=False)
     from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params
@@ -63,26 +68,32 @@ def _beam_search(llm, prompts, bp, depth):
     eos = llm.get_tokenizer().eos_token_id
     params = [beam_request_params(bp, eos, len(p), cfg.model_config.max_model_len,
                                   cfg.additional_config["dsbd"]["width"]) for p in prompts]
-    for sp in params:
-        sp.extra_args["dsbd_beam"]["depth"] = depth
+    for k, sp in enumerate(params):
+        if depth >= 0:
+            sp.extra_args["dsbd_beam"]["depth"] = depth
+        sp.extra_args["dsbd_beam"]["dynamic_width"] = dynamic
+        sp.seed = k
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tok = llm.get_tokenizer()
     return [beam_outputs({"type": "token", "prompt_token_ids": p}, o, tok) for p, o in zip(prompts, outs)]
 
 
-def _run(llm, prompts, width, max_tokens, depth=None):
+def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False):
     from vllm.sampling_params import BeamSearchParams
 
-    bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
+    bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens, temperature=temperature)
     _beam_search(llm, prompts[:1], BeamSearchParams(beam_width=width, max_tokens=2), depth)  # warm-up
     c0 = {k: _value(llm, k) for k in _COUNTERS}
     t0 = time.perf_counter()
-    outs = _beam_search(llm, prompts, bp, depth)
+    outs = _beam_search(llm, prompts, bp, depth, dynamic)
     secs = time.perf_counter() - t0
     c = {k.split(":")[1]: _value(llm, k) - c0[k] for k in _COUNTERS}
     best = [list(o.sequences[0].tokens[len(p):]) for o, p in zip(outs, prompts)]
     beams = [[list(s.tokens) for s in o.sequences] for o in outs]
-    return dict(seconds=secs, best=best, beams=beams, requests=c["request_success"],
+    # quality: the best beam's log-probability per token under the target (raw, temperature 1)
+    lp = sum(o.sequences[0].cum_logprob for o in outs) / max(1, sum(len(b) for b in best))
+    return dict(seconds=secs, best=best, beams=beams, requests=c["request_success"], logprob_per_token=lp,
+                temperature=temperature,
                 beam_passes=c["dsbd_beam_target_passes"], beam_steps=c["dsbd_beam_steps"],
                 draft_nodes=c["dsbd_beam_draft_nodes"], layers_passed=c["dsbd_beam_layers_passed"])
 
@@ -98,6 +109,11 @@ def main(argv=None) -> int:
     ap.add_argument("--self-draft", action="store_true",
                     help="also run DSBD full width with the target as its own draft (the acceptance ceiling: every "
                          "forest layer passes; it costs a second target per draft pass)")
+    ap.add_argument("--sampling", action="store_true",
+                    help="also run beam sampling at temperature 1: in-engine γ = 0, DSBD full width with fixed and "
+                         "with dynamic width (seeded; not compared with vLLM's loop, which ranks beams greedily)")
+    ap.add_argument("--no-draft-engine", action="store_true",
+                    help="also run LLM.beam_search on a DSBD engine started without a draft model")
     ap.add_argument("--loop-without-prefix-caching", action="store_true",
                     help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
@@ -131,28 +147,38 @@ def main(argv=None) -> int:
               block_size=bs, disable_log_stats=False, max_num_seqs=64)
     rows = []
     G = args.depth
-    # (label, engine, draft depth on the request: None = LLM.beam_search as the user calls it)
-    runs = [("vllm beam_search", "plain", None), ("in-engine beam search (γ = 0)", "dsbd", 0),
-            (f"DSBD full width γ = {G}", "dsbd", None)]
+    # (label, engine, draft depth on the request: None = LLM.beam_search as the user calls it, -1 = the engine's;
+    #  temperature, dynamic width)
+    runs = [("vllm beam_search", "plain", None, 0.0, False), ("in-engine beam search (γ = 0)", "dsbd", 0, 0.0, False),
+            (f"DSBD full width γ = {G}", "dsbd", None, 0.0, False)]
+    if args.sampling:
+        runs += [("in-engine beam sampling T = 1 (γ = 0)", "dsbd", 0, 1.0, False),
+                 (f"DSBD full width γ = {G} T = 1, fixed width", "dsbd", -1, 1.0, False),
+                 (f"DSBD full width γ = {G} T = 1, dynamic width", "dsbd", -1, 1.0, True)]
     if args.self_draft:
-        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", None))
+        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", None, 0.0, False))
+        if args.sampling:
+            runs.append((f"DSBD full width γ = {G} T = 1, the target as its own draft,", "dsbd-self", -1, 1.0,
+                         False))
+    if args.no_draft_engine:
+        runs.append(("beam search on a DSBD engine without a draft model,", "nodraft", None, 0.0, False))
     if args.loop_without_prefix_caching:
-        runs.append(("vllm beam_search, no prefix caching,", "plain-nocache", None))
+        runs.append(("vllm beam_search, no prefix caching,", "plain-nocache", None, 0.0, False))
 
     def dsbd(d):
         return dict(speculative_config={"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W})
 
     engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
-               "dsbd-self": dsbd(target)}
+               "dsbd-self": dsbd(target), "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
     llm, current = None, None
-    for label, engine, depth in tqdm(runs, desc="rows", unit="row"):
+    for label, engine, depth, temp, dynamic in tqdm(runs, desc="rows", unit="row"):
         if engine != current:
             if llm is not None:
                 shutdown(llm)
             llm, current = vllm.LLM(model=str(target), **{**kw, **engines[engine]}), engine
         blocks0 = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         b0 = (blocks0.sum, blocks0.count) if blocks0 is not None else (0.0, 0)
-        r = _run(llm, prompts, W, N, depth)
+        r = _run(llm, prompts, W, N, depth, temp, dynamic)
         blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         n_b = blocks.count - b0[1] if blocks is not None else 0
         r["measured_blocks"] = (blocks.sum - b0[0]) / n_b if n_b else None
@@ -169,13 +195,15 @@ def main(argv=None) -> int:
             r["blocks"], r["blocks_how"] = r["measured_blocks"], "measured (vllm:dsbd_beam_kv_blocks)"
         else:  # vLLM's loop without prefix caching: every beam holds its own prompt too
             r["blocks"], r["blocks_how"] = W * plain_blocks, "computed: W beams x (prompt + tokens)"
-    same = [sum(a == b for a, b in zip(rows[0]["beams"], r["beams"])) for r in rows[1:]]
+    same = [sum(a == b for a, b in zip(rows[0]["beams"], r["beams"])) if r["temperature"] == 0 else None
+            for r in rows[1:]]
     lines = [f"# Beam search W = {W}: vLLM's front-end loop vs in the DSBD engine", "",
-             f"{name}, {prompt_desc} (first {len(prompts)}), {N} tokens, temperature 0, float32, "
+             f"{name}, {prompt_desc} (first {len(prompts)}), {N} tokens, temperature 0 (T = 1 rows: beam sampling, "
+             f"seeds 0..{len(prompts) - 1}), float32, "
              f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on.", "",
              "| row | wall s | best-beam tok/s | target passes | target passes per beam step | forest layers passed "
-             "/ draft nodes | KV blocks / request | vs one plain request |",
-             "|---|---|---|---|---|---|---|---|"]
+             "/ draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         toks = sum(len(b) for b in r["best"])
         passes = r["beam_passes"] if r["beam_passes"] else r["requests"]
@@ -183,14 +211,15 @@ def main(argv=None) -> int:
         forest = f"{r['layers_passed']:.0f} / {r['draft_nodes']:.0f}" if r["beam_steps"] else "-"
         blocks = r["blocks"]
         lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {passes:.0f} | {per_step} | "
-                     f"{forest} | {blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x |")
+                     f"{forest} | {blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x | "
+                     f"{r['logprob_per_token']:.3f} |")
     rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]
     speed = rate[1] / rate[0]
     extra_rows = "".join(f" {rows[2]['label']} / {r['label']}: {rate[2] / x:.1f}x." for r, x in zip(rows, rate)
                          if r is not rows[2])
     lines += ["", f"Best-beam tokens per second, in-engine (γ = 0) / vLLM loop: **{speed:.1f}x**.{extra_rows} Same "
               f"beams (tokens and order) as vLLM's loop, of {len(prompts)} prompts: "
-              + ", ".join(f"{r['label']} {n}" for r, n in zip(rows[1:], same))
+              + ", ".join(f"{r['label']} {n}" for r, n in zip(rows[1:], same) if n is not None)
               + f". One plain request of the same prompt and length holds {plain_blocks:.1f} blocks. Draft: "
               f"{draft_desc}.", "",
               f"Command: `python benchmarks/beams.py {' '.join(argv if argv is not None else sys.argv[1:])}`"]
