@@ -1,7 +1,8 @@
 """Beam search: vLLM's ``LLM.beam_search`` (its front-end loop) against beam search inside the DSBD engine, without
 a draft (γ = 0) and with DSBD's draft forests (full width, γ = the engine's depth).
 
-One script, the rows side by side on the same prompts and weights (float32 on CPU), one engine at a time, prefix caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam every step):
+One script, the rows side by side on the same prompts and weights (float32 on CPU), one engine at a time, prefix
+caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam every step):
 
 * ``vllm beam_search W``: a plain engine, ``LLM.beam_search`` (per token, one engine request per live beam);
 * ``in-engine beam search W (γ = 0)``: a DSBD engine, one engine request per prompt (the beams a trie in the

@@ -9,8 +9,9 @@ few steps ahead of the W live beams of every beam request of the step, in one dr
   them (cumulative log-probabilities, EOS finishing a beam so never continued), the W best (beam, token) pairs of the
   joint. T > 0: W pairs drawn without replacement from the draft's beam-sampling joint Q (``core.beam_step``, keyed
   by the request's seed and the tokens' position), in draw order, with Q kept for the exact verification
-  (``BeamRequest.step``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths (node c of the forest at slot
-  ``P + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under forest attention.
+  (``BeamRequest.step``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths
+  (node c of the forest at slot ``P + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under
+  forest attention.
 
 The forest goes back to the request (``BeamRequest.forest``); its tokens follow the remaining leaves as the request's
 draft tokens, so the target computes them with the leaves in the next pass and ``BeamRequest.step`` verifies them.

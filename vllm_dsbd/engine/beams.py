@@ -8,8 +8,8 @@ leaves (the live beams' last tokens) are always its last nodes: leaf 0 is vLLM's
 and leaves 1.. are scheduled as the request's "draft tokens". A leaf's RoPE position is ``P - 1 + depth`` and its
 attention sees the prompt and its own ancestors (``attention.ForestBatch`` with context P over the trie).
 
-After each step the draft model beam-searches (T = 0) or beam-samples (T > 0) a forest a few steps ahead of the live beams
-(``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot ``P + len(trie) + c``) and
+After each step the draft model beam-searches (T = 0) or beam-samples (T > 0) a forest a few steps ahead of the live
+beams (``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot ``P + len(trie) + c``) and
 scheduled as draft tokens after the leaves, so one target pass computes the leaves and the forest together.
 
 One beam step, when the logits of every leaf are in (:meth:`BeamRequest.step`):

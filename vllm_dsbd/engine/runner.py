@@ -366,9 +366,10 @@ class DSBDRunnerMixin:
         return out
 
     def _beam_draft_job(self, i: int, st, num_leaf_drafts: int) -> BeamDraftJob | None:
-        """The draft job of a beam request after a full step: depth up to the steps left (and the request's ``depth``), nodes up to the draft slots left after the
-        leaves and the KV blocks the request owns now (the drafter writes the forest's draft K/V). Without a pinned
-        depth, drafting pauses after forests that passed no layer (``BeamRequest.draft_skip``): the beams do not
+        """The draft job of a beam request after a full step (T = 0: the draft's beam search; T > 0: its beam
+        sampling): depth up to the steps left (and the request's ``depth``), nodes up to the draft slots left after
+        the leaves and the KV blocks the request owns now (the drafter writes the forest's draft K/V). Without a
+        pinned depth, drafting pauses after forests that passed no layer (``BeamRequest.draft_skip``): the beams do not
         depend on it (every beam step is the target's), only the cost does."""
         if not self.dsbd_cfg.draft:  # an engine without a draft model drafts no forest
             return None
