@@ -13,6 +13,7 @@ import torch
 import triton
 
 from .._utils import check_device, check_launchable, require
+from .batched import forest_attention_batched
 from .dummy import ForestAttentionInputs, beam_forest_parents
 from .kernel import forest_attention_kernel
 from .mask import WORD_BITS, ancestor_bitmask, num_mask_words, unpack_bitmask
@@ -24,6 +25,7 @@ __all__ = [
     "ancestor_bitmask",
     "beam_forest_parents",
     "forest_attention",
+    "forest_attention_batched",
     "forest_attention_ref",
     "num_mask_words",
     "unpack_bitmask",

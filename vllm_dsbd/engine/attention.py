@@ -10,9 +10,10 @@ paged cache and written over the causal ones.
 The wrapping is an in-place subclass of each layer's ``impl`` object (:func:`install`), done by the DSBD runner on its
 own model's layers after loading; vLLM's classes are not modified. On CUDA the recompute is the Triton kernel
 ``dsbd_kernels.forest_attention.forest_attention`` over ``kv.layer_planes`` of the layer's cache as they are (no
-copy). Elsewhere (CPU), or with ``VLLM_DSBD_FOREST_ATTENTION=ref``, it is the kernel's torch reference
-``forest_attention_ref`` over a compact copy of the blocks the forest requests use (the CPU cache layout is not the
-kernels' layout, see ``kv.py``).
+copy). Elsewhere (CPU) it is ``forest_attention_batched``, the requests of the pass padded and computed together in
+torch; with ``VLLM_DSBD_FOREST_ATTENTION=ref`` the kernel's per-request torch reference ``forest_attention_ref`` over
+a compact copy of the blocks the forest requests use (the CPU cache layout is not the kernels' layout, see
+``kv.py``).
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_ref
+from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_batched, forest_attention_ref
 
-# "kernel" (default: the Triton kernel on CUDA, the reference elsewhere) or "ref" (the reference everywhere)
+# "kernel" (default: the Triton kernel on CUDA, batched torch elsewhere) or "ref" (the per-request reference everywhere)
 _IMPL = os.environ.get("VLLM_DSBD_FOREST_ATTENTION", "kernel")
 
 from .kv import layer_planes
@@ -133,18 +134,20 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
         output[b.token_index] = out.to(output.dtype)
         return
     batch = batch.to(query.device)
-    bs = k_plane.shape[1]
-    bt = block_table[batch.req_rows].long()
-    need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
-    used = bt[:, :need]
-    # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
-    # plane would copy the whole cache
-    uniq, local = torch.unique(used, return_inverse=True)
-    k_small = k_plane[uniq].contiguous()
-    v_small = v_plane[uniq].contiguous()
     q = query[batch.token_index]
-    out = forest_attention_ref(q, k_small, v_small, local.to(torch.int32), batch.cu_seqlens_q,
-                               batch.context_lens, batch.forest_lens, batch.ancestor_mask, scale)
+    bt = block_table[batch.req_rows]
+    if _IMPL == "ref":
+        bs = k_plane.shape[1]
+        need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
+        # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
+        # plane would copy the whole cache
+        uniq, local = torch.unique(bt[:, :need].long(), return_inverse=True)
+        out = forest_attention_ref(q, k_plane[uniq].contiguous(), v_plane[uniq].contiguous(), local.to(torch.int32),
+                                   batch.cu_seqlens_q, batch.context_lens, batch.forest_lens, batch.ancestor_mask,
+                                   scale)
+    else:  # requests batched (it gathers the used blocks by block id: no copy of a strided plane)
+        out = forest_attention_batched(q, k_plane, v_plane, bt, batch.cu_seqlens_q, batch.context_lens,
+                                       batch.forest_lens, batch.ancestor_mask, scale)
     output[batch.token_index] = out.to(output.dtype)
 
 
