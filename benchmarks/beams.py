@@ -216,9 +216,9 @@ def main(argv=None) -> int:
                      f"{r['logprob_per_token']:.3f} |")
     rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]
     speed = rate[1] / rate[0]
-    extra_rows = "".join(f" {rows[2]['label']} / {r['label']}: {rate[2] / x:.1f}x." for r, x in zip(rows, rate)
-                         if r is not rows[2])
-    lines += ["", f"Best-beam tokens per second, in-engine (γ = 0) / vLLM loop: **{speed:.1f}x**.{extra_rows} Same "
+    extra_rows = "; ".join(f"{r['label']} {x / rate[0]:.1f}x" for r, x in zip(rows[2:], rate[2:]))
+    lines += ["", f"Best-beam tokens per second, in-engine (γ = 0) / vLLM loop: **{speed:.1f}x**; the other rows / vLLM "
+              f"loop: {extra_rows}. Same "
               f"beams (tokens and order) as vLLM's loop, of {len(prompts)} prompts: "
               + ", ".join(f"{r['label']} {n}" for r, n in zip(rows[1:], same) if n is not None)
               + f". One plain request of the same prompt and length holds {plain_blocks:.1f} blocks. Draft: "
