@@ -1,5 +1,6 @@
-"""``engine/beams.py`` without vLLM: the settings a beam request may give, and one full-width step at T = 0 over a
-hand-made forest (which layers pass, which nodes are kept and where they move, what goes back to vLLM)."""
+"""``engine/beams.py`` without vLLM: the settings a beam request may give (also as a JSON string), one full-width step
+at T = 0 over a hand-made forest (which layers pass, which nodes are kept and where they move, what goes back to vLLM),
+and the settled prefix vLLM outputs for the request after each step."""
 from __future__ import annotations
 
 import pytest
@@ -69,3 +70,40 @@ def test_full_width_step_passes_a_layer_then_compacts():
     out = beam.step(None, torch.stack([_row(), _row()]))
     assert (out.layers_passed, beam.steps, beam.draft_skip) == (0, 4, 1)
     assert beam.tokens == [3, 1, 2, 4, 7, 5, 6] and out.moves == [] and out.row == [7, 5]
+
+
+def test_settled_prefix_waits_for_finished_beams_that_may_still_be_returned():
+    """``BeamRequest.settle``: what vLLM outputs for a beam request after each step. A finished beam among the n best
+    holds the prefix back even when every live beam agrees; once it drops out of the n best (it never comes back), the
+    live beams' common prefix is settled; at the end, the rest of the best beam."""
+    beam = BeamRequest(BeamParams(width=2, max_tokens=4, eos_token_id=7), P, temperature=0.0, seed=0)
+    paths = lambda: [beam._path(b.node)[0] for b in beam.live]  # noqa: E731
+    # step 1: beams "3" and "5"; "7" (EOS) finishes as a beam of its own
+    beam.partial(_row(t3=10.0, t5=9.5, t7=8.0)[None])
+    beam.step(7)
+    assert paths() == [[3], [5]] and [f.tokens for f in beam.finished] == [[7]]
+    assert beam.settle() == []
+    # step 2: both new beams hang from "3", but the finished [7] is still one of the 2 best: nothing settles
+    beam.partial(torch.stack([_row(t1=10.0, t2=9.9, t0=1.0, t4=1.0), _row(t0=1.0, t1=1.0, t2=1.0, t3=1.0)]))
+    beam.step(7)
+    assert paths() == [[3, 1], [3, 2]] and [f.tokens for f in beam.best()] == [[7]]
+    assert beam.settle() == []
+    # step 3: [3, 1, EOS] and [3, 2, EOS] finish, both better than [7], which drops out of the 2 best: "3" settles
+    beam.partial(torch.stack([_row(t7=20.0, t0=1.0, t1=1.0, t2=1.0), _row(t7=20.0, t0=1.0, t1=1.0, t2=1.0)]))
+    beam.step(7)
+    assert [f.tokens for f in beam.best()] == [[3, 1, 7], [3, 2, 7]] and all(p[0] == 3 for p in paths())
+    assert beam.settle() == [3] and beam.settle() == []
+    # step 4 (max_tokens): the search ends; the rest of the best beam follows
+    beam.partial(torch.stack([_row(), _row()]))
+    out = beam.step(7)
+    assert out.finished and beam.best()[0].tokens == [3, 1, 7]
+    assert beam.settle() == [1, 7] and beam.settled == 3
+
+
+def test_beam_settings_may_be_a_json_string():
+    """The OpenAI server's ``vllm_xargs`` carry strings and numbers, not mappings: the settings as a JSON object."""
+    assert BeamParams.parse('{"width": 2, "max_tokens": 4, "n": 1}', 4) == BeamParams(width=2, max_tokens=4, n=1)
+    with pytest.raises(ValueError, match=r"must be a mapping \(or a JSON object string\)"):
+        BeamParams.parse("{width: 2}", 4)
+    with pytest.raises(ValueError, match=r"must be a mapping"):
+        BeamParams.parse("[2, 4]", 4)

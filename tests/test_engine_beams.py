@@ -154,6 +154,20 @@ def _read(llm, prompts, outs):
     return res
 
 
+def _token_list(llm, prompt, params) -> list[int]:
+    """vLLM's token list of a beam request (prompt + trie slots) before the step that finished it (its output tokens
+    are its best beam, not the trie slots). Engine core in-process."""
+    eng = llm.llm_engine
+    scheduler = eng.engine_core.engine_core.scheduler
+    eng.add_request("token-list", {"prompt_token_ids": prompt}, params)
+    tokens = None
+    while eng.has_unfinished_requests():
+        (req,) = scheduler.requests.values()
+        tokens = list(req.all_token_ids)
+        eng.step()
+    return tokens
+
+
 @pytest.fixture(scope="module")
 def dsbd(setup, plain):  # after plain: one engine at a time
     folder, draft, eos = setup
@@ -175,9 +189,7 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         # prefix caching: a plain request whose prompt is a beam request's prompt followed by the tokens of the
         # beam request's trie slots (vLLM's token list of that request) must not be served the trie blocks
         bp = BeamSearchParams(beam_width=WIDTH, max_tokens=2 * MAX_TOKENS)
-        (o,) = llm.generate([{"prompt_token_ids": CACHED}], [beam_request_params(bp, eos, len(CACHED), 256, WIDTH)],
-                            use_tqdm=False)
-        out["probe"] = CACHED + list(o.outputs[0].token_ids)[:-1]
+        out["probe"] = _token_list(llm, CACHED, beam_request_params(bp, eos, len(CACHED), 256, WIDTH))
         hits0 = metric(llm, "vllm:prefix_cache_hits") or 0
         (o,) = llm.generate([{"prompt_token_ids": out["probe"]}], _greedy_params(), use_tqdm=False)
         out["probe_tokens"] = list(o.outputs[0].token_ids)

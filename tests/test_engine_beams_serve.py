@@ -14,6 +14,12 @@ equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 
 alternatives, which vLLM's loop takes from its 2 * n candidates per step and DSBD does not keep). A width above the
 DSBD server's and a beam search that cannot fit ``max_model_len`` are 400s naming ``n`` / ``max_tokens``, and a good
 request afterwards still gets the same answer.
+
+Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
+with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
+carry strings and numbers, a mapping is a 400 from vLLM) streams the beams' settled prefix in chunks before the last
+one, a prefix of every beam the same request returns unstreamed (``kv_transfer_params["dsbd_beam"]``), and all the
+chunks together are the best beam, tokens, text and finish reason. Engine ``logprobs`` with it are a 400.
 """
 from __future__ import annotations
 
@@ -60,6 +66,20 @@ REQUESTS = [
       "temperature": 0, "max_tokens": 6, "return_token_ids": True, "logprobs": True, "top_logprobs": 0,
       "return_tokens_as_token_ids": True}),
 ]
+STREAM_TOKENS = 10
+STREAMS = [("w2", [83, 60], 2), ("w4", [10, 20, 30], 4)]  # (name, prompt, width): beams that share a long prefix
+
+
+def _beam_xargs(width):
+    return {"dsbd_beam": json.dumps({"width": width, "max_tokens": STREAM_TOKENS, "eos_token_id": EOS})}
+
+
+def _beam_cmpl(prompt, width, **kw):
+    """A completion with the beam settings in vllm_xargs (``max_tokens``: room for the trie, ``engine_tokens``)."""
+    return {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "max_tokens": STREAM_TOKENS * (width + 1) + 2,
+            "return_token_ids": True, "vllm_xargs": _beam_xargs(width), **kw}
+
+
 BAD = [  # (payload, parameter named): DSBD server only
     (_cmpl(n=8)[1], "n"),
     (_cmpl(n=WIDTH, max_tokens=100)[1], "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
@@ -88,6 +108,34 @@ def _post(base, path, payload, timeout=300):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"null")
+
+
+def _raw(base, path, payload, timeout=300):
+    """(status, body text) of a request, streamed or not."""
+    req = urllib.request.Request(base + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _stream(base, path, payload, timeout=300):
+    """The chunks of a streamed request (server-sent events up to ``[DONE]``)."""
+    req = urllib.request.Request(base + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return chunks
+            chunks.append(json.loads(line[len("data: "):]))
+    raise AssertionError(f"stream ended without [DONE] after {len(chunks)} chunks")
 
 
 def _server(cmd, env, log_path):
@@ -131,6 +179,16 @@ def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
         out["alive"] = proc.poll() is None
         with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
             out["metrics"] = r.read().decode()
+        # streamed beam requests (after the metrics: test_beams_ran_in_the_engine counts the requests above)
+        out["streams"] = {name: (_stream(base, "/v1/completions", _beam_cmpl(p, w, stream=True)),
+                                 _post(base, "/v1/completions", _beam_cmpl(p, w))) for name, p, w in STREAMS}
+        out["stream_bad"] = [
+            _raw(base, "/v1/completions", _beam_cmpl(PROMPT, 2, stream=True, logprobs=1)),
+            _raw(base, "/v1/completions", _beam_cmpl(PROMPT, 2, logprobs=1)),
+            _raw(base, "/v1/completions", _beam_cmpl(PROMPT, 2, stream=True,
+                                                     vllm_xargs={"dsbd_beam": {"width": 2, "max_tokens": 4}})),
+        ]
+        out["stream_alive"] = proc.poll() is None
         return out
 
 
@@ -193,3 +251,33 @@ def test_bad_beam_requests_are_400_and_server_keeps_serving(dsbd, plain):
     assert dsbd["alive"]
     assert dsbd["after_bad"][0] == 200
     _assert_same(dsbd["after_bad"][1], plain["n2"][1], "after_bad")
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in STREAMS])
+def test_streamed_beam_request_streams_the_settled_prefix(dsbd, name):
+    chunks, (code, whole) = dsbd["streams"][name]
+    assert code == 200, whole
+    beams = [b["token_ids"] for b in whole["kv_transfer_params"]["dsbd_beam"]]
+    best = whole["kv_transfer_params"]["dsbd_beam"][0]
+    (choice,) = whole["choices"]
+    # unstreamed, the request's choice is its best beam
+    assert choice["token_ids"] == best["token_ids"] and choice["finish_reason"] == best["finish_reason"]
+    parts = [(c["choices"][0].get("token_ids") or [], c["choices"][0]["text"], c["choices"][0]["finish_reason"])
+             for c in chunks if c["choices"]]
+    assert [r for *_, r in parts] == [None] * (len(parts) - 1) + [best["finish_reason"]]
+    before = [t for ids, *_ in parts[:-1] for t in ids]
+    assert before, parts  # tokens arrived before the request finished
+    for b in beams:  # never retracted: every beam starts with what was streamed before the end
+        assert b[: len(before)] == before, (before, beams)
+    assert before + parts[-1][0] == best["token_ids"]
+    assert "".join(t for _, t, _ in parts) == choice["text"]
+
+
+def test_streamed_beam_request_refusals(dsbd):
+    (code, body), (code2, body2), (code3, body3) = dsbd["stream_bad"]
+    # engine logprobs on a beam request: refused in the front end (streamed: the error is the stream's one event)
+    msg = "logprobs: not supported on a beam request"
+    assert code == 200 and msg in body and '"finish_reason"' not in body, body
+    assert code2 == 400 and json.loads(body2)["error"]["message"].startswith(msg), body2
+    assert code3 == 400 and "vllm_xargs" in body3, body3  # vLLM's own: no mappings in vllm_xargs
+    assert dsbd["stream_alive"]

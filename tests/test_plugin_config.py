@@ -566,6 +566,18 @@ def test_beam_depth_on_an_engine_without_a_draft_is_refused():
     assert check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 2}}), DSBDConfig(width=4)) == 4
 
 
+def test_logprobs_on_a_beam_request_are_refused():
+    """A beam request's output tokens are its settled prefix, then its best beam, not the rows vLLM's logprobs are
+    sliced from: engine logprobs are refused for it (each beam's logprobs come in kv_transfer_params)."""
+    cfg = DSBDConfig(width=4)
+    beam = {"width": 2, "max_tokens": 4}
+    assert check_request(SamplingParams(logprobs=2), cfg) == 4
+    assert check_request(SamplingParams(extra_args={"dsbd_beam": beam}), cfg) == 4
+    for n in (0, 2):
+        with pytest.raises(ValueError, match=r"^logprobs: not supported on a beam request"):
+            check_request(SamplingParams(logprobs=n, extra_args={"dsbd_beam": beam}), cfg)
+
+
 def test_unknown_dsbd_request_key_is_refused():
     cfg = DSBDConfig(width=4)
     with pytest.raises(ValueError, match=r"^extra_args: unknown DSBD key 'dsbd_widht'; the DSBD request keys are"):

@@ -248,8 +248,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
 
     Raises:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
-            (the message names the parameter), a bad width, or a beam request's draft ``depth`` on an engine without
-            a draft model.
+            (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
+            a draft model, or ``logprobs`` on a beam request.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -263,6 +263,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         if not cfg.draft and beam.depth:
             raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
                              "so its beam requests have no draft forest; leave 'depth' out (or 0)")
+        if getattr(sampling_params, "logprobs", None) is not None:
+            raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
+                             "are its beams' settled prefix, then the best beam; each beam's per-token "
+                             f"log-probabilities are in kv_transfer_params[{BEAM_KEY!r}]")
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
         names = ", ".join(bad)

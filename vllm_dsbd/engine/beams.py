@@ -38,10 +38,17 @@ row is the next leaves (:meth:`BeamRequest.partial`); the forest is dropped.
 A pruned subtree deeper than the leaves stays in the slots as dead nodes (no re-layout yet): KV held is the prompt
 plus every node that was ever kept.
 
+What vLLM outputs for the request is not its token list (trie slots) but its *settled prefix*
+(:meth:`BeamRequest.settle`, after every step): the longest common prefix of the live beams and the ``n`` best
+finished beams so far. Every beam the request can still return is one of those or descends from a live beam, so a
+settled token is never retracted (a finished beam that drops out of the ``n`` best never comes back). When the
+search ends, the rest of the best beam follows.
+
 This module imports no vLLM.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +85,12 @@ class BeamParams:
     def parse(value: Any, max_width: int) -> "BeamParams":
         """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise."""
         name = f"extra_args[{BEAM_KEY!r}]"
+        if isinstance(value, str):  # the OpenAI server's vllm_xargs carry strings and numbers, never mappings
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"{name} must be a mapping (or a JSON object string) with keys "
+                                 f"{list(_BEAM_FIELDS)}, got {value!r}") from None
         if not isinstance(value, dict):
             raise ValueError(f"{name} must be a mapping with keys {list(_BEAM_FIELDS)}, got {value!r}")
         unknown = [k for k in value if k not in _BEAM_FIELDS]
@@ -191,6 +204,7 @@ class BeamRequest:
         self.leaf_logits: list[torch.Tensor] = []  # logits of the leaves computed so far this step
         # leaves that are in vLLM's token list (leaf fixed - 1 is its last token): their slots cannot move
         self.fixed = 1
+        self.settled = 0  # tokens of the settled prefix handed to vLLM as the request's output (settle())
 
     # layout --------------------------------------------------------------------------------------------------
     @property
@@ -487,6 +501,31 @@ class BeamRequest:
 
         ranked = sorted(self.finished, key=key, reverse=True)
         return ranked[: self.params.n or self.params.width]
+
+    def settle(self) -> list[int]:
+        """The tokens settled since the last call (after a step): the longest common prefix of the live beams and
+        the ``n`` best finished beams, past the ``settled`` tokens already handed out; once the search is over, the
+        rest of the best beam. Every beam the request can still return extends the settled prefix."""
+        s = self.settled
+        if not self.live:
+            best = self.best()
+            new = best[0].tokens[s:] if best else []
+        else:
+            seqs = [f.tokens[s:] for f in self.best()]
+            for b in self.live:  # the live beam's tokens deeper than s
+                toks, node = [], b.node
+                while node >= 0 and self.depths[node] > s:
+                    toks.append(self.tokens[node])
+                    node = self.parents[node]
+                seqs.append(toks[::-1])
+            new = seqs[0]
+            for q in seqs[1:]:
+                k = 0
+                while k < len(new) and k < len(q) and new[k] == q[k]:
+                    k += 1
+                new = new[:k]
+        self.settled += len(new)
+        return list(new)
 
     def payload(self) -> dict[str, Any]:
         """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``)."""

@@ -25,7 +25,9 @@ scheduled tokens are trie leaves and the draft forest after them (``_plan_beam``
 over trie and forest), ``_beam_step`` steps its beams (``beams.BeamRequest``: the target's beam step, repeated on the
 forest while its layers pass) and moves the kept nodes' K/V (``_move_kv``), its "draft tokens" are its remaining
 leaves plus the forest ``beam_drafter.propose_beam_forests`` drafts (``_beam_draft_job``), and ``sample_tokens`` hands
-finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``, read by patch ``beam_scheduler``).
+finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``, read by patch ``beam_scheduler``), and the tokens
+each beam request's step settled (``ModelRunnerOutput.dsbd_settled``: what vLLM outputs for the request, see
+``BeamRequest.settle``).
 """
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ class DSBDRunnerMixin:
         self._dsbd_last_plan: list[sampler.RowPlan] | None = None
         # beam requests finished this step: req id -> payload for the front end (patch beam_finish reads it)
         self._dsbd_finished: dict[str, dict] = {}
+        # beam requests' tokens settled this step: req id -> tokens (their output; patch beam_scheduler reads it)
+        self._dsbd_settled: dict[str, list[int]] = {}
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
@@ -205,11 +209,15 @@ class DSBDRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         """vLLM's output of the step, with the finished beam requests' beams attached (``dsbd_finished``: req id ->
-        payload) for the scheduler (patch ``beam_finish``), which finishes those requests."""
+        payload) for the scheduler (patch ``beam_scheduler``), which finishes those requests, and the beam requests'
+        newly settled tokens (``dsbd_settled``: req id -> tokens), which the scheduler outputs for them."""
         out = super().sample_tokens(*args, **kwargs)
         finished, self._dsbd_finished = self._dsbd_finished, {}
+        settled, self._dsbd_settled = self._dsbd_settled, {}
         if finished and out is not None:
             out.dsbd_finished = finished
+        if settled and out is not None:
+            out.dsbd_settled = settled
         return out
 
     # ------------------------------------------------------------------------------------------------------------
@@ -252,6 +260,8 @@ class DSBDRunnerMixin:
         blocks = None
         if out is None:
             out = beam.step(beam.params.eos_token_id, logits[row.first_row + n : row.first_row + n + f])
+            if settled := beam.settle():  # after the finish: the rest of the best beam
+                self._dsbd_settled[row.state.req_id] = settled
             if out.finished:
                 self._dsbd_finished[row.state.req_id] = beam.payload()
                 bs = self.input_batch.block_table[0].block_size

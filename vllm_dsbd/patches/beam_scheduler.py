@@ -1,13 +1,22 @@
 """Patch: vLLM's scheduler serves DSBD beam requests (``extra_args["dsbd_beam"]``, ``engine/beams.py``).
 
 A beam request's tokens in vLLM are ``prompt + trie nodes``: vLLM neither knows when its beam search is over nor may
-cache its trie blocks for other requests. Three changes to ``vllm.v1.core.sched.scheduler.Scheduler``, all inert
-for any request without ``dsbd_beam`` (and so for every non-DSBD engine, whose requests cannot carry it: patch
-``request_validation`` refuses ``dsbd_*`` keys only on DSBD engines, and the runner of other engines ignores them):
+cache its trie blocks for other requests, and must not output the trie's slots as the request's tokens. Three changes
+to ``vllm.v1.core.sched.scheduler.Scheduler``, all inert for any request without ``dsbd_beam`` and for every non-DSBD
+engine (whose requests may carry ``dsbd_*`` keys: patch ``request_validation`` refuses them only on DSBD engines, and
+the runner of other engines ignores them):
 
 * ``_update_request_with_output``: a beam request the DSBD runner finished this step (``ModelRunnerOutput
   .dsbd_finished``, which ``update_from_output`` keeps on the scheduler while it runs, see patch
-  ``spec_stats_depths``) stops (``FINISHED_STOPPED``), as a stop token would stop it.
+  ``spec_stats_depths``) stops, as a stop token would stop it, with its best beam's finish reason ("stop" or
+  "length"). vLLM appends the step's trie tokens to the request as ever (its token list stays the trie), but the new
+  tokens it outputs for a beam request (``EngineCoreOutput.new_token_ids``, the only tokens the front end sees, in or
+  across processes) are the ones the runner settled this step (``ModelRunnerOutput.dsbd_settled``,
+  ``BeamRequest.settle``): the beams' common prefix while they run, never retracted, and at the finish the rest of the
+  best beam. So a streamed beam request (``DELTA`` / ``CUMULATIVE``, or the server's ``"stream": true``) streams the
+  settled prefix, and every beam request's final ``CompletionOutput`` is its best beam (tokens, text). Engine
+  logprobs are refused for beam requests (``config.check_request``): vLLM slices them by the number of tokens
+  output, and those are not the step's sampled rows.
 * ``_free_request``: that request's ``kv_transfer_params`` (the one per-request dict vLLM carries from the engine
   core to ``RequestOutput.kv_transfer_params`` in the front end, across processes) are its beams: the front end
   (patch ``beam_search_route``) turns them into vLLM's beam-search outputs. Requests with a KV connector's own params
@@ -16,7 +25,8 @@ for any request without ``dsbd_beam`` (and so for every non-DSBD engine, whose r
   under the trie's masks and positions, which another request with the same tokens must not be served.
 
 When it can go: vLLM gains in-engine beam search with its own finish/output path (or lets a request finish from the
-model runner and carry a payload), and a per-request cap on prefix-cache commits.
+model runner, carry a payload and output other tokens than the ones it appends), and a per-request cap on
+prefix-cache commits.
 """
 
 from __future__ import annotations
@@ -42,6 +52,12 @@ def _finished_payload(scheduler, request):
     return done.get(request.request_id) if done else None
 
 
+def _settled_tokens(scheduler, request) -> list[int]:
+    out = getattr(scheduler, "_dsbd_model_runner_output", None)
+    settled = getattr(out, "dsbd_settled", None)
+    return list(settled.get(request.request_id, ())) if settled else []
+
+
 def apply() -> None:
     when_imported(MODULE, _patch)
 
@@ -52,10 +68,16 @@ def _patch(mod: types.ModuleType) -> None:
     def make_update(orig):
         def _update_request_with_output(self, request, new_token_ids):
             new_token_ids, stopped = orig(self, request, new_token_ids)
-            if not stopped and _finished_payload(self, request) is not None:
-                request.status = RequestStatus.FINISHED_STOPPED
+            if not getattr(self, "_dsbd_engine", False) or not is_beam_request(request):
+                return new_token_ids, stopped
+            payload = _finished_payload(self, request)
+            if not stopped and payload is not None:
+                beams = payload.get(BEAM_KEY) or [{}]
+                length = beams[0].get("finish_reason") == "length"
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED if length else RequestStatus.FINISHED_STOPPED
                 stopped = True
-            return new_token_ids, stopped
+            # the request's output: the tokens its beams settled, not the trie slots vLLM appended
+            return _settled_tokens(self, request), stopped
 
         return _update_request_with_output
 
@@ -72,7 +94,8 @@ def _patch(mod: types.ModuleType) -> None:
     def make_init(orig):
         def __init__(self, *args, **kwargs):
             orig(self, *args, **kwargs)
-            if not uses_dsbd(self.vllm_config):
+            self._dsbd_engine = uses_dsbd(self.vllm_config)
+            if not self._dsbd_engine:
                 return
             coordinator = self.kv_cache_manager.coordinator
             cache_blocks = coordinator.cache_blocks
