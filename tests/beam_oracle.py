@@ -136,3 +136,18 @@ def sampling_law(next_probs: NextProbs, prompt: list, n: int, eos: int | None, t
 
     rec([], 1.0)
     return out
+
+
+def hf_next_probs(folder) -> NextProbs:
+    """``next_probs`` of a Hugging Face causal LM folder (float64 softmax of its next-token logits, no KV cache)."""
+    import torch
+
+    from vllm_dsbd.models import load_hf, next_token_logits_fn
+
+    fn = next_token_logits_fn(load_hf(folder))
+
+    def next_probs(ctx):
+        with torch.no_grad():
+            return torch.softmax(fn(torch.tensor([list(ctx)])).double()[0], -1).tolist()
+
+    return next_probs

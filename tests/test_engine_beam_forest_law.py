@@ -21,16 +21,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from beam_oracle import beam_sampling_law  # noqa: E402
+from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, DEPTH, TOP_K, N = 2, 3, 2, 3, 2000
@@ -96,13 +95,7 @@ def runs(tmp_path_factory):
             beams_mod.verify_layer = real
     finally:
         shutdown(llm)
-    fn = next_token_logits_fn(load_hf(target))
-
-    def next_probs(ctx):
-        with torch.no_grad():
-            return torch.softmax(fn(torch.tensor([ctx])).double()[0], -1).tolist()
-
-    law = beam_sampling_law(next_probs, PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
+    law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
     return exact, planted, law
 
 

@@ -20,12 +20,12 @@ import torch
 from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from beam_oracle import beam_sampling_law  # noqa: E402
+from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.sampling import BeamStep  # noqa: E402
 from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, TOP_K, N = 2, 2, 4, 2000
@@ -80,14 +80,7 @@ def runs():
             beams_mod.beam_step = _REAL_STEP
     finally:
         shutdown(llm)
-    model = load_hf(target)
-    fn = next_token_logits_fn(model)
-
-    def next_probs(ctx):
-        with torch.no_grad():
-            return torch.softmax(fn(torch.tensor([ctx])).double()[0], -1).tolist()
-
-    law = beam_sampling_law(next_probs, PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
+    law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
     return exact, planted, law
 
 
