@@ -149,6 +149,7 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
     wm = int(params.width.max())
     kw = params.layer_width  # [R] the most outputs per layer (W, or 1 for exact target sampling)
     det = params.deterministic
+    min_w = torch.minimum(params.min_width, kw)  # the dynamic width's floor
     has_eos = params.eos >= 0
     rec = LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
                       width=torch.zeros(R, L, dtype=torch.int64, device=dev),
@@ -185,11 +186,14 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
         support = torch.isfinite(logp).sum(1)
         k = torch.minimum(kw, support)
         pol = drafted & params.dynamic & ~det
-        if bool(pol.any()):
+        if bool(pol.any()) and bool((min_w[pol] == kw[pol]).all()):
+            # choose_width clamps its count to [min_width, width]: with min_width = width (exact target sampling,
+            # K = 1) it returns min(width, support of exp(logp)) whatever the law says; the same value without the law
+            k = torch.where(pol, torch.minimum(kw, (torch.exp(logp) > 0).sum(-1)), k)
+        elif bool(pol.any()):
             valid_par = torch.isfinite(logp).reshape(R, S, V).any(2)  # [R, S] parents in V
             q_masked = torch.exp(logq).reshape(R, S, V) * valid_par[:, :, None]
-            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), kw,
-                              torch.minimum(params.min_width, kw), params.tau)
+            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), kw, min_w, params.tau)
             k = torch.where(pol, kp, k)
         k = torch.where(rows, k, 0)
         out_idx = torch.zeros(R, wm, dtype=torch.int64, device=dev)
