@@ -32,7 +32,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core import rng
-from vllm_dsbd.core.forest import Forest, forest_layout
+from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
@@ -178,7 +178,7 @@ class DSBDDrafter(DraftModelProposer):
         live = torch.zeros(R, W, dtype=torch.bool)
         live[:, 0] = True
         depth = params.depth.clone()
-        steps = []
+        steps, valid_np, parent_np = [], [], []  # the steps' valid and parent slots as numpy [R, W], for the layout
         for d in range(1, G + 1):
             live = live & (depth >= d)[:, None]
             # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does
@@ -188,6 +188,8 @@ class DSBDDrafter(DraftModelProposer):
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
+            valid_np.append(_pad_cols(st.valid.numpy(), W, False))
+            parent_np.append(_pad_cols(st.parent.numpy(), W, 0))
             not_eos = ~((params.eos >= 0)[:, None] & (st.token == params.eos[:, None]))
             # the next step's beams are this step's draws, in W slots (draws of narrower requests padded)
             pad = W - st.score.shape[1]
@@ -198,19 +200,20 @@ class DSBDDrafter(DraftModelProposer):
                 continue
             # pass d: the depth-d nodes of the requests that go deeper, under forest attention; query tokens in
             # (request, slot) order
-            part = Forest.from_steps(steps, depth.clamp(max=d), W)
-            lay = forest_layout(part, L)
+            # the layout of the forest so far (Forest.from_steps(steps, depth.clamp(max=d)) then forest_layout's
+            # compact and parent indices), in numpy
+            pv = np.stack(valid_np, 1) & (np.arange(d)[None, :] < np.minimum(depth.numpy(), d)[:, None])[:, :, None]
+            compact, num_nodes, parents = _layout_np(pv, np.stack(parent_np, 1))
             ri, si = np.nonzero(st.valid.numpy() & deeper[:, None])
-            comp = lay.compact[:, d - 1].numpy()[ri, si]
+            comp = compact[ri, d - 1, si]
             sub = np.nonzero(deeper)[0]
             qlens = np.bincount(ri, minlength=R)[sub]
-            num_nodes = lay.num_nodes.numpy()
             node_pos = root_pos[ri] + 1 + comp  # where node (d, s) is written
             entries, t = [], 0
-            comp_l, par_l = comp.tolist(), lay.parent.tolist()
+            comp_l = comp.tolist()
             for k, i in enumerate(sub.tolist()):
                 q = int(qlens[k])
-                entries.append((k, list(range(t, t + q)), int(root_pos[i]) + 1, par_l[i][: int(num_nodes[i])],
+                entries.append((k, list(range(t, t + q)), int(root_pos[i]) + 1, parents[i][pv[i]].tolist(),
                                 comp_l[t : t + q]))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
@@ -222,23 +225,41 @@ class DSBDDrafter(DraftModelProposer):
         if not steps:
             return [None] * R
         forest = Forest.from_steps(steps, depth, W)
-        # one layout for the whole batch: each request's row is its own forest's layout (rows are independent)
-        lay = forest_layout(forest, L)
+        # each request's nodes in compact (depth-major) order: forest_layout's token, parent and depth rows, in numpy
+        fv = forest.valid.numpy()
+        _, _, parents = _layout_np(fv, forest.parent.numpy())
+        tokens, fdepth = forest.token.numpy(), np.repeat(np.arange(1, fv.shape[1] + 1)[:, None], fv.shape[2], 1)
         padded = _pad_forest(forest, self.cfg.depth, W, V)
         has = (forest.depth > 0) & forest.valid.flatten(1).any(1)
-        num_l, tok_l, par_l, dep_l = (x.tolist() for x in (lay.num_nodes, lay.token, lay.parent, lay.depth))
         out = []
         for i, (j, ok) in enumerate(zip(jobs, has.tolist())):
             if not ok:
                 out.append(None)
                 continue
-            n = num_l[i]
+            v = fv[i]
             f = Forest(parent=padded.parent[i : i + 1], token=padded.token[i : i + 1], valid=padded.valid[i : i + 1],
                        score=padded.score[i : i + 1], q_joint=padded.q_joint[i : i + 1],
                        depth=forest.depth[i : i + 1].clone())
-            out.append(PendingForest(forest=f, tokens=tok_l[i][:n], parents=par_l[i][:n], depths=dep_l[i][:n],
-                                     root_pos=j.root_pos))
+            out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
+                                     depths=fdepth[v].tolist(), root_pos=j.root_pos))
         return out
+
+
+def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:
+    return a if a.shape[1] == n else np.pad(a, ((0, 0), (0, n - a.shape[1])), constant_values=fill)
+
+
+def _layout_np(valid: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``core.forest_layout``'s compact indices [R, G, W] (-1 when invalid), node counts [R] and compact parent
+    indices, here per (depth, slot) [R, G, W] (-1 at depth 1), of a forest given by its valid and parent slots
+    [R, G, W]; ``parents[i][valid[i]]`` is request i's ``forest_layout(...).parent`` row (depth-major order)."""
+    R, G, W = valid.shape
+    flat = valid.reshape(R, G * W)
+    compact = np.where(flat, np.cumsum(flat, 1) - 1, -1).reshape(R, G, W)
+    prev = np.concatenate([np.full((R, 1, W), -1, dtype=np.int64), compact[:, :-1]], 1)
+    parents = np.take_along_axis(prev, np.clip(parent, 0, W - 1), 2)
+    parents[:, 0] = -1
+    return compact, flat.sum(1), parents
 
 
 def _slots(brow: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int, owned: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.core.forest import Forest, forest_layout
+from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.outputs import iteration_outputs
 from vllm_dsbd.core.params import BatchParams
@@ -63,11 +63,10 @@ def empty_forest(depth: int, width: int, vocab: int) -> Forest:
 def truncate(forest: Forest, context_len: int, n: int) -> Forest:
     """The forest restricted to its first n nodes in compact order (vLLM may schedule fewer draft tokens than
     proposed). A prefix in compact order is, at every depth, a prefix of the draws: still an exact forest."""
-    if n >= int(forest.valid.sum()):  # nothing cut (the usual case): the same result without the layout
+    if n >= int(forest.valid.sum()):  # nothing cut (the usual case): the same result without the index
         return Forest(parent=forest.parent, token=forest.token, valid=forest.valid, score=forest.score,
                       q_joint=forest.q_joint, depth=torch.minimum(forest.valid.any(2).sum(1), forest.depth))
-    layout = forest_layout(forest, torch.tensor([context_len]))
-    valid = forest.valid & (layout.compact < n)
+    valid = forest.valid & (compact_index(forest.valid) < n)
     depth = valid.any(2).sum(1)
     return Forest(parent=forest.parent, token=forest.token, valid=valid, score=forest.score,
                   q_joint=forest.q_joint, depth=torch.minimum(depth, forest.depth))
@@ -94,14 +93,14 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
                     depth=torch.cat([f.depth for f in forests]).to(torch.int64))
     depth = forest.depth.tolist()
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64)
-    layout = forest_layout(forest, ctx)
+    compact = compact_index(forest.valid)  # all of the forest layout this needs
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
     tl = torch.zeros(R, G + 1, W, V)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64)
     tl[:, 0, 0] = logits[first]
     sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
     if sel[0].numel():
-        src = first[sel[0]] + 1 + layout.compact[sel]
+        src = first[sel[0]] + 1 + compact[sel]
         tl[sel[0], sel[1] + 1, sel[2]] = logits[src]
     params = _params([r.state for r in rows], depth, cfg)
     scores = torch.zeros(R, W)
@@ -116,7 +115,7 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
     new_valid, new_tok, new_len = new.valid[:, 0].tolist(), new.tokens[:, 0].tolist(), new.length[:, 0].tolist()
     last_l, passed_l = res.last.tolist(), res.passed.tolist()
     rpar_l, width_l = rec.parent[:, :, 0].tolist(), rec.width.tolist()
-    comp_l, fpar_l = layout.compact.tolist(), forest.parent.tolist()
+    comp_l, fpar_l = compact.tolist(), forest.parent.tolist()
     for i in range(R):
         # single-output-beam mode: the emitted beam is the first output of the last processed layer; it is among the
         # live beams unless it is EOS, then among the finished ones (at most one in single mode)
