@@ -107,12 +107,14 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
     live = torch.zeros(R, W, dtype=torch.bool)
     live[:, 0] = True
     res = verify_forest(forest, tl, scores, live, params, ctx)
-    new, fin = iteration_outputs(forest, res, params)
+    new, fin = iteration_outputs(forest, res, params, finished=False)  # the finished beams only if some row needs them
 
     # per-request results from Python lists read once (no per-request tensor indexing)
     out = []
     rec = res.layers
     new_valid, new_tok, new_len = new.valid[:, 0].tolist(), new.tokens[:, 0].tolist(), new.length[:, 0].tolist()
+    if not all(new_valid):
+        _, fin = iteration_outputs(forest, res, params)
     last_l, passed_l = res.last.tolist(), res.passed.tolist()
     rpar_l, width_l = rec.parent[:, :, 0].tolist(), rec.width.tolist()
     comp_l, fpar_l = compact.tolist(), forest.parent.tolist()
