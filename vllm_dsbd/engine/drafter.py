@@ -231,6 +231,7 @@ class DSBDDrafter(DraftModelProposer):
         tokens, fdepth = forest.token.numpy(), np.repeat(np.arange(1, fv.shape[1] + 1)[:, None], fv.shape[2], 1)
         padded = _pad_forest(forest, self.cfg.depth, W, V)
         has = (forest.depth > 0) & forest.valid.flatten(1).any(1)
+        vdepth = torch.minimum(forest.valid.any(2).sum(1), forest.depth)  # what sampler.truncate gives when uncut
         out = []
         for i, (j, ok) in enumerate(zip(jobs, has.tolist())):
             if not ok:
@@ -240,8 +241,10 @@ class DSBDDrafter(DraftModelProposer):
             f = Forest(parent=padded.parent[i : i + 1], token=padded.token[i : i + 1], valid=padded.valid[i : i + 1],
                        score=padded.score[i : i + 1], q_joint=padded.q_joint[i : i + 1],
                        depth=forest.depth[i : i + 1].clone())
+            uncut = Forest(parent=f.parent, token=f.token, valid=f.valid, score=f.score, q_joint=f.q_joint,
+                           depth=vdepth[i : i + 1])
             out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
-                                     depths=fdepth[v].tolist(), root_pos=j.root_pos))
+                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, uncut=uncut))
         return out
 
 

@@ -151,7 +151,8 @@ class DSBDRunnerMixin:
             pf, st.pending = st.pending, None
             n = len(sched)
             if n and pf is not None and pf.root_pos == L - 1 and pf.tokens[:n] == list(sched):
-                row.forest = PendingForest(forest=sampler.truncate(pf.forest, L, n), tokens=pf.tokens[:n],
+                cut = pf.uncut if pf.uncut is not None and n >= len(pf.tokens) else sampler.truncate(pf.forest, L, n)
+                row.forest = PendingForest(forest=cut, tokens=pf.tokens[:n],
                                            parents=pf.parents[:n], depths=pf.depths[:n], root_pos=pf.root_pos)
                 row.num_nodes = n
                 row.drafted_depth = int(pf.forest.depth[0])
