@@ -80,12 +80,20 @@ class ForestLayout:
         return out[::-1]
 
 
+def compact_index(valid: torch.Tensor) -> torch.Tensor:
+    """[R, G, Wm] int64 compact index of each node (its rank among the request's valid nodes in depth-major order),
+    -1 when invalid: ``forest_layout(...).compact`` without the rest of the layout."""
+    R = valid.shape[0]
+    flat_valid = valid.reshape(R, -1)
+    return torch.where(flat_valid, torch.cumsum(flat_valid.long(), 1) - 1, -1).reshape(valid.shape)
+
+
 def forest_layout(forest: Forest, context_len: torch.Tensor) -> ForestLayout:
     """Flattens a forest for the target pass. context_len: [R] int64 tokens before the forest (each root's length)."""
     R, G, W = forest.parent.shape
     dev = forest.parent.device
     flat_valid = forest.valid.reshape(R, G * W)
-    compact = torch.where(flat_valid, torch.cumsum(flat_valid.long(), 1) - 1, -1).reshape(R, G, W)
+    compact = compact_index(forest.valid)
     num = flat_valid.sum(1)
     N = max(int(num.max()) if R else 0, 1)
     depth_of = torch.arange(1, G + 1, device=dev)[None, :, None].expand(R, G, W)

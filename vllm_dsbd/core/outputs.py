@@ -37,12 +37,14 @@ class Emitted:
     valid: torch.Tensor  # [R, K] bool
 
 
-def iteration_outputs(forest: Forest, res: VerifyResult, params: BatchParams) -> tuple[Emitted, Emitted]:
+def iteration_outputs(forest: Forest, res: VerifyResult, params: BatchParams,
+                      finished: bool = True) -> tuple[Emitted, Emitted]:
     """(live, finished) beams after an iteration.
 
     live: the non-EOS outputs of the last processed layer (single-beam mode: its first output only).
     finished: EOS outputs of every processed layer, and (full-width deterministic rows) the EOS candidates of vLLM's
-    rule; in single-beam mode only the emitted beam can finish."""
+    rule; in single-beam mode only the emitted beam can finish. ``finished=False``: not computed (returned empty),
+    for a caller that needs them only when a live beam is missing."""
     rec = res.layers
     R, L, wm = rec.token.shape
     dev = rec.token.device
@@ -56,20 +58,20 @@ def iteration_outputs(forest: Forest, res: VerifyResult, params: BatchParams) ->
         toks[:, :, layer] = token
         return Emitted(root, toks, torch.full_like(slot, layer + 1), score, valid)
 
-    finished = []
+    done = []
     at_last = torch.arange(L, device=dev)[None, :] == res.last[:, None]  # [R, L]
     first = torch.zeros(R, wm, dtype=torch.bool, device=dev)
     first[:, 0] = True
-    for layer in range(L):
+    for layer in range(L if finished else 0):
         if not bool(rec.processed[:, layer].any()):
             break
         take = is_eos[:, layer] & (~single | (first & at_last[:, layer, None]))
-        finished.append(emit(layer, rec.parent[:, layer], rec.token[:, layer], rec.score[:, layer], take))
+        done.append(emit(layer, rec.parent[:, layer], rec.token[:, layer], rec.score[:, layer], take))
         ed = rec.eos_done[:, layer]
         if bool(ed.any()):
             slots = torch.arange(ed.shape[1], device=dev)[None, :].expand(R, -1)
-            finished.append(emit(layer, slots, params.eos.clamp(min=0)[:, None].expand_as(slots),
-                                 rec.eos_score[:, layer], ed))
+            done.append(emit(layer, slots, params.eos.clamp(min=0)[:, None].expand_as(slots),
+                             rec.eos_score[:, layer], ed))
     # live beams: gather the last layer's outputs
     li = res.last
     pick = lambda t: t[torch.arange(R, device=dev), li]  # noqa: E731
@@ -78,7 +80,7 @@ def iteration_outputs(forest: Forest, res: VerifyResult, params: BatchParams) ->
     toks = torch.nn.functional.pad(toks, (0, 1))
     toks.scatter_(2, li[:, None, None].expand(R, wm, 1), pick(rec.token)[:, :, None])
     live = Emitted(root, toks, (li + 1)[:, None].expand(R, wm).clone(), pick(rec.score), valid)
-    return live, _cat(finished, live)
+    return live, _cat(done, live)
 
 
 def _cat(parts: list[Emitted], like: Emitted) -> Emitted:

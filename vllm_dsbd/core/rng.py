@@ -40,11 +40,20 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 def request_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
     """One 32-bit key per request for (seed, position, stream). seed, position: int64 [R]. Returns int64 [R]."""
+    return stream_key(key_base(seed, position), stream)
+
+
+def key_base(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The (seed, position) part of :func:`request_key`, shared by its streams: ``request_key(s, p, stream) ==
+    stream_key(key_base(s, p), stream)`` (computed once when one decision uses several streams)."""
     seed = seed.to(torch.int64)
     h = _fmix32((seed & _M32) ^ 0x9E3779B9)
     h = _fmix32(h ^ ((seed >> 32) & _M32))
-    h = _fmix32(h ^ (position.to(torch.int64) & _M32))
-    return _fmix32(h ^ (int(stream) * 0x27D4EB2F & _M32))
+    return _fmix32(h ^ (position.to(torch.int64) & _M32))
+
+
+def stream_key(base: torch.Tensor, stream: int) -> torch.Tensor:
+    return _fmix32(base ^ (int(stream) * 0x27D4EB2F & _M32))
 
 
 def _i32(c: int) -> int:

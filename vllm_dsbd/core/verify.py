@@ -52,7 +52,8 @@ def verify_layer(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch
     kmax = max(int(k.max()) if R else 0, 1)
     dev = logp.device
     p = torch.exp(logp)
-    q = torch.exp(logq)
+    any_draft = bool(draft_valid.any()) if M else False
+    q = torch.exp(logq) if any_draft else None  # a layer without drafts (the bonus layer) never reads Q
     t = p.clone()
     emitted = torch.zeros(R, J, dtype=torch.bool, device=dev)
     drawn = torch.zeros(R, J, dtype=torch.bool, device=dev)
@@ -60,8 +61,11 @@ def verify_layer(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch
     n_out = torch.zeros(R, dtype=torch.int64, device=dev)
     out = torch.full((R, kmax + 1), -1, dtype=torch.int64, device=dev)  # one spare column for masked writes
     rows = torch.arange(R, device=dev)
-    key_acc = rng.request_key(key_seed, position, rng.Stream.ACCEPT)
-    for j in range(M):
+    base = rng.key_base(key_seed, position)  # the keys of this layer's streams share their (seed, position) part
+    key_acc = rng.stream_key(base, rng.Stream.ACCEPT) if any_draft else None
+    for j in range(M if any_draft else 0):
+        if not bool(draft_valid[:, j].any()):  # no draft in this column: an iteration would change nothing
+            continue
         z = draft_idx[:, j]
         live = draft_valid[:, j] & (n_out < k)
         denom = (1.0 - q_cum).clamp(min=_TINY).float()
@@ -80,19 +84,23 @@ def verify_layer(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch
             res = (t[ri] - qj).clamp(min=0.0)
             tot = res.sum(1, keepdim=True)
             t[ri] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t[ri])
-        if bool(acc.any()):
-            ai = acc.nonzero().squeeze(1)
+        # T of a row that has all its outputs is never read again (only rows with n_out < k use it): not updated
+        # (with K = 1, exact target sampling, every accepting row is done)
+        upd = acc & (n_out < k)
+        if bool(upd.any()):
+            ai = upd.nonzero().squeeze(1)
             pm = torch.where(emitted[ai], 0.0, p[ai])
             t[ai] = pm / pm.sum(1, keepdim=True).clamp(min=_TINY)
-        drawn[rows[draft_valid[:, j]], z[draft_valid[:, j]]] = True
-        q_cum = q_cum + torch.where(draft_valid[:, j], qz.double(), 0.0)
+        if j + 1 < M:  # drawn and q_cum serve the later drafts only
+            drawn[rows[draft_valid[:, j]], z[draft_valid[:, j]]] = True
+            q_cum = q_cum + torch.where(draft_valid[:, j], qz.double(), 0.0)
     # drafts ran out: one draw from the residual T, then the rest straight from P minus the emitted pairs
     need = n_out < k
     if bool(need.any()):
         ni = need.nonzero().squeeze(1)
         tn = t[ni]
         tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, torch.where(emitted[ni], 0.0, p[ni]))
-        y = categorical(torch.log(tn), rng.request_key(key_seed[ni], position[ni], rng.Stream.RESIDUAL))
+        y = categorical(torch.log(tn), rng.stream_key(base[ni], rng.Stream.RESIDUAL))
         out[ni, n_out[ni]] = y
         emitted[ni, y] = True
         n_out[ni] += 1
@@ -100,7 +108,7 @@ def verify_layer(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch
     if bool(need.any()):
         ni = need.nonzero().squeeze(1)
         rest, _ = gumbel_topk(torch.where(emitted[ni], NEG_INF, logp[ni]), kmax,
-                              rng.request_key(key_seed[ni], position[ni], rng.Stream.DIRECT))
+                              rng.stream_key(base[ni], rng.Stream.DIRECT))
         cols = torch.arange(kmax, device=dev)[None, :]
         src = (cols - n_out[ni, None]).clamp(0, rest.shape[1] - 1)
         fill = (cols >= n_out[ni, None]) & (cols < k[ni, None])
@@ -149,6 +157,7 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
     wm = int(params.width.max())
     kw = params.layer_width  # [R] the most outputs per layer (W, or 1 for exact target sampling)
     det = params.deterministic
+    min_w = torch.minimum(params.min_width, kw)  # the dynamic width's floor
     has_eos = params.eos >= 0
     rec = LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
                       width=torch.zeros(R, L, dtype=torch.int64, device=dev),
@@ -185,21 +194,24 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
         support = torch.isfinite(logp).sum(1)
         k = torch.minimum(kw, support)
         pol = drafted & params.dynamic & ~det
-        if bool(pol.any()):
+        if bool(pol.any()) and bool((min_w[pol] == kw[pol]).all()):
+            # choose_width clamps its count to [min_width, width]: with min_width = width (exact target sampling,
+            # K = 1) it returns min(width, support of exp(logp)) whatever the law says; the same value without the law
+            k = torch.where(pol, torch.minimum(kw, (torch.exp(logp) > 0).sum(-1)), k)
+        elif bool(pol.any()):
             valid_par = torch.isfinite(logp).reshape(R, S, V).any(2)  # [R, S] parents in V
             q_masked = torch.exp(logq).reshape(R, S, V) * valid_par[:, :, None]
-            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), kw,
-                              torch.minimum(params.min_width, kw), params.tau)
+            kp = choose_width(torch.exp(logp), q_masked.reshape(R, S * V), dval.sum(1), kw, min_w, params.tau)
             k = torch.where(pol, kp, k)
         k = torch.where(rows, k, 0)
         out_idx = torch.zeros(R, wm, dtype=torch.int64, device=dev)
         out_val = torch.zeros(R, wm, dtype=torch.bool, device=dev)
         samp = rows & ~det
         if bool(samp.any()):
-            oi, ov = verify_layer(logp[samp], didx[samp], dval[samp], logq[samp], k[samp], params.seed[samp],
-                                  pos[samp])
-            out_idx[samp, : oi.shape[1]] = oi.clamp(min=0)
-            out_val[samp, : ov.shape[1]] = ov
+            sel = slice(None) if bool(samp.all()) else samp  # every row: the same rows without the masked copies
+            oi, ov = verify_layer(logp[sel], didx[sel], dval[sel], logq[sel], k[sel], params.seed[sel], pos[sel])
+            out_idx[sel, : oi.shape[1]] = oi.clamp(min=0)
+            out_val[sel, : ov.shape[1]] = ov
         drow = rows & det
         if bool(drow.any()):
             st = beam_step(logits[drow], scores[drow], live[drow], params.select(drow).with_(width=kw[drow]),

@@ -32,12 +32,11 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core import rng
-from vllm_dsbd.core.forest import Forest, forest_layout
+from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch, forest_scope
-from .kv import slots_of
 from .sampler import _params
 from .state import PendingForest, RequestState
 
@@ -104,21 +103,23 @@ class DSBDDrafter(DraftModelProposer):
         bt = self.runner.input_batch.block_table[self.kv_cache_gid]
         return bt.block_table.cpu, bt.block_size, bt.num_blocks_per_row
 
-    def _forward(self, input_ids: list[int], positions: list[int], slots: np.ndarray, query_lens: list[int],
-                 seq_lens: list[int], block_rows: torch.Tensor, sample_idx: list[int],
-                 forest: ForestBatch | None, draft_index: int) -> torch.Tensor:
+    def _forward(self, input_ids, positions, slots: np.ndarray, query_lens, seq_lens, block_rows: torch.Tensor,
+                 sample_idx, forest: ForestBatch | None, draft_index: int) -> torch.Tensor:
         """One draft forward pass over a ragged batch (``draft_index``: the forest depth it drafts, 0 = catch-up);
-        returns the draft logits [len(sample_idx), V] (float32)."""
+        returns the draft logits [len(sample_idx), V] (float32). The index arguments are int sequences or numpy
+        arrays (one conversion each)."""
         dev = self.device
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
         T, R = len(input_ids), len(query_lens)
         qsl = torch.zeros(R + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
-        seq = torch.tensor(seq_lens, dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        qsl[1:] = torch.cumsum(torch.from_numpy(query_lens.astype(np.int32)), 0)
+        seq = torch.from_numpy(seq_lens.astype(np.int32))
+        pos = torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(dev)
         slot_t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(dev)
         cad = CommonAttentionMetadata(
             query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=R,
-            num_actual_tokens=T, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            num_actual_tokens=T, max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
             block_table_tensor=block_rows.to(dev), slot_mapping=slot_t, causal=True, positions=pos,
             _seq_lens_cpu=seq, _num_computed_tokens_cpu=seq - (qsl[1:] - qsl[:-1]),
             seq_lens_cpu_upper_bound=seq)
@@ -130,41 +131,44 @@ class DSBDDrafter(DraftModelProposer):
             md = group.get_metadata_builder().build_for_drafting(common_attn_metadata=cad, draft_index=draft_index)
             for name in group.layer_names:
                 per_layer[name] = md
-        ids = torch.tensor(input_ids, dtype=torch.int32, device=dev)
+        ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int32)).to(dev)
         with set_forward_context(per_layer, self.vllm_config, num_tokens=T,
                                  slot_mapping={n: slot_t for n in self._draft_attn_layer_names}), forest_scope(forest):
             hidden = self.model(input_ids=ids, positions=pos, inputs_embeds=None)
         self.forward_passes += 1
-        idx = torch.tensor(sample_idx, dtype=torch.int64, device=dev)
+        idx = torch.from_numpy(np.asarray(sample_idx, dtype=np.int64)).to(dev)
         return self.model.compute_logits(hidden[idx]).float().cpu()
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_forests(self, jobs: list[DraftJob]) -> list[PendingForest]:
-        """Drafts one forest per job (all jobs batched: one draft pass per depth). Updates each state's draft_len."""
+        """Drafts one forest per job (all jobs batched: one draft pass per depth). Updates each state's draft_len.
+
+        Token ids, positions and slots of every pass are built with numpy over the whole batch (no per-request
+        tensor ops); the per-request loops left only slice Python lists."""
         if not jobs:
             return []
         R, W, G = len(jobs), self.cfg.width, max(j.depth for j in jobs)
         table, bs, owned = self._block_table()
-        rows = torch.tensor([j.row for j in jobs], dtype=torch.int64)
-        owned = [int(owned[j.row]) for j in jobs]
-        block_rows = table[rows]
+        rows_np = np.array([j.row for j in jobs], dtype=np.int64)
+        owned = np.asarray(owned)[rows_np].astype(np.int64)
+        block_rows = table[torch.from_numpy(rows_np)]
         brow_np = block_rows.numpy()
         params = _params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
-        L = torch.tensor([j.root_pos + 1 for j in jobs], dtype=torch.int64)
+        root_pos = np.array([j.root_pos for j in jobs], dtype=np.int64)
+        L = torch.from_numpy(root_pos + 1)
 
         # pass 0: catch-up, plain causal attention; logits at each root
-        ids, pos, slots, qlens = [], [], [], []
-        for i, j in enumerate(jobs):
-            p = list(range(j.start, j.root_pos + 1))
-            assert len(p) == len(j.tokens) and p, (j.start, j.root_pos, len(j.tokens))
-            ids += j.tokens
-            pos += p
-            slots.append(slots_of(brow_np[i], p, bs, owned[i]))
-            qlens.append(len(p))
-        sample = list(np.cumsum(qlens) - 1)
-        root_logits = self._forward(ids, pos, np.concatenate(slots), qlens, [j.root_pos + 1 for j in jobs],
-                                    block_rows, sample, None, 0)
+        start = np.array([j.start for j in jobs], dtype=np.int64)
+        qlens = root_pos + 1 - start
+        ids = [t for j in jobs for t in j.tokens]
+        ntok = np.array([len(j.tokens) for j in jobs], dtype=np.int64)
+        assert (qlens > 0).all() and (ntok == qlens).all(), [(j.start, j.root_pos, len(j.tokens)) for j in jobs]
+        req = np.repeat(np.arange(R), qlens)  # request of each query token
+        ends = np.cumsum(qlens)
+        pos = np.arange(len(ids), dtype=np.int64) - np.repeat(ends - qlens, qlens) + start[req]
+        root_logits = self._forward(ids, pos, _slots(brow_np, req, pos, bs, owned), qlens, root_pos + 1,
+                                    block_rows, ends - 1, None, 0)
         for j in jobs:
             j.state.draft_len = j.root_pos + 1
         V = root_logits.shape[-1]
@@ -174,7 +178,7 @@ class DSBDDrafter(DraftModelProposer):
         live = torch.zeros(R, W, dtype=torch.bool)
         live[:, 0] = True
         depth = params.depth.clone()
-        steps = []
+        steps, valid_np, parent_np = [], [], []  # the steps' valid and parent slots as numpy [R, W], for the layout
         for d in range(1, G + 1):
             live = live & (depth >= d)[:, None]
             # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does
@@ -184,62 +188,98 @@ class DSBDDrafter(DraftModelProposer):
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
+            valid_np.append(_pad_cols(st.valid.numpy(), W, False))
+            parent_np.append(_pad_cols(st.parent.numpy(), W, 0))
             not_eos = ~((params.eos >= 0)[:, None] & (st.token == params.eos[:, None]))
             # the next step's beams are this step's draws, in W slots (draws of narrower requests padded)
             pad = W - st.score.shape[1]
             scores = torch.nn.functional.pad(st.score, (0, pad), value=NEG_INF)
             live = torch.nn.functional.pad(st.valid & not_eos, (0, pad), value=False)
-            if not bool((depth > d).any()):
+            deeper = (depth > d).numpy()
+            if not deeper.any():
                 continue
-            # pass d: the depth-d nodes of the requests that go deeper, under forest attention
-            part = Forest.from_steps(steps, depth.clamp(max=d), W)
-            lay = forest_layout(part, L)
-            ids, pos, slots, qlens, seqs, entries, which = [], [], [], [], [], [], []
-            t = 0
-            for i, j in enumerate(jobs):
-                if int(depth[i]) <= d:
-                    continue
-                js = st.valid[i].nonzero().flatten().tolist()
-                n = int(lay.num_nodes[i])
-                comp = [int(lay.compact[i, d - 1, s]) for s in js]
-                ids += [int(st.token[i, s]) for s in js]
-                pos += [j.root_pos + d] * len(js)
-                slots.append(slots_of(brow_np[i], [j.root_pos + 1 + c for c in comp], bs, owned[i]))
-                qlens.append(len(js))
-                seqs.append(j.root_pos + 1 + n)
-                entries.append((len(entries), list(range(t, t + len(js))), j.root_pos + 1,
-                                lay.parent[i, :n].tolist(), comp))
-                which += [(i, s) for s in js]
-                t += len(js)
-            sub_rows = torch.tensor([i for i, j in enumerate(jobs) if int(depth[i]) > d], dtype=torch.int64)
+            # pass d: the depth-d nodes of the requests that go deeper, under forest attention; query tokens in
+            # (request, slot) order
+            # the layout of the forest so far (Forest.from_steps(steps, depth.clamp(max=d)) then forest_layout's
+            # compact and parent indices), in numpy
+            pv = np.stack(valid_np, 1) & (np.arange(d)[None, :] < np.minimum(depth.numpy(), d)[:, None])[:, :, None]
+            compact, num_nodes, parents = _layout_np(pv, np.stack(parent_np, 1))
+            ri, si = np.nonzero(st.valid.numpy() & deeper[:, None])
+            comp = compact[ri, d - 1, si]
+            sub = np.nonzero(deeper)[0]
+            qlens = np.bincount(ri, minlength=R)[sub]
+            node_pos = root_pos[ri] + 1 + comp  # where node (d, s) is written
+            entries, t = [], 0
+            comp_l = comp.tolist()
+            for k, i in enumerate(sub.tolist()):
+                q = int(qlens[k])
+                entries.append((k, list(range(t, t + q)), int(root_pos[i]) + 1, parents[i][pv[i]].tolist(),
+                                comp_l[t : t + q]))
+                t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
-            lg = self._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[sub_rows],
-                               list(range(t)), fb, d)
+            lg = self._forward(st.token.numpy()[ri, si], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),
+                               qlens, root_pos[sub] + 1 + num_nodes[sub], block_rows[torch.from_numpy(sub)],
+                               np.arange(t), fb, d)
             full = torch.zeros(R, W, V)
-            for (i, s), row in zip(which, lg):
-                full[i, s] = row
-        forest = Forest.from_steps(steps, depth, W) if steps else None
-        # one layout for the whole batch: each request's row is its own forest's layout (rows are independent)
-        lay = forest_layout(forest, L) if forest is not None else None
+            full[torch.from_numpy(ri), torch.from_numpy(si)] = lg
+        if not steps:
+            return [None] * R
+        forest = Forest.from_steps(steps, depth, W)
+        # each request's nodes in compact (depth-major) order: forest_layout's token, parent and depth rows, in numpy
+        fv = forest.valid.numpy()
+        _, _, parents = _layout_np(fv, forest.parent.numpy())
+        tokens, fdepth = forest.token.numpy(), np.repeat(np.arange(1, fv.shape[1] + 1)[:, None], fv.shape[2], 1)
+        padded = _pad_forest(forest, self.cfg.depth, W, V)
+        has = (forest.depth > 0) & forest.valid.flatten(1).any(1)
+        vdepth = torch.minimum(forest.valid.any(2).sum(1), forest.depth)  # what sampler.truncate gives when uncut
         out = []
-        for i, j in enumerate(jobs):
-            f = _request_forest(forest, i, self.cfg.depth, W, V) if forest is not None else None
-            if f is None or int(f.depth[0]) == 0 or not bool(f.valid.any()):
+        for i, (j, ok) in enumerate(zip(jobs, has.tolist())):
+            if not ok:
                 out.append(None)
                 continue
-            n = int(lay.num_nodes[i])
-            out.append(PendingForest(forest=f, tokens=lay.token[i, :n].tolist(), parents=lay.parent[i, :n].tolist(),
-                                     depths=lay.depth[i, :n].tolist(), root_pos=j.root_pos))
+            v = fv[i]
+            f = Forest(parent=padded.parent[i : i + 1], token=padded.token[i : i + 1], valid=padded.valid[i : i + 1],
+                       score=padded.score[i : i + 1], q_joint=padded.q_joint[i : i + 1],
+                       depth=forest.depth[i : i + 1].clone())
+            uncut = Forest(parent=f.parent, token=f.token, valid=f.valid, score=f.score, q_joint=f.q_joint,
+                           depth=vdepth[i : i + 1])
+            out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
+                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, uncut=uncut))
         return out
 
 
-def _request_forest(forest: Forest, i: int, G: int, W: int, V: int) -> Forest:
-    """Row i of a batched forest, padded to [1, G, W] (joint [1, G, W * V])."""
+def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:
+    return a if a.shape[1] == n else np.pad(a, ((0, 0), (0, n - a.shape[1])), constant_values=fill)
+
+
+def _layout_np(valid: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``core.forest_layout``'s compact indices [R, G, W] (-1 when invalid), node counts [R] and compact parent
+    indices, here per (depth, slot) [R, G, W] (-1 at depth 1), of a forest given by its valid and parent slots
+    [R, G, W]; ``parents[i][valid[i]]`` is request i's ``forest_layout(...).parent`` row (depth-major order)."""
+    R, G, W = valid.shape
+    flat = valid.reshape(R, G * W)
+    compact = np.where(flat, np.cumsum(flat, 1) - 1, -1).reshape(R, G, W)
+    prev = np.concatenate([np.full((R, 1, W), -1, dtype=np.int64), compact[:, :-1]], 1)
+    parents = np.take_along_axis(prev, np.clip(parent, 0, W - 1), 2)
+    parents[:, 0] = -1
+    return compact, flat.sum(1), parents
+
+
+def _slots(brow: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int, owned: np.ndarray) -> np.ndarray:
+    """``kv.slots_of`` for many requests at once: slot of position ``pos[k]`` of request ``req[k]`` (its block-table
+    row ``brow[req[k]]``, ``owned[req[k]]`` blocks owned; a position beyond them raises)."""
+    blk = pos // block_size
+    if blk.size and (blk >= owned[req]).any():
+        k = int(np.argmax(blk >= owned[req]))
+        raise RuntimeError(f"DSBD: position {int(pos[k])} is beyond the request's {int(owned[req[k]])} KV blocks")
+    return brow[req, blk].astype(np.int64) * block_size + pos % block_size
+
+
+def _pad_forest(forest: Forest, G: int, W: int, V: int) -> Forest:
+    """A batched forest padded to [R, G, W] (joint [R, G, W * V]); row i is request i's forest."""
     g = forest.parent.shape[1]
     def pad(t, fill):
-        t = t[i : i + 1]
         return torch.nn.functional.pad(t, (0, W - t.shape[2], 0, G - g), value=fill)
-    qj = forest.q_joint[i : i + 1]
-    qj = torch.nn.functional.pad(qj, (0, W * V - qj.shape[2], 0, G - g), value=NEG_INF)
+    qj = torch.nn.functional.pad(forest.q_joint, (0, W * V - forest.q_joint.shape[2], 0, G - g), value=NEG_INF)
     return Forest(parent=pad(forest.parent, 0), token=pad(forest.token, 0), valid=pad(forest.valid, False),
-                  score=pad(forest.score, NEG_INF), q_joint=qj, depth=forest.depth[i : i + 1].clone())
+                  score=pad(forest.score, NEG_INF), q_joint=qj, depth=forest.depth)

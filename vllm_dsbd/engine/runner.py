@@ -135,6 +135,7 @@ class DSBDRunnerMixin:
         qsl = self.query_start_loc.np[: num_reqs + 1]
         computed = batch.num_computed_tokens_cpu[:num_reqs]
         plan, entries, first = [], [], 0
+        node_rows, node_pos = [], []  # forest nodes' rows in the pass and their positions, written once below
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if st is None:  # not seen through _update_states (should not happen): register now
@@ -154,18 +155,23 @@ class DSBDRunnerMixin:
             pf, st.pending = st.pending, None
             n = len(sched)
             if n and pf is not None and pf.root_pos == L - 1 and pf.tokens[:n] == list(sched):
-                row.forest = PendingForest(forest=sampler.truncate(pf.forest, L, n), tokens=pf.tokens[:n],
+                cut = pf.uncut if pf.uncut is not None and n >= len(pf.tokens) else sampler.truncate(pf.forest, L, n)
+                row.forest = PendingForest(forest=cut, tokens=pf.tokens[:n],
                                            parents=pf.parents[:n], depths=pf.depths[:n], root_pos=pf.root_pos)
                 row.num_nodes = n
                 row.drafted_depth = int(pf.forest.depth[0])
                 base = int(qsl[i]) + ns - n
-                self.positions[base : base + n] = torch.tensor([pf.root_pos + d for d in pf.depths[:n]],
-                                                               dtype=self.positions.dtype)
+                node_rows.extend(range(base, base + n))
+                node_pos.extend([pf.root_pos + d for d in pf.depths[:n]])
                 entries.append((i, list(range(base, base + n)), L, pf.parents[:n], list(range(n))))
             elif n:
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
+        if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
+            dev = self.positions.device
+            self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
+                node_pos, dtype=self.positions.dtype).to(dev)
         max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e[3]) for e in entries])
         fb = attention.ForestBatch.build(entries, max_nodes=max_nodes)
         return plan, fb

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.core.forest import Forest, forest_layout
+from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.outputs import iteration_outputs
 from vllm_dsbd.core.params import BatchParams
@@ -63,11 +63,10 @@ def empty_forest(depth: int, width: int, vocab: int) -> Forest:
 def truncate(forest: Forest, context_len: int, n: int) -> Forest:
     """The forest restricted to its first n nodes in compact order (vLLM may schedule fewer draft tokens than
     proposed). A prefix in compact order is, at every depth, a prefix of the draws: still an exact forest."""
-    if n >= int(forest.valid.sum()):  # nothing cut (the usual case): the same result without the layout
+    if n >= int(forest.valid.sum()):  # nothing cut (the usual case): the same result without the index
         return Forest(parent=forest.parent, token=forest.token, valid=forest.valid, score=forest.score,
                       q_joint=forest.q_joint, depth=torch.minimum(forest.valid.any(2).sum(1), forest.depth))
-    layout = forest_layout(forest, torch.tensor([context_len]))
-    valid = forest.valid & (layout.compact < n)
+    valid = forest.valid & (compact_index(forest.valid) < n)
     depth = valid.any(2).sum(1)
     return Forest(parent=forest.parent, token=forest.token, valid=valid, score=forest.score,
                   q_joint=forest.q_joint, depth=torch.minimum(depth, forest.depth))
@@ -87,62 +86,65 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
     V = logits.shape[-1]
     # the core runs on the host (the drafter keeps its forests there too): one copy of the pass's logits rows
     logits = logits.float().cpu()
-    forests, depth = [], []
-    for row in rows:
-        f = row.forest.forest if row.forest is not None else empty_forest(G, W, V)
-        forests.append(f)
-        depth.append(int(f.depth[0]))
+    forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V) for row in rows]
     forest = Forest(parent=torch.cat([f.parent for f in forests]), token=torch.cat([f.token for f in forests]),
                     valid=torch.cat([f.valid for f in forests]), score=torch.cat([f.score for f in forests]),
-                    q_joint=torch.cat([f.q_joint for f in forests]), depth=torch.tensor(depth, dtype=torch.int64))
+                    q_joint=torch.cat([f.q_joint for f in forests]),
+                    depth=torch.cat([f.depth for f in forests]).to(torch.int64))
+    depth = forest.depth.tolist()
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64)
-    layout = forest_layout(forest, ctx)
+    compact = compact_index(forest.valid)  # all of the forest layout this needs
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
     tl = torch.zeros(R, G + 1, W, V)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64)
     tl[:, 0, 0] = logits[first]
     sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
     if sel[0].numel():
-        src = first[sel[0]] + 1 + layout.compact[sel]
+        src = first[sel[0]] + 1 + compact[sel]
         tl[sel[0], sel[1] + 1, sel[2]] = logits[src]
     params = _params([r.state for r in rows], depth, cfg)
     scores = torch.zeros(R, W)
     live = torch.zeros(R, W, dtype=torch.bool)
     live[:, 0] = True
     res = verify_forest(forest, tl, scores, live, params, ctx)
-    new, fin = iteration_outputs(forest, res, params)
+    new, fin = iteration_outputs(forest, res, params, finished=False)  # the finished beams only if some row needs them
 
+    # per-request results from Python lists read once (no per-request tensor indexing)
     out = []
     rec = res.layers
+    new_valid, new_tok, new_len = new.valid[:, 0].tolist(), new.tokens[:, 0].tolist(), new.length[:, 0].tolist()
+    if not all(new_valid):
+        _, fin = iteration_outputs(forest, res, params)
+    last_l, passed_l = res.last.tolist(), res.passed.tolist()
+    rpar_l, width_l = rec.parent[:, :, 0].tolist(), rec.width.tolist()
+    comp_l, fpar_l = compact.tolist(), forest.parent.tolist()
     for i in range(R):
         # single-output-beam mode: the emitted beam is the first output of the last processed layer; it is among the
         # live beams unless it is EOS, then among the finished ones (at most one in single mode)
-        if bool(new.valid[i, 0]):
-            em, k = new, 0
+        if new_valid[i]:
+            tokens = new_tok[i][: new_len[i]]
         else:
             ks = fin.valid[i].nonzero().flatten().tolist()
             assert len(ks) == 1, "single-output-beam mode emits exactly one beam"
-            em, k = fin, ks[0]
-        tokens = em.tokens[i, k, : int(em.length[i, k])].tolist()
-        last = int(res.last[i])
-        path, s = [], int(rec.parent[i, last, 0])
+            tokens = fin.tokens[i, ks[0], : int(fin.length[i, ks[0]])].tolist()
+        last = last_l[i]
+        path, s = [], rpar_l[i][last]
         for dd in range(last, 0, -1):
-            path.append(int(layout.compact[i, dd - 1, s]))
-            s = int(forest.parent[i, dd - 1, s])
+            path.append(comp_l[i][dd - 1][s])
+            s = fpar_l[i][dd - 1][s]
         path.reverse()
         assert len(tokens) == last + 1 and all(c >= 0 for c in path), (tokens, path)
-        out.append(RowResult(tokens=tokens, path=path, passed=int(res.passed[i]),
-                             widths=rec.width[i, : min(last + 1, depth[i])].tolist()))
+        out.append(RowResult(tokens=tokens, path=path, passed=passed_l[i],
+                             widths=width_l[i][: min(last + 1, depth[i])]))
     return out
 
 
 def sampled_token_ids(results: list[RowResult], num_reqs: int) -> torch.Tensor:
     """vLLM's format: int32 [num_reqs, max_len] with -1 padding."""
     width = max([len(r.tokens) for r in results] + [1])
-    t = torch.full((num_reqs, width), -1, dtype=torch.int32)
-    for i, r in enumerate(results):
-        t[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.int32)
-    return t
+    rows = [list(r.tokens) + [-1] * (width - len(r.tokens)) for r in results]
+    rows += [[-1] * width] * (num_reqs - len(results))
+    return torch.tensor(rows, dtype=torch.int32).reshape(num_reqs, width)
 
 
 def emitted_rows(rows: list[RowPlan], results: list[RowResult], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

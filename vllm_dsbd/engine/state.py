@@ -28,6 +28,9 @@ class PendingForest:
     parents: list[int]  # compact parent index of each node (-1 = child of the root)
     depths: list[int]  # 1-based depth of each node
     root_pos: int  # position of the root token (the last emitted token, not yet in the target cache)
+    # ``sampler.truncate(forest, ., len(tokens))`` (nothing cut: the depth capped at the last valid layer), built by
+    # the drafter for the whole batch at once; None: compute it
+    uncut: Forest | None = None
 
 
 @dataclass
