@@ -556,14 +556,34 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
         check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)
 
 
+def _beam_sp(beam, **kw):
+    """SamplingParams of a well-formed explicit beam request (room for the trie, vLLM never stops it on EOS)."""
+    return SamplingParams(**{"max_tokens": 100, "ignore_eos": True, **kw}, extra_args={"dsbd_beam": beam})
+
+
 def test_beam_depth_on_an_engine_without_a_draft_is_refused():
     cfg = DSBDConfig(width=4, draft=False)
     beam = {"width": 4, "max_tokens": 8}
-    assert check_request(SamplingParams(extra_args={"dsbd_beam": beam}), cfg) == 4
-    assert check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 0}}), cfg) == 4
+    assert check_request(_beam_sp(beam), cfg) == 4
+    assert check_request(_beam_sp({**beam, "depth": 0}), cfg) == 4
     with pytest.raises(ValueError, match=r"^extra_args\['dsbd_beam'\]\['depth'\] = 2: this DSBD engine has no draft"):
-        check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 2}}), cfg)
-    assert check_request(SamplingParams(extra_args={"dsbd_beam": {**beam, "depth": 2}}), DSBDConfig(width=4)) == 4
+        check_request(_beam_sp({**beam, "depth": 2}), cfg)
+    assert check_request(_beam_sp({**beam, "depth": 2}), DSBDConfig(width=4)) == 4
+
+
+def test_beam_request_that_vllm_would_stop_early_is_refused():
+    """vLLM ends a request at its own max_tokens and on EOS; a beam request's trie takes up to width + 1 slots a step,
+    and with EOS an ordinary beam token it may land among them: either would end the request with no beams."""
+    cfg = DSBDConfig(width=4)
+    beam = {"width": 4, "max_tokens": 8}  # trie: up to 8 * 5 + 2 = 42 slots
+    assert check_request(_beam_sp(beam, max_tokens=42), cfg) == 4
+    with pytest.raises(ValueError, match=r"^max_tokens: a beam request of width 4 and 8 tokens needs max_tokens >= 42"):
+        check_request(_beam_sp(beam, max_tokens=41), cfg)
+    # EOS: vLLM ignores it, or the beams finish on it (it never enters the trie)
+    assert check_request(_beam_sp({**beam, "eos_token_id": 2}, ignore_eos=False), cfg) == 4
+    for b in (beam, {**beam, "eos_token_id": 2, "ignore_eos": True}):
+        with pytest.raises(ValueError, match=r"^ignore_eos: a beam request needs ignore_eos=True"):
+            check_request(_beam_sp(b, ignore_eos=False), cfg)
 
 
 def test_logprobs_on_a_beam_request_are_refused():
@@ -572,10 +592,10 @@ def test_logprobs_on_a_beam_request_are_refused():
     cfg = DSBDConfig(width=4)
     beam = {"width": 2, "max_tokens": 4}
     assert check_request(SamplingParams(logprobs=2), cfg) == 4
-    assert check_request(SamplingParams(extra_args={"dsbd_beam": beam}), cfg) == 4
+    assert check_request(_beam_sp(beam), cfg) == 4
     for n in (0, 2):
         with pytest.raises(ValueError, match=r"^logprobs: not supported on a beam request"):
-            check_request(SamplingParams(logprobs=n, extra_args={"dsbd_beam": beam}), cfg)
+            check_request(_beam_sp(beam, logprobs=n), cfg)
 
 
 def test_unknown_dsbd_request_key_is_refused():

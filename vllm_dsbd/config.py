@@ -249,7 +249,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
     Raises:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
-            a draft model, or ``logprobs`` on a beam request.
+            a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
+            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), or ``logprobs``.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -263,6 +264,16 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         if not cfg.draft and beam.depth:
             raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
                              "so its beam requests have no draft forest; leave 'depth' out (or 0)")
+        need, mt = beam.engine_tokens(), getattr(sampling_params, "max_tokens", None)
+        if mt is not None and mt < need:
+            raise ValueError(f"max_tokens: a beam request of width {beam.width} and {beam.max_tokens} tokens needs "
+                             f"max_tokens >= {need} on its SamplingParams (its trie takes up to width + 1 slots per "
+                             f"step; DSBD ends the request itself), got {mt}")
+        if not getattr(sampling_params, "ignore_eos", False) and (beam.ignore_eos or beam.eos_token_id is None):
+            raise ValueError(f"ignore_eos: a beam request needs ignore_eos=True on its SamplingParams unless "
+                             f"extra_args[{BEAM_KEY!r}]['eos_token_id'] names its EOS (EOS would otherwise be an "
+                             "ordinary beam token, and vLLM stops a request whose tokens reach EOS before DSBD "
+                             "returns any beam)")
         if getattr(sampling_params, "logprobs", None) is not None:
             raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
                              "are its beams' settled prefix, then the best beam; each beam's per-token "
