@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from vllm_dsbd.core import rng
-from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch
@@ -56,8 +55,7 @@ def _sampled_pairs(beam, logits: torch.Tensor, scores: list[float], live: list[b
     top-p on the joint, keyed by its seed, the depth-d tokens' position and ``Stream.DRAFT_DRAW``): W (beam, token)
     pairs drawn without replacement from the draft joint Q, in draw order. EOS is an ordinary draw (a drafted EOS is
     not continued). Returns ([(beam, token, draft score)], log Q [S * V] float32)."""
-    params = BatchParams.make(1, temperature=beam.temperature, top_k=beam.top_k, top_p=beam.top_p,
-                              width=beam.params.width, seed=beam.seed, eos=-1)
+    params = beam.batch_params()
     pos = torch.tensor([beam.prompt_len + beam.steps + d - 1], dtype=torch.int64)
     st = beam_step(logits.float()[None], torch.tensor([scores], dtype=torch.float32),
                    torch.tensor([live], dtype=torch.bool), params, pos, rng.Stream.DRAFT_DRAW)

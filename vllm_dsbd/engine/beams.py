@@ -333,10 +333,7 @@ class BeamRequest:
         layers)."""
         F = flogits.shape[0]
         n0 = self._graft(forest, F)
-        W = self.params.width
-        params = BatchParams.make(1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, width=W,
-                                  seed=self.seed, eos=-1, min_width=min(self.min_width, W), tau=self.tau,
-                                  dynamic=self.params.dynamic_width)
+        params = self.batch_params()
         par_logits, layer, passed, widths = logits, 1, 0, []
         while True:
             drafts = [c for c in range(F) if forest.layers[c] == layer]  # in draw order
@@ -387,11 +384,8 @@ class BeamRequest:
         cands, nodes = [], []
         for j in out[0][ok[0]].tolist():
             b, t = divmod(j, V)
-            v, beam = float(lp[b, t]), self.live[b]
-            if eos is not None and t == eos:
-                self._finish(beam, [t], [v], beam.score + v, "stop")
-            else:
-                cands.append((b, t, beam.score + v, v, float(jscore[0, j])))
+            if (c := self._pair(b, t, float(lp[b, t]), float(jscore[0, j]), eos)) is not None:
+                cands.append(c)
                 nodes.append(node_of.get(j))
         return cands, nodes, int(k[0])
 
@@ -401,32 +395,39 @@ class BeamRequest:
         cands = []
         for b, beam in enumerate(self.live):
             for v, t in zip(vals[b].tolist(), idx[b].tolist()):
-                cum = beam.score + v
-                if eos is not None and t == eos:
-                    self._finish(beam, [t], [v], cum, "stop")
-                else:
-                    cands.append((b, t, cum, v, cum))
+                if (c := self._pair(b, t, v, beam.score + v, eos)) is not None:
+                    cands.append(c)
         cands = sorted(cands, key=lambda c: c[2], reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
 
     def _sample(self, logits: torch.Tensor, lp: torch.Tensor, eos: int | None):
-        Wl, V = logits.shape
-        params = BatchParams.make(1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                  width=self.params.width, seed=self.seed, eos=-1, single=False)
         scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32)
-        live = torch.ones(1, Wl, dtype=torch.bool)
+        live = torch.ones(1, logits.shape[0], dtype=torch.bool)
         pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64)
-        st = beam_step(logits[None], scores, live, params, pos, rng.Stream.TARGET_DRAW)
+        st = beam_step(logits[None], scores, live, self.batch_params(), pos, rng.Stream.TARGET_DRAW)
         cands = []
         for j in torch.nonzero(st.valid[0]).flatten().tolist():
             b, t = int(st.parent[0, j]), int(st.token[0, j])
-            v = float(lp[b, t])
-            beam = self.live[b]
-            if eos is not None and t == eos:
-                self._finish(beam, [t], [v], beam.score + v, "stop")
-            else:
-                cands.append((b, t, beam.score + v, v, float(st.score[0, j])))
+            if (c := self._pair(b, t, float(lp[b, t]), float(st.score[0, j]), eos)) is not None:
+                cands.append(c)
         return cands
+
+    def _pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
+        """Live beam b extended by token t (raw log-probability v): a pair ending in EOS finishes the beam (None);
+        any other is a candidate ``(beam, token, cumulative raw score, v, sampling score)``."""
+        beam = self.live[b]
+        if eos is not None and t == eos:
+            self._finish(beam, [t], [v], beam.score + v, "stop")
+            return None
+        return (b, t, beam.score + v, v, sample_score)
+
+    def batch_params(self) -> BatchParams:
+        """The request's settings as the core takes them (one row): its temperature, top-k / top-p on the joint,
+        width, seed and the dynamic-width rule; EOS is handled here, not in the core (``eos=-1``)."""
+        W = self.params.width
+        return BatchParams.make(1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, width=W,
+                                seed=self.seed, eos=-1, min_width=min(self.min_width, W), tau=self.tau,
+                                dynamic=self.params.dynamic_width)
 
     def _apply(self, cands) -> StepResult:
         """Keeps the nodes the new beams hang from, compacted after the fixed leaves, appends the new leaves, and
