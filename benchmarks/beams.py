@@ -12,12 +12,15 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
 * ``--sampling``: beam sampling at temperature 1 (seeded): in-engine γ = 0, and DSBD full width with fixed width
   (each layer exact: target beam sampling) and with the paper's dynamic width (``dsbd_beam.dynamic_width``);
 * ``--self-draft``: DSBD full width with the target as its own draft (the acceptance ceiling);
-* ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model.
+* ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model;
+* ``--no-relayout``: the in-engine γ = 0 and DSBD T = 0 rows again with the re-layout off
+  (``VLLM_DSBD_BEAM_RELAYOUT=0``: dead trie slots stay, the beams' common prefix stays in the trie).
 
 Reported per row: wall seconds, best-beam tokens per second, target passes (vLLM's loop: engine requests it made,
 from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), target passes per beam step (in-engine:
 ``vllm:dsbd_beam_target_passes / vllm:dsbd_beam_steps``, counted by the engine), and KV blocks held per request
-(in-engine: measured, ``vllm:dsbd_beam_kv_blocks``; vLLM's loop: its W live beams each hold their prompt + tokens,
+(in-engine: measured, ``vllm:dsbd_beam_kv_blocks``, the blocks the request owns when it finishes, its draft
+slots included; vLLM's loop: its W live beams each hold their prompt + tokens,
 shared prompt blocks counted once: computed from the outputs, stated as such), against one plain request of the same
 prompt and length, and the quality of the best beam (its target log-probability per token). Whether the T = 0 rows
 return vLLM's beams is checked and printed.
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
                          "with dynamic width (seeded; not compared with vLLM's loop, which ranks beams greedily)")
     ap.add_argument("--no-draft-engine", action="store_true",
                     help="also run LLM.beam_search on a DSBD engine started without a draft model")
+    ap.add_argument("--no-relayout", action="store_true",
+                    help="also run the in-engine γ = 0 and DSBD T = 0 rows without the re-layout of beam requests")
     ap.add_argument("--loop-without-prefix-caching", action="store_true",
                     help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     rows = []
     G = args.depth
     # (label, engine, draft depth on the request: None = LLM.beam_search as the user calls it, -1 = the engine's;
-    #  temperature, dynamic width)
+    #  temperature, dynamic width[, re-layout])
     runs = [("vllm beam_search", "plain", None, 0.0, False), ("in-engine beam search (γ = 0)", "dsbd", 0, 0.0, False),
             (f"DSBD full width γ = {G}", "dsbd", None, 0.0, False)]
     if args.sampling:
@@ -161,6 +166,9 @@ def main(argv=None) -> int:
         if args.sampling:
             runs.append((f"DSBD full width γ = {G} T = 1, the target as its own draft,", "dsbd-self", -1, 1.0,
                          False))
+    if args.no_relayout:
+        runs += [("in-engine beam search (γ = 0), no re-layout,", "dsbd", 0, 0.0, False, False),
+                 (f"DSBD full width γ = {G}, no re-layout,", "dsbd", None, 0.0, False, False)]
     if args.no_draft_engine:
         runs.append(("beam search on a DSBD engine without a draft model,", "nodraft", None, 0.0, False))
     if args.loop_without_prefix_caching:
@@ -172,14 +180,18 @@ def main(argv=None) -> int:
     engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
                "dsbd-self": dsbd(target), "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
     llm, current = None, None
-    for label, engine, depth, temp, dynamic in tqdm(runs, desc="rows", unit="row"):
+    from vllm_dsbd.engine.state import RELAYOUT_ENV
+
+    for label, engine, depth, temp, dynamic, *relayout in tqdm(runs, desc="rows", unit="row"):
         if engine != current:
             if llm is not None:
                 shutdown(llm)
             llm, current = vllm.LLM(model=str(target), **{**kw, **engines[engine]}), engine
         blocks0 = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         b0 = (blocks0.sum, blocks0.count) if blocks0 is not None else (0.0, 0)
+        os.environ[RELAYOUT_ENV] = "0" if relayout == [False] else "1"  # read as the engine registers a request
         r = _run(llm, prompts, W, N, depth, temp, dynamic)
+        os.environ.pop(RELAYOUT_ENV)
         blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         n_b = blocks.count - b0[1] if blocks is not None else 0
         r["measured_blocks"] = (blocks.sum - b0[0]) / n_b if n_b else None

@@ -25,6 +25,7 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -34,6 +35,7 @@ from engine_utils import greedy_tokens, metric, shutdown, with_eos  # sets the C
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
+from vllm_dsbd.engine.state import RELAYOUT_ENV  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params  # noqa: E402
 
@@ -43,6 +45,7 @@ _rng = random.Random(99)
 LONG = [[_rng.randrange(3, 400) for _ in range(110)] for _ in range(3)]
 CASES = [(2, 0.8), (4, 1.3)]  # (beam width, length penalty)
 BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 slots: the least max_model_len allows, far less than the mixed batch needs
+RELAYOUT_PROMPT = LONG[2][:20]
 CACHED = LONG[0] + LONG[1][:2]  # 112 tokens: 7 full blocks; the trie starts on a block boundary
 
 
@@ -154,6 +157,44 @@ def _read(llm, prompts, outs):
     return res
 
 
+def _layout(worker) -> dict:
+    """Per beam request in the runner: the token list the worker holds, the one its beams' layout says (prompt, the
+    beams' common prefix, the trie up to leaf 0) and the prefix length."""
+    runner = getattr(worker, "worker", worker).model_runner
+    batch, out = runner.input_batch, {}
+    for rid, st in runner.dsbd_requests._states.items():
+        b, i = st.beam, batch.req_id_to_index.get(rid)
+        if b is not None and i is not None and b.live:
+            held = batch.token_ids_cpu[i, : batch.num_tokens_no_spec[i]].tolist()
+            prompt = batch.token_ids_cpu[i, : b.prompt_len].tolist()
+            out[rid] = (held, prompt + b.prefix + b.tokens[: b.live[0].node + 1], len(b.prefix))
+    return out
+
+
+def _relayout_run(llm, params, relayout: bool):
+    """One beam request of a long prompt step by step, with (or without) the re-layout: per step the scheduler's
+    token list and computed count, and the worker's lists (``_layout``). Returns (steps, beams)."""
+    os.environ[RELAYOUT_ENV] = "1" if relayout else "0"  # read when the runner registers the request
+    try:
+        eng = llm.llm_engine
+        scheduler = eng.engine_core.engine_core.scheduler
+        rid = f"relayout-{relayout}"
+        eng.add_request(rid, {"prompt_token_ids": RELAYOUT_PROMPT}, params)
+        steps, final = [], None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                final = o if o.finished else final
+            reqs = [r for r in scheduler.requests.values() if r.request_id.startswith(rid)]
+            if not reqs:
+                continue
+            (req,) = reqs
+            (layout,) = llm.collective_rpc(_layout)[0].values() or [None]
+            steps.append((list(req.all_token_ids), req.num_computed_tokens, layout))
+    finally:
+        os.environ.pop(RELAYOUT_ENV, None)
+    return steps, [(list(b["token_ids"]), b["cum_logprob"]) for b in final.kv_transfer_params["dsbd_beam"]]
+
+
 def _token_list(llm, prompt, params) -> list[int]:
     """vLLM's token list of a beam request (prompt + trie slots) before the step that finished it (its output tokens
     are its best beam, not the trie slots). Engine core in-process."""
@@ -187,8 +228,9 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         out["no_draft"] = {case: _beam_search_no_draft(llm, SHORT, *case, eos) for case in CASES}
         out["no_draft_nodes"] = metric(llm, "vllm:dsbd_beam_draft_nodes") - out["beam_nodes"]
         # prefix caching: a plain request whose prompt is a beam request's prompt followed by the tokens of the
-        # beam request's trie slots (vLLM's token list of that request) must not be served the trie blocks
-        bp = BeamSearchParams(beam_width=WIDTH, max_tokens=2 * MAX_TOKENS)
+        # beam request's slots (vLLM's token list of that request: the beams' common prefix, then the trie) must not
+        # be served the blocks past the prompt
+        bp = BeamSearchParams(beam_width=WIDTH, max_tokens=3 * MAX_TOKENS)
         out["probe"] = _token_list(llm, CACHED, beam_request_params(bp, eos, len(CACHED), 256, WIDTH))
         hits0 = metric(llm, "vllm:prefix_cache_hits") or 0
         (o,) = llm.generate([{"prompt_token_ids": out["probe"]}], _greedy_params(), use_tqdm=False)
@@ -217,6 +259,13 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         bad.append(str(err.value))
         out["bad"] = bad
         out["after_bad"] = _beam_search(llm, SHORT[:1], 2, 0.8)
+        # re-layout (BeamRequest._relayout) against none, on the same engine: W = 4, 30 steps (172 slots at most)
+        bp = BeamSearchParams(beam_width=WIDTH, max_tokens=30)
+        drop0 = metric(llm, "vllm:dsbd_beam_relayout_slots") or 0
+        out["relayout"] = _relayout_run(llm, beam_request_params(bp, eos, len(RELAYOUT_PROMPT), 256, WIDTH), True)
+        out["relayout_dropped"] = metric(llm, "vllm:dsbd_beam_relayout_slots") - drop0
+        out["no_relayout"] = _relayout_run(llm, beam_request_params(bp, eos, len(RELAYOUT_PROMPT), 256, WIDTH), False)
+        out["no_relayout_dropped"] = metric(llm, "vllm:dsbd_beam_relayout_slots") - drop0 - out["relayout_dropped"]
         # beam sampling (T = 1) with forests: fixed width, then the paper's dynamic width
         out["t1_fixed"] = _sampled_beams(llm, eos, 0)
         out["t1_dynamic"] = _sampled_beams(llm, eos, 0, dynamic=True)
@@ -285,6 +334,25 @@ def test_prefix_caching_never_serves_trie_blocks(dsbd, setup):
     fn = next_token_logits_fn(load_hf(setup[0]))
     with torch.no_grad():
         assert dsbd["probe_tokens"] == greedy_tokens(fn, probe, MAX_TOKENS)
+
+
+def test_relayout_shrinks_the_request_and_keeps_the_beams(dsbd):
+    (steps, beams), (steps0, beams0) = dsbd["relayout"], dsbd["no_relayout"]
+    _assert_same_beams([beams], [beams0])
+    # re-laid out: dead slots were dropped, the beams' common prefix became linear context
+    assert dsbd["relayout_dropped"] > 0 and dsbd["no_relayout_dropped"] == 0
+    assert max(layout[2] for *_, layout in steps if layout) > 0
+    assert all(layout[2] == 0 for *_, layout in steps0 if layout)
+    # after every step the scheduler's token list, the worker's and the beams' layout agree, and every slot but the
+    # last token is computed (vLLM's next pass starts at the last token)
+    for sched, computed, layout in steps + steps0:
+        if layout is not None:
+            held, expected, _ = layout
+            assert sched == held == expected
+            assert computed == len(sched) - 1
+    # the request holds fewer slots with the re-layout (its list shrank; without it, every slot ever kept stays)
+    assert max(len(t) for t, *_ in steps) < max(len(t) for t, *_ in steps0)
+    assert len(steps[-1][0]) < len(steps0[-1][0])
 
 
 def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain):

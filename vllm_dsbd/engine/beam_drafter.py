@@ -2,15 +2,16 @@
 few steps ahead of the W live beams of every beam request of the step, in one draft pass per depth.
 
 * Pass 0 ("catch-up"): the slots whose draft K/V are missing, from the first of them to the end of the trie (the
-  prompt's after its prefill, then the new leaves and any node whose draft K/V never were): prompt slots causally,
-  trie nodes under the trie's ancestor masks (``attention.ForestBatch``, context = the prompt). Its logits at the
+  prompt's after its prefill, then the new leaves and any node whose draft K/V never were): the linear context (the
+  prompt and the beams' common prefix) causally, trie nodes under the trie's ancestor masks
+  (``attention.ForestBatch``, context = the linear context). Its logits at the
   live leaves start the draft's beam search.
 * Depth d = 1..G: the draft's beam step from the current beams. T = 0: scored as the target's beam search scores
   them (cumulative log-probabilities, EOS finishing a beam so never continued), the W best (beam, token) pairs of the
   joint. T > 0: W pairs drawn without replacement from the draft's beam-sampling joint Q (``core.beam_step``, keyed
   by the request's seed and the tokens' position), in draw order, with Q kept for the exact verification
   (``BeamRequest.step``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths
-  (node c of the forest at slot ``P + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under
+  (node c of the forest at slot ``base + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under
   forest attention.
 
 The forest goes back to the request (``BeamRequest.forest``); its tokens follow the remaining leaves as the request's
@@ -45,9 +46,13 @@ class BeamDraftJob:
 
 
 def catch_up_start(st: RequestState) -> int:
-    """First slot of a beam request whose draft K/V are missing (prompt or trie)."""
+    """First slot of a beam request whose draft K/V are missing (prompt, linear prefix or trie)."""
     beam = st.beam
-    return st.draft_len if st.draft_len < beam.prompt_len else beam.prompt_len + beam.first_without_draft()
+    if st.draft_len < beam.prompt_len:
+        return st.draft_len
+    if beam.draft_gap is not None:  # a trie node without draft K/V became linear context (BeamRequest._relayout)
+        return beam.draft_gap
+    return beam.base + beam.first_without_draft()
 
 
 def _sampled_pairs(beam, logits: torch.Tensor, scores: list[float], live: list[bool], d: int):
@@ -92,16 +97,16 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
     t0 = 0
     for k, job in enumerate(jobs):
         beam = job.state.beam
-        P, n = beam.prompt_len, len(beam.tokens)
-        s = list(range(job.start, P + n))
-        ids += job.prompt_tail + beam.tokens[max(0, job.start - P):]
+        B, n = beam.base, len(beam.tokens)
+        s = list(range(job.start, B + n))
+        ids += job.prompt_tail + beam.tokens[max(0, job.start - B):]
         pos += [beam.position(x) for x in s]
         slots.append(slots_of(brow[k], s, bs, owned[k]))
         qlens.append(len(s))
-        seqs.append(P + n)
-        trie = [x for x in s if x >= P]
-        entries.append((k, [t0 + x - job.start for x in trie], P, list(beam.parents), [x - P for x in trie]))
-        sample += [t0 + P + b.node - job.start for b in beam.live]
+        seqs.append(B + n)
+        trie = [x for x in s if x >= B]
+        entries.append((k, [t0 + x - job.start for x in trie], B, list(beam.parents), [x - B for x in trie]))
+        sample += [t0 + B + b.node - job.start for b in beam.live]
         t0 += len(s)
     fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
     logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
@@ -111,6 +116,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         leaf_logits.append(logits[at : at + len(beam.live)])
         at += len(beam.live)
         beam.has_draft = [True] * len(beam.tokens)
+        beam.draft_gap = None
         job.state.draft_len = max(job.state.draft_len, beam.prompt_len)
 
     # depths 1..G: the draft's beam search / beam sampling; pass d computes the depth-d nodes' logits when a deeper
@@ -155,14 +161,14 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         t0 = 0
         for e, (k, layer) in enumerate(layer_of.items()):
             beam, f = jobs[k].state.beam, forests[k]
-            P, n = beam.prompt_len, len(beam.tokens)
+            B, n = beam.base, len(beam.tokens)
             nodes = [nd for nd, *_ in layer]
             ids += [f.tokens[nd - n] for nd in nodes]
-            pos += [P - 1 + f.depths[nd - n] for nd in nodes]
-            slots.append(slots_of(brow[k], [P + nd for nd in nodes], bs, owned[k]))
+            pos += [beam.prompt_len - 1 + f.depths[nd - n] for nd in nodes]
+            slots.append(slots_of(brow[k], [B + nd for nd in nodes], bs, owned[k]))
             qlens.append(len(nodes))
-            seqs.append(P + n + len(f.tokens))
-            entries.append((e, list(range(t0, t0 + len(nodes))), P, beam.parents + f.parents, nodes))
+            seqs.append(B + n + len(f.tokens))
+            entries.append((e, list(range(t0, t0 + len(nodes))), B, beam.parents + f.parents, nodes))
             t0 += len(nodes)
             for nd in nodes:
                 f.drafted[nd - n] = True

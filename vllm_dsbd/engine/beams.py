@@ -1,16 +1,19 @@
 """Beams inside one vLLM request (DESIGN.md §2, "Full width lives inside one vLLM request"), with or without DSBD's
 draft forest.
 
-A beam request keeps its W live beams as a trie of nodes stored in the request's own KV slots. vLLM's token list of
-the request is always ``prompt + trie node tokens in slot order`` (node j at slot ``P + j``, P = prompt length), so
-vLLM's tokens, block hashes and recomputation after a preemption see the true token of every slot. The trie's
-leaves (the live beams' last tokens) are always its last nodes: leaf 0 is vLLM's last token (not yet in the cache)
-and leaves 1.. are scheduled as the request's "draft tokens". A leaf's RoPE position is ``P - 1 + depth`` and its
-attention sees the prompt and its own ancestors (``attention.ForestBatch`` with context P over the trie).
+A beam request keeps its W live beams as a trie of nodes stored in the request's own KV slots, after its linear
+context (the prompt, then the beams' common prefix; ``base`` slots). vLLM's token list of the request is always
+``linear context + trie node tokens in slot order`` (node j at slot ``base + j``), so vLLM's tokens, block hashes
+and recomputation after a preemption see the true token of every slot. The trie's leaves (the live beams' last
+tokens) are always its last nodes: leaf 0 is vLLM's last token (not yet in the cache) and leaves 1.. are scheduled as
+the request's "draft tokens". A node's RoPE position is ``P - 1 + depth`` (P = prompt length, depth counted from
+the prompt) and its attention sees the linear context and its own ancestors (``attention.ForestBatch`` with context
+``base`` over the trie).
 
 After each step the draft model beam-searches (T = 0) or beam-samples (T > 0) a forest a few steps ahead of the live
-beams (``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot ``P + len(trie) + c``) and
-scheduled as draft tokens after the leaves, so one target pass computes the leaves and the forest together.
+beams (``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot
+``base + len(trie) + c``) and scheduled as draft tokens after the leaves, so one target pass computes the leaves and
+the forest together.
 
 One beam step, when the logits of every leaf are in (:meth:`BeamRequest.step`):
 
@@ -35,8 +38,12 @@ accepted drafts and rolls back the rest, which lands exactly on the new layout. 
 preemption, recomputed) only some of the leaves, the step waits: the logits of the computed leaves are kept and the
 row is the next leaves (:meth:`BeamRequest.partial`); the forest is dropped.
 
-A pruned subtree deeper than the leaves stays in the slots as dead nodes (no re-layout yet): KV held is the prompt
-plus every node that was ever kept.
+Then the request is *re-laid out* (:meth:`BeamRequest._relayout`, DESIGN.md §2): the live beams' common prefix
+leaves the trie and becomes linear context after the prompt (slots ``[prompt_len, base)``, position = slot, attended
+causally like the prompt), every dead node (on no live beam: pruned beams, finished beams' tokens) is dropped, and
+the kept nodes move down in slot order; vLLM's token list of the request is rewritten to match (runner and scheduler,
+patch ``beam_scheduler``), so the request holds ``base + live trie`` slots instead of every slot it ever kept, and
+forest attention runs over the live trie only. ``VLLM_DSBD_BEAM_RELAYOUT=0`` turns it off (for comparisons).
 
 What vLLM outputs for the request is not its token list (trie slots) but its *settled prefix*
 (:meth:`BeamRequest.settle`, after every step): the longest common prefix of the live beams and the ``n`` best
@@ -152,11 +159,15 @@ class StepResult:
     draft_nodes: int = 0  # forest nodes this pass verified
     layers_passed: int = 0  # forest layers whose target beams were all draft nodes (another beam step ran on them)
     widths: list[int] = field(default_factory=list)  # T > 0: K of every verified layer that had drafts
+    # a re-layout changed vLLM's token list of the request: its output tokens are now these (linear prefix, then the
+    # trie up to leaf 0), and ``dropped`` dead slots are gone (see BeamRequest._relayout)
+    tokens: list[int] | None = None
+    dropped: int = 0
 
 
 @dataclass
 class BeamForest:
-    """A draft forest hanging off the live beams, stored after the trie: node c at slot ``P + len(trie) + c``, in
+    """A draft forest hanging off the live beams, stored after the trie: node c at slot ``base + len(trie) + c``, in
     depth-major order (``beam_drafter``). Its nodes are numbered after the trie's (``len(trie) + c``)."""
 
     tokens: list[int]
@@ -181,16 +192,22 @@ class BeamRequest:
     """The trie and live beams of one beam request."""
 
     def __init__(self, params: BeamParams, prompt_len: int, temperature: float, seed: int, top_k: int = 0,
-                 top_p: float = 1.0, tau: float = 0.9, min_width: int = 1):
+                 top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True):
         self.params = params
+        self.relayout = relayout  # re-layout after every step (False: dead slots stay as holes, the prefix in the trie)
         self.tau, self.min_width = tau, min_width  # the engine's dynamic-width rule (``dynamic_width`` requests)
         self.top_k, self.top_p = top_k, top_p  # on the flattened joint (T > 0 only, as in core.joint)
         self.prompt_len = prompt_len
         self.temperature = temperature
         self.seed = seed
-        self.tokens: list[int] = []  # trie node tokens, node j at slot prompt_len + j
-        self.parents: list[int] = []  # -1: child of the prompt's last token
-        self.depths: list[int] = []  # 1-based
+        # linear context: the prompt, then the live beams' common prefix moved out of the trie by a re-layout
+        self.base = prompt_len  # slots [0, base) are linear (position = slot); trie node j is at slot base + j
+        self.prefix: list[int] = []  # tokens of slots [prompt_len, base)
+        self.prefix_logprobs: list[float] = []
+        self.draft_gap: int | None = None  # first linear slot >= prompt_len whose draft K/V are missing (None: none)
+        self.tokens: list[int] = []  # trie node tokens, node j at slot base + j
+        self.parents: list[int] = []  # -1: child of the linear context's last token
+        self.depths: list[int] = []  # 1-based, below the prompt (the prefix's tokens are depths 1..len(prefix))
         self.logprobs: list[float] = []  # raw log-probability of the node's token after its parent
         self.has_draft: list[bool] = []  # the draft model's K/V of the node are in its slot
         self.forest: BeamForest | None = None  # drafted after the last step, verified by the next
@@ -211,18 +228,18 @@ class BeamRequest:
     def first_leaf_slot(self) -> int:
         """Slot of leaf 0 (= vLLM's last token, not yet computed at the start of a step)."""
         node = self.live[0].node
-        return self.prompt_len - 1 if node < 0 else self.prompt_len + node
+        return self.base - 1 if node < 0 else self.base + node
 
     @property
     def num_leaves(self) -> int:
         return len(self.live)
 
     def position(self, slot: int) -> int:
-        """RoPE position of the token at ``slot`` (prompt, trie node or forest node)."""
-        P, n = self.prompt_len, len(self.tokens)
-        if slot < P:
+        """RoPE position of the token at ``slot`` (linear context, trie node or forest node)."""
+        B, n = self.base, len(self.tokens)
+        if slot < B:
             return slot
-        return P - 1 + (self.depths[slot - P] if slot < P + n else self.forest.depths[slot - P - n])
+        return self.prompt_len - 1 + (self.depths[slot - B] if slot < B + n else self.forest.depths[slot - B - n])
 
     def node_parents(self) -> list[int]:
         """Parent of every node after the prompt (trie, then forest): ``attention.ForestBatch``'s parent list."""
@@ -432,7 +449,7 @@ class BeamRequest:
     def _apply(self, cands) -> StepResult:
         """Keeps the nodes the new beams hang from, compacted after the fixed leaves, appends the new leaves, and
         builds the row for vLLM."""
-        P, old = self.prompt_len, self.live
+        B, old = self.base, self.live
         done = not cands or self.steps >= self.params.max_tokens
         if done:  # the last step: the new beams are final ("length"); nothing more is scheduled
             for b, t, cum, v, _ in cands:
@@ -452,7 +469,7 @@ class BeamRequest:
                 keep.add(nd)
                 nd = self.parents[nd]
         new_index = {nd: lo + k for k, nd in enumerate(sorted(keep))}
-        moves = [(P + nd, P + dst) for nd, dst in new_index.items() if nd != dst]
+        moves = [(B + nd, B + dst) for nd, dst in new_index.items() if nd != dst]
         arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.has_draft)
         for nd, dst in sorted(new_index.items()):
             for arr in arrays:
@@ -476,7 +493,66 @@ class BeamRequest:
             live.append(_Live(len(self.tokens) - 1, cum, ss))
         self.live = live
         first = self.tokens[live[0].node]
-        return StepResult(row=row_kept + [first], moves=moves, next_drafts=self.leaf_tokens(1))
+        out = StepResult(row=row_kept + [first], moves=moves, next_drafts=self.leaf_tokens(1))
+        if self.relayout:
+            self._relayout(out)
+        return out
+
+    def _relayout(self, out: StepResult) -> None:
+        """After a step: the live beams' common prefix (their common ancestors above the leaves) leaves the trie for
+        the linear context, and the dead nodes (on no live beam) are dropped; the kept nodes move down in slot order
+        (a prefix token at depth d to slot ``prompt_len + d - 1``, where its RoPE position already is). ``out``
+        gets the K/V moves (composed with the step's own, from where each node's K/V are now) and, when vLLM's
+        token list changes, the request's new output tokens (``prefix + trie up to leaf 0``), which the runner and
+        the scheduler put in place of the old (patch ``beam_relayout``). The leaves have no K/V yet (leaf 0 is vLLM's
+        last token, the others its next drafts), so they move for free. Beams, scores and positions are unchanged."""
+        W = len(self.live)
+        through: dict[int, int] = {}  # node -> live beams whose path runs through it
+        for b in self.live:
+            nd = b.node
+            while nd >= 0:
+                through[nd] = through.get(nd, 0) + 1
+                nd = self.parents[nd]
+        leaves = {b.node for b in self.live}
+        path, nd = [], self.live[0].node
+        while nd >= 0:
+            path.append(nd)
+            nd = self.parents[nd]
+        pre = [nd for nd in reversed(path)]
+        c = 0
+        while c < len(pre) and through[pre[c]] == W and pre[c] not in leaves:
+            c += 1
+        pre = pre[:c]
+        in_pre = set(pre)
+        kept = sorted(nd for nd in through if nd not in in_pre)
+        dropped = len(self.tokens) - len(pre) - len(kept)
+        if not pre and not dropped:
+            return
+        B = self.base
+        old_tokens = self.prefix + self.tokens[: self.live[0].node + 1]  # vLLM's output tokens now
+        src_of = {dst: src for src, dst in out.moves}  # where the K/V of the node at a slot are before this step
+        moves = []
+        for k, nd in enumerate(pre):  # the prefix token at depth d goes to slot P + d - 1 = B + k
+            moves.append((src_of.get(B + nd, B + nd), B + k))
+            if not self.has_draft[nd] and self.draft_gap is None:
+                self.draft_gap = B + k
+        nb = B + c  # the new base
+        new_index = {nd: k for k, nd in enumerate(kept)}
+        moves += [(src_of.get(B + nd, B + nd), nb + k) for nd, k in new_index.items() if nd not in leaves]
+        out.moves = [(s, d) for s, d in moves if s != d]
+        self.prefix += [self.tokens[nd] for nd in pre]
+        self.prefix_logprobs += [self.logprobs[nd] for nd in pre]
+        arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.has_draft)
+        for arr in arrays:
+            arr[:] = [arr[nd] for nd in kept]
+        self.parents[:] = [new_index.get(par, -1) for par in self.parents]  # a parent in the prefix is its last node
+        for b in self.live:
+            b.node = new_index[b.node]
+        self.base = nb
+        out.dropped = dropped
+        new_tokens = self.prefix + self.tokens[: self.live[0].node + 1]
+        if new_tokens != old_tokens:
+            out.tokens = new_tokens
 
     def _path(self, node: int) -> tuple[list[int], list[float]]:
         toks, lps = [], []
@@ -484,7 +560,7 @@ class BeamRequest:
             toks.append(self.tokens[node])
             lps.append(self.logprobs[node])
             node = self.parents[node]
-        return toks[::-1], lps[::-1]
+        return self.prefix + toks[::-1], self.prefix_logprobs + lps[::-1]
 
     def _finish(self, beam: _Live, extra: list[int], extra_lp: list[float], cum: float, reason: str) -> None:
         toks, lps = self._path(beam.node)
@@ -518,7 +594,7 @@ class BeamRequest:
                 while node >= 0 and self.depths[node] > s:
                     toks.append(self.tokens[node])
                     node = self.parents[node]
-                seqs.append(toks[::-1])
+                seqs.append(self.prefix[s:] + toks[::-1])
             new = seqs[0]
             for q in seqs[1:]:
                 k = 0
@@ -532,4 +608,4 @@ class BeamRequest:
         """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``)."""
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
                             "finish_reason": f.finish_reason} for f in self.best()],
-                "dsbd_beam_steps": self.steps, "dsbd_trie_slots": len(self.tokens)}
+                "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}

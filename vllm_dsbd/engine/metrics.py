@@ -129,6 +129,8 @@ def _build_collectors() -> dict:
         "beam_nodes": PCounter("vllm:dsbd_beam_draft_nodes", "draft forest nodes verified on beam requests", **kw),
         "beam_layers": PCounter("vllm:dsbd_beam_layers_passed",
                                 "forest layers whose target beams were all draft nodes (beam requests)", **kw),
+        "beam_dropped": PCounter("vllm:dsbd_beam_relayout_slots",
+                                 "dead trie slots dropped by re-layouts of beam requests", **kw),
         "beam_blocks": Histogram("vllm:dsbd_beam_kv_blocks", "KV blocks held by a beam request when it finished",
                                  buckets=[float(2 ** b) for b in range(0, 14)], **kw),
     }
@@ -161,6 +163,7 @@ class DSBDStats:
         self.beam_blocks: list[int] = []  # KV blocks held by each finished beam request
         self.beam_draft_nodes = 0  # forest nodes verified on beam requests
         self.beam_layers_passed = 0  # forest layers passed on beam requests (each a beam step with no target pass)
+        self.beam_dropped = 0  # dead trie slots dropped by re-layouts (BeamRequest._relayout)
         self._log_interval = log_interval_s
         self._last_log = time.monotonic()
         self._prom: dict | None = None
@@ -208,11 +211,12 @@ class DSBDStats:
         self.beam_steps += steps
         self.beam_draft_nodes += step.draft_nodes
         self.beam_layers_passed += step.layers_passed
+        self.beam_dropped += step.dropped
         self._record_widths(step.widths, prom)
         if prom is not None:
             prom["beam_passes"].inc()
             for name, v in (("beam_steps", steps), ("beam_nodes", step.draft_nodes),
-                            ("beam_layers", step.layers_passed)):
+                            ("beam_layers", step.layers_passed), ("beam_dropped", step.dropped)):
                 if v:
                     prom[name].inc(v)
         if blocks is not None:

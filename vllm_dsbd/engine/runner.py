@@ -71,6 +71,12 @@ class DSBDRunnerMixin:
         self._dsbd_finished: dict[str, dict] = {}
         # beam requests' tokens settled this step: req id -> tokens (their output; patch beam_scheduler reads it)
         self._dsbd_settled: dict[str, list[int]] = {}
+        # beam requests re-laid out this step: req id -> their new output tokens (patch beam_relayout reads it); the
+        # worker's own copy of their tokens is rewritten at the end of sample_tokens, after vLLM's bookkeeping has
+        # appended the step's row (the drafter may run before or after that bookkeeping: it reads the beams' own
+        # lists, never the rewritten ones)
+        self._dsbd_relayout: dict[str, list[int]] = {}
+        self._dsbd_relayout_pending: dict[str, list[int]] = {}
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
@@ -177,11 +183,12 @@ class DSBDRunnerMixin:
         return plan, fb
 
     def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int, row):
-        """Positions and the attention entry (trie and forest under ancestor masks, context = the prompt) of a beam
-        request's scheduled slots ``[computed, computed + ns)``: the leaves of a step and the forest drafted after
-        them, or the trie recomputed after a preemption. ``row.leaves`` / ``row.forest_nodes``: leaves and forest
-        nodes whose logits this pass gives (the last token and the drafts, not vLLM's -1 placeholders)."""
-        P = beam.prompt_len
+        """Positions and the attention entry (trie and forest under ancestor masks, context = the linear context:
+        the prompt and the beams' common prefix) of a beam request's scheduled slots ``[computed, computed + ns)``:
+        the leaves of a step and the forest drafted after them, or the linear context and the trie recomputed after a
+        preemption (linear slots causally, as vLLM computes them). ``row.leaves`` / ``row.forest_nodes``: leaves and
+        forest nodes whose logits this pass gives (the last token and the drafts, not vLLM's -1 placeholders)."""
+        P = beam.base
         drafts = [t for t in sched if t >= 0]
         leaves = beam.leaf_tokens(beam.fixed)
         if drafts:
@@ -218,13 +225,36 @@ class DSBDRunnerMixin:
         payload) for the scheduler (patch ``beam_scheduler``), which finishes those requests, and the beam requests'
         newly settled tokens (``dsbd_settled``: req id -> tokens), which the scheduler outputs for them."""
         out = super().sample_tokens(*args, **kwargs)
+        self._relayout_token_lists()  # after vLLM's bookkeeping (which appends the step's rows)
         finished, self._dsbd_finished = self._dsbd_finished, {}
         settled, self._dsbd_settled = self._dsbd_settled, {}
+        relayout, self._dsbd_relayout = self._dsbd_relayout, {}
         if finished and out is not None:
             out.dsbd_finished = finished
         if settled and out is not None:
             out.dsbd_settled = settled
+        if relayout and out is not None:
+            out.dsbd_relayout = relayout
         return out
+
+    def _relayout_token_lists(self) -> None:
+        """The worker's copy of a re-laid-out beam request's tokens (``token_ids_cpu``, the output token list vLLM
+        shares between the request state and the input batch) becomes ``prompt + new output tokens``, after vLLM's
+        bookkeeping appended the step's row; the scheduler does the same to its ``Request`` (patch
+        ``beam_relayout``), so the next step's lengths agree."""
+        pending, self._dsbd_relayout_pending = self._dsbd_relayout_pending, {}
+        batch = self.input_batch
+        for req_id, tokens in pending.items():
+            i = batch.req_id_to_index.get(req_id)
+            state = self.requests.get(req_id)
+            if i is None or state is None:
+                continue
+            P = state.num_prompt_tokens
+            state.output_token_ids[:] = tokens  # the list object the input batch holds too
+            end = P + len(tokens)
+            batch.token_ids_cpu[i, P:end] = tokens
+            batch.is_token_ids[i, P:end] = True
+            batch.num_tokens_no_spec[i] = end
 
     # ------------------------------------------------------------------------------------------------------------
     # 4. verification instead of rejection sampling, then the KV commit
@@ -270,8 +300,11 @@ class DSBDRunnerMixin:
                 self._dsbd_settled[row.state.req_id] = settled
             if out.finished:
                 self._dsbd_finished[row.state.req_id] = beam.payload()
-                bs = self.input_batch.block_table[0].block_size
-                blocks = -(-(beam.prompt_len + len(beam.tokens)) // bs)
+                # KV held: the blocks the request owns (blocks are not given back during a request, so its peak)
+                blocks = int(self.input_batch.block_table[0].num_blocks_per_row[i])
+            if out.tokens is not None:  # re-laid out (BeamRequest._relayout): vLLM's token lists change
+                self._dsbd_relayout[row.state.req_id] = out.tokens
+                self._dsbd_relayout_pending[row.state.req_id] = out.tokens
         self.dsbd_stats.record_beam(out, blocks)
         row.beam_result = out
         moves.extend((i, [s], [d]) for s, d in out.moves)  # i: the request's batch row (plan order = batch order)
@@ -399,14 +432,15 @@ class DSBDRunnerMixin:
         if depth <= 0:
             return None
         bt = self.input_batch.block_table[self.drafter.kv_cache_gid]
-        end = beam.prompt_len + len(beam.tokens)  # first slot after the trie
+        end = beam.base + len(beam.tokens)  # first slot after the trie
         room = int(bt.num_blocks_per_row[i]) * bt.block_size - end
         max_nodes = min(self.dsbd_cfg.num_speculative_slots - num_leaf_drafts, room, self.max_model_len - 1 - end)
         if max_nodes <= 0:
             return None
         start = catch_up_start(st)
-        P = beam.prompt_len
+        P = beam.prompt_len  # the catch-up's linear tokens: the prompt's, then the beams' common prefix
         tail = self.input_batch.token_ids_cpu[i, start:P].tolist() if start < P else []
+        tail += beam.prefix[max(0, start - P):]
         return BeamDraftJob(state=st, row=i, prompt_tail=tail, start=start, depth=depth, max_nodes=max_nodes)
 
 

@@ -8,6 +8,7 @@ schedules as the request's "draft tokens") and how far the draft model's KV cach
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from vllm_dsbd.core.forest import Forest
 from .beams import BEAM_KEY, BeamParams, BeamRequest
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
+# "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout, as before it was
+# built); for comparisons in benchmarks/beams.py and tests, not a user setting
+RELAYOUT_ENV = "VLLM_DSBD_BEAM_RELAYOUT"
 
 
 @dataclass
@@ -99,7 +103,8 @@ class Requests:
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is not None:
             st.beam = BeamRequest(BeamParams.parse(beam, self.cfg.width), prompt_len, st.temperature, st.seed,
-                                  st.top_k, st.top_p, self.cfg.width_threshold, self.cfg.min_width)
+                                  st.top_k, st.top_p, self.cfg.width_threshold, self.cfg.min_width,
+                                  relayout=os.environ.get(RELAYOUT_ENV, "1") != "0")
         self._states[req_id] = st
         return st
 

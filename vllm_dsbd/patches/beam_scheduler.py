@@ -17,6 +17,13 @@ the runner of other engines ignores them):
   settled prefix, and every beam request's final ``CompletionOutput`` is its best beam (tokens, text). Engine
   logprobs are refused for beam requests (``config.check_request``): vLLM slices them by the number of tokens
   output, and those are not the step's sampled rows.
+* ``_update_request_with_output`` also **shrinks** a beam request at a re-layout (``ModelRunnerOutput
+  .dsbd_relayout``, ``BeamRequest._relayout``): after vLLM appended the step's row, the request's output tokens
+  become the runner's new list (the beams' common prefix as linear context, then the trie without dead slots, up to
+  its last token), its ``num_computed_tokens`` shrinks by as many tokens as the list lost (the runner moved the K/V of
+  the kept slots there already), and its block hashes past the first changed token are recomputed. The runner
+  rewrites its own copy of the tokens the same way, so the next step's lengths agree; vLLM's blocks stay allocated
+  (the request reuses them as its list grows again) and the list never outgrows what vLLM checked at admission.
 * ``_free_request``: that request's ``kv_transfer_params`` (the one per-request dict vLLM carries from the engine
   core to ``RequestOutput.kv_transfer_params`` in the front end, across processes) are its beams: the front end
   (patch ``beam_search_route``) turns them into vLLM's beam-search outputs. Requests with a KV connector's own params
@@ -52,6 +59,31 @@ def _finished_payload(scheduler, request):
     return done.get(request.request_id) if done else None
 
 
+def _relayout_tokens(scheduler, request) -> list[int] | None:
+    out = getattr(scheduler, "_dsbd_model_runner_output", None)
+    relayout = getattr(out, "dsbd_relayout", None)
+    return relayout.get(request.request_id) if relayout else None
+
+
+def relayout(request, tokens: list[int], hash_block_size: int) -> None:
+    """Makes ``tokens`` the request's output tokens (its list after the prompt), shrinking ``num_computed_tokens`` by
+    the tokens the list lost and recomputing the block hashes from the first changed token on."""
+    out = request._output_token_ids
+    same = 0
+    n = min(len(out), len(tokens))
+    while same < n and out[same] == tokens[same]:
+        same += 1
+    old = request.num_tokens
+    P = request.num_prompt_tokens
+    del out[same:]
+    out.extend(tokens[same:])
+    del request._all_token_ids[P + same:]
+    request._all_token_ids.extend(tokens[same:])
+    request.num_computed_tokens -= old - request.num_tokens
+    del request.block_hashes[(P + same) // hash_block_size:]
+    request.update_block_hashes()
+
+
 def _settled_tokens(scheduler, request) -> list[int]:
     out = getattr(scheduler, "_dsbd_model_runner_output", None)
     settled = getattr(out, "dsbd_settled", None)
@@ -76,6 +108,8 @@ def _patch(mod: types.ModuleType) -> None:
                 length = beams[0].get("finish_reason") == "length"
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED if length else RequestStatus.FINISHED_STOPPED
                 stopped = True
+            elif not stopped and (tokens := _relayout_tokens(self, request)) is not None:
+                relayout(request, tokens, self.hash_block_size)
             # the request's output: the tokens its beams settled, not the trie slots vLLM appended
             return _settled_tokens(self, request), stopped
 
