@@ -159,7 +159,7 @@ def _read(llm, prompts, outs):
 
 def _layout(worker) -> dict:
     """Per beam request in the runner: the token list the worker holds, the one its beams' layout says (prompt, the
-    beams' common prefix, the trie up to leaf 0) and the prefix length."""
+    beams' common prefix, the trie up to leaf 0), the prefix length and the worker's block table row per KV group."""
     runner = getattr(worker, "worker", worker).model_runner
     batch, out = runner.input_batch, {}
     for rid, st in runner.dsbd_requests._states.items():
@@ -167,17 +167,21 @@ def _layout(worker) -> dict:
         if b is not None and i is not None and b.live:
             held = batch.token_ids_cpu[i, : batch.num_tokens_no_spec[i]].tolist()
             prompt = batch.token_ids_cpu[i, : b.prompt_len].tolist()
-            out[rid] = (held, prompt + b.prefix + b.tokens[: b.live[0].node + 1], len(b.prefix))
+            blocks = [t.block_table.np[i, : t.num_blocks_per_row[i]].tolist() for t in batch.block_table.block_tables]
+            out[rid] = (held, prompt + b.prefix + b.tokens[: b.live[0].node + 1], len(b.prefix), blocks)
     return out
 
 
 def _relayout_run(llm, params, relayout: bool):
     """One beam request of a long prompt step by step, with (or without) the re-layout: per step the scheduler's
-    token list and computed count, and the worker's lists (``_layout``). Returns (steps, beams)."""
+    token list, computed count and blocks per KV group, and the worker's lists (``_layout``). Returns (steps, beams,
+    free blocks in the pool before and after)."""
     os.environ[RELAYOUT_ENV] = "1" if relayout else "0"  # read when the runner registers the request
     try:
         eng = llm.llm_engine
         scheduler = eng.engine_core.engine_core.scheduler
+        kvm = scheduler.kv_cache_manager
+        free0 = kvm.block_pool.get_num_free_blocks()
         rid = f"relayout-{relayout}"
         eng.add_request(rid, {"prompt_token_ids": RELAYOUT_PROMPT}, params)
         steps, final = [], None
@@ -189,10 +193,14 @@ def _relayout_run(llm, params, relayout: bool):
                 continue
             (req,) = reqs
             (layout,) = llm.collective_rpc(_layout)[0].values() or [None]
-            steps.append((list(req.all_token_ids), req.num_computed_tokens, layout))
+            blocks = [[b.block_id for b in m.req_to_blocks.get(req.request_id, [])]
+                      for m in kvm.coordinator.single_type_managers]
+            steps.append((list(req.all_token_ids), req.num_computed_tokens, layout, blocks))
+        free1 = kvm.block_pool.get_num_free_blocks()
     finally:
         os.environ.pop(RELAYOUT_ENV, None)
-    return steps, [(list(b["token_ids"]), b["cum_logprob"]) for b in final.kv_transfer_params["dsbd_beam"]]
+    beams = [(list(b["token_ids"]), b["cum_logprob"]) for b in final.kv_transfer_params["dsbd_beam"]]
+    return steps, beams, (free0, free1)
 
 
 def _token_list(llm, prompt, params) -> list[int]:
@@ -337,22 +345,28 @@ def test_prefix_caching_never_serves_trie_blocks(dsbd, setup):
 
 
 def test_relayout_shrinks_the_request_and_keeps_the_beams(dsbd):
-    (steps, beams), (steps0, beams0) = dsbd["relayout"], dsbd["no_relayout"]
+    (steps, beams, free), (steps0, beams0, free0) = dsbd["relayout"], dsbd["no_relayout"]
     _assert_same_beams([beams], [beams0])
     # re-laid out: dead slots were dropped, the beams' common prefix became linear context
     assert dsbd["relayout_dropped"] > 0 and dsbd["no_relayout_dropped"] == 0
-    assert max(layout[2] for *_, layout in steps if layout) > 0
-    assert all(layout[2] == 0 for *_, layout in steps0 if layout)
-    # after every step the scheduler's token list, the worker's and the beams' layout agree, and every slot but the
-    # last token is computed (vLLM's next pass starts at the last token)
-    for sched, computed, layout in steps + steps0:
+    assert max(layout[2] for _, _, layout, _ in steps if layout) > 0
+    assert all(layout[2] == 0 for _, _, layout, _ in steps0 if layout)
+    # after every step the scheduler's token list, the worker's and the beams' layout agree, every slot but the last
+    # token is computed (vLLM's next pass starts at the last token), and the scheduler's blocks are the worker's
+    for sched, computed, layout, blocks in steps + steps0:
         if layout is not None:
-            held, expected, _ = layout
+            held, expected, _, worker_blocks = layout
             assert sched == held == expected
             assert computed == len(sched) - 1
-    # the request holds fewer slots with the re-layout (its list shrank; without it, every slot ever kept stays)
+            assert blocks == worker_blocks
+    # the request holds fewer slots and blocks with the re-layout (its list shrank and blocks went back to the pool;
+    # without it, every slot ever kept stays), and every block is back in the pool when it finishes
     assert max(len(t) for t, *_ in steps) < max(len(t) for t, *_ in steps0)
     assert len(steps[-1][0]) < len(steps0[-1][0])
+    nblocks = [len(b[0]) for *_, b in steps if b[0]]
+    assert any(b < a for a, b in zip(nblocks, nblocks[1:]))  # handed back during the request
+    assert max(nblocks) < max(len(b[0]) for *_, b in steps0 if b[0])
+    assert free[0] == free[1] and free0[0] == free0[1]
 
 
 def test_bad_beam_requests_are_refused_and_the_engine_keeps_serving(dsbd, plain):

@@ -221,6 +221,7 @@ class BeamRequest:
         self.leaf_logits: list[torch.Tensor] = []  # logits of the leaves computed so far this step
         # leaves that are in vLLM's token list (leaf fixed - 1 is its last token): their slots cannot move
         self.fixed = 1
+        self.peak_blocks = 0  # the most KV blocks the request owned at a step (the runner's count, for metrics)
         self.settled = 0  # tokens of the settled prefix handed to vLLM as the request's output (settle())
 
     # layout --------------------------------------------------------------------------------------------------

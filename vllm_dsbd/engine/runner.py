@@ -71,11 +71,9 @@ class DSBDRunnerMixin:
         self._dsbd_finished: dict[str, dict] = {}
         # beam requests' tokens settled this step: req id -> tokens (their output; patch beam_scheduler reads it)
         self._dsbd_settled: dict[str, list[int]] = {}
-        # beam requests re-laid out this step: req id -> their new output tokens (patch beam_relayout reads it); the
-        # worker's own copy of their tokens is rewritten at the end of sample_tokens, after vLLM's bookkeeping has
-        # appended the step's row (the drafter may run before or after that bookkeeping: it reads the beams' own
-        # lists, never the rewritten ones)
-        self._dsbd_relayout: dict[str, list[int]] = {}
+        # beam requests re-laid out this step: req id -> their new output tokens, put in vLLM's worker state at the
+        # end of sample_tokens (_relayout_requests) and sent to the scheduler (``dsbd_relayout``, patch
+        # beam_scheduler)
         self._dsbd_relayout_pending: dict[str, list[int]] = {}
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
@@ -225,10 +223,9 @@ class DSBDRunnerMixin:
         payload) for the scheduler (patch ``beam_scheduler``), which finishes those requests, and the beam requests'
         newly settled tokens (``dsbd_settled``: req id -> tokens), which the scheduler outputs for them."""
         out = super().sample_tokens(*args, **kwargs)
-        self._relayout_token_lists()  # after vLLM's bookkeeping (which appends the step's rows)
+        relayout = self._relayout_requests()  # after vLLM's bookkeeping (which appends the step's rows)
         finished, self._dsbd_finished = self._dsbd_finished, {}
         settled, self._dsbd_settled = self._dsbd_settled, {}
-        relayout, self._dsbd_relayout = self._dsbd_relayout, {}
         if finished and out is not None:
             out.dsbd_finished = finished
         if settled and out is not None:
@@ -237,17 +234,21 @@ class DSBDRunnerMixin:
             out.dsbd_relayout = relayout
         return out
 
-    def _relayout_token_lists(self) -> None:
-        """The worker's copy of a re-laid-out beam request's tokens (``token_ids_cpu``, the output token list vLLM
-        shares between the request state and the input batch) becomes ``prompt + new output tokens``, after vLLM's
-        bookkeeping appended the step's row; the scheduler does the same to its ``Request`` (patch
-        ``beam_relayout``), so the next step's lengths agree."""
+    def _relayout_requests(self) -> dict[str, tuple[list[int], int]]:
+        """Puts this step's re-layouts of beam requests (``BeamRequest._relayout``) in vLLM's worker state, after
+        vLLM's bookkeeping appended the step's rows (and after the drafter, which may run before or after that
+        bookkeeping and reads the beams' own lists): the request's tokens (its state's output list, which the input
+        batch shares, ``token_ids_cpu``, ``num_tokens_no_spec``) become ``prompt + new output tokens``, and the KV
+        blocks past its slots in use (linear context, trie, the forest just drafted) leave its block table. Returns
+        req id -> (new output tokens, slots in use) for the scheduler (patch ``beam_scheduler``), which does the same
+        to its ``Request`` and hands the same blocks back, so the next step's lengths and block tables agree."""
         pending, self._dsbd_relayout_pending = self._dsbd_relayout_pending, {}
-        batch = self.input_batch
+        batch, out = self.input_batch, {}
         for req_id, tokens in pending.items():
             i = batch.req_id_to_index.get(req_id)
             state = self.requests.get(req_id)
-            if i is None or state is None:
+            st = self.dsbd_requests.get(req_id)
+            if i is None or state is None or st is None or st.beam is None:
                 continue
             P = state.num_prompt_tokens
             state.output_token_ids[:] = tokens  # the list object the input batch holds too
@@ -255,6 +256,17 @@ class DSBDRunnerMixin:
             batch.token_ids_cpu[i, P:end] = tokens
             batch.is_token_ids[i, P:end] = True
             batch.num_tokens_no_spec[i] = end
+            beam = st.beam
+            used = beam.base + len(beam.tokens) + (len(beam.forest.tokens) if beam.forest is not None else 0)
+            for gid, bt in enumerate(batch.block_table.block_tables):
+                keep = -(-used // bt.kv_cache_block_size)  # allocation blocks, as the scheduler's managers count
+                if keep < len(state.block_ids[gid]):
+                    del state.block_ids[gid][keep:]
+                    kept = keep * bt.blocks_per_kv_block
+                    bt.block_table.np[i, kept : bt.num_blocks_per_row[i]] = 0
+                    bt.num_blocks_per_row[i] = kept
+            out[req_id] = (tokens, used)
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # 4. verification instead of rejection sampling, then the KV commit
@@ -292,6 +304,8 @@ class DSBDRunnerMixin:
         if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
             return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
         n, f = row.leaves, row.forest_nodes
+        bt = self.input_batch.block_table[0]
+        beam.peak_blocks = max(beam.peak_blocks, int(bt.num_blocks_per_row[i]) // bt.blocks_per_kv_block)
         out = beam.partial(logits[row.first_row : row.first_row + n])
         blocks = None
         if out is None:
@@ -300,10 +314,8 @@ class DSBDRunnerMixin:
                 self._dsbd_settled[row.state.req_id] = settled
             if out.finished:
                 self._dsbd_finished[row.state.req_id] = beam.payload()
-                # KV held: the blocks the request owns (blocks are not given back during a request, so its peak)
-                blocks = int(self.input_batch.block_table[0].num_blocks_per_row[i])
+                blocks = beam.peak_blocks  # KV held: the most blocks the request owned at any step
             if out.tokens is not None:  # re-laid out (BeamRequest._relayout): vLLM's token lists change
-                self._dsbd_relayout[row.state.req_id] = out.tokens
                 self._dsbd_relayout_pending[row.state.req_id] = out.tokens
         self.dsbd_stats.record_beam(out, blocks)
         row.beam_result = out

@@ -21,9 +21,10 @@ the runner of other engines ignores them):
   .dsbd_relayout``, ``BeamRequest._relayout``): after vLLM appended the step's row, the request's output tokens
   become the runner's new list (the beams' common prefix as linear context, then the trie without dead slots, up to
   its last token), its ``num_computed_tokens`` shrinks by as many tokens as the list lost (the runner moved the K/V of
-  the kept slots there already), and its block hashes past the first changed token are recomputed. The runner
-  rewrites its own copy of the tokens the same way, so the next step's lengths agree; vLLM's blocks stay allocated
-  (the request reuses them as its list grows again) and the list never outgrows what vLLM checked at admission.
+  the kept slots there already), its block hashes past the first changed token are recomputed, and the KV blocks
+  past the slots it uses (the list plus the forest the runner just drafted after it) go back to the pool. The runner
+  does the same to its own copy of the tokens and its block table, so the next step's lengths and block tables
+  agree; the list never outgrows what vLLM checked at admission.
 * ``_free_request``: that request's ``kv_transfer_params`` (the one per-request dict vLLM carries from the engine
   core to ``RequestOutput.kv_transfer_params`` in the front end, across processes) are its beams: the front end
   (patch ``beam_search_route``) turns them into vLLM's beam-search outputs. Requests with a KV connector's own params
@@ -59,7 +60,7 @@ def _finished_payload(scheduler, request):
     return done.get(request.request_id) if done else None
 
 
-def _relayout_tokens(scheduler, request) -> list[int] | None:
+def _relayout_of(scheduler, request) -> tuple[list[int], int] | None:
     out = getattr(scheduler, "_dsbd_model_runner_output", None)
     relayout = getattr(out, "dsbd_relayout", None)
     return relayout.get(request.request_id) if relayout else None
@@ -82,6 +83,19 @@ def relayout(request, tokens: list[int], hash_block_size: int) -> None:
     request.num_computed_tokens -= old - request.num_tokens
     del request.block_hashes[(P + same) // hash_block_size:]
     request.update_block_hashes()
+
+
+def free_tail_blocks(kv_cache_manager, request_id: str, used_slots: int) -> None:
+    """Hands back to the pool a request's KV blocks past its first ``used_slots`` slots, in every KV-cache group (the
+    runner cuts its block table the same way: ``engine/runner.py`` ``_relayout_requests``). Only blocks past the
+    prompt can go, and those are never cached (``__init__`` below), so no other request holds them."""
+    for mgr in kv_cache_manager.coordinator.single_type_managers:
+        blocks = mgr.req_to_blocks.get(request_id)
+        keep = -(-used_slots // mgr.block_size)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            mgr.block_pool.free_blocks(reversed(tail))
 
 
 def _settled_tokens(scheduler, request) -> list[int]:
@@ -108,8 +122,10 @@ def _patch(mod: types.ModuleType) -> None:
                 length = beams[0].get("finish_reason") == "length"
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED if length else RequestStatus.FINISHED_STOPPED
                 stopped = True
-            elif not stopped and (tokens := _relayout_tokens(self, request)) is not None:
+            elif not stopped and (new := _relayout_of(self, request)) is not None:
+                tokens, used_slots = new
                 relayout(request, tokens, self.hash_block_size)
+                free_tail_blocks(self.kv_cache_manager, request.request_id, used_slots)
             # the request's output: the tokens its beams settled, not the trie slots vLLM appended
             return _settled_tokens(self, request), stopped
 
