@@ -48,6 +48,27 @@ def _vllm_init_device(worker, init_device) -> None:
 
 
 class _DecisionsMixin:
+    def compile_or_warm_up_model(self):
+        """vLLM's warm-up (and graph capture), then the probe of ``verify_budget="auto"`` (``load_probe.py``) on a
+        load-aware engine; the random state is reset after it, as vLLM resets it after its own warm-up."""
+        out = super().compile_or_warm_up_model()
+        runner = self.model_runner
+        if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == "auto":
+            from vllm.utils.torch_utils import set_random_seed
+
+            from .load_probe import measure_budget
+
+            runner.dsbd_budget, runner.dsbd_load_times = measure_budget(runner)
+            set_random_seed(self.model_config.seed)
+        return out
+
+    def dsbd_load(self) -> dict:
+        """This rank's load-aware speculation settings (``LLM.collective_rpc("dsbd_load")``): the budget (None:
+        pinned), the start-up table {tokens: seconds} when measured, and the depths allowed so far {depth: count}."""
+        runner = self.model_runner
+        return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
+                "depths": dict(runner.dsbd_stats.draft_depths)}
+
     def dsbd_decisions(self) -> dict:
         """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every
         tensor-parallel rank iff they built the same forests and made the same decisions."""
