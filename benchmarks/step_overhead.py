@@ -39,8 +39,10 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
 
     spec = None
     if config["width"]:
+        # pinned: the host work of full forests at every batch size (load-aware speculation would draft none at
+        # batch 32 on CPU, and the rows would stop measuring the forest path)
         spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": config["depth"],
-                "width": config["width"]}
+                "width": config["width"], "verify_budget": None}
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
                    max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * 64),
                    enable_prefix_caching=False, speculative_config=spec)

@@ -78,8 +78,10 @@ def plain_greedy(pair):
 @pytest.fixture(scope="module")
 def dsbd_run(pair, plain_greedy):  # plain_greedy first: one engine at a time
     target, draft = pair
+    # pinned (verify_budget null): test_not_vacuous compares the acceptance of widths 4 and 1, and at a measured
+    # budget of 16 tokens load-aware speculation would draft 4 requests of width 4 at width 1
     llm = _llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                           "width": WIDTH})
+                                           "width": WIDTH, "verify_budget": None})
     reqs = [(w, p) for w in WIDTHS for p in PROMPTS]
     outs = llm.generate(
         [{"prompt_token_ids": p} for _, p in reqs],

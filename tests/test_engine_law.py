@@ -65,8 +65,10 @@ def _counters(llm):
 @pytest.fixture(scope="module")
 def dsbd(pair, plain):  # after plain: one engine at a time
     target, draft = pair
+    # pinned (verify_budget null): 800 requests at once would leave no room for forests under load-aware speculation,
+    # and this is the law of verified forests (the preempted engine below keeps the default, load-aware)
     llm = _llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                           "width": WIDTH})
+                                           "width": WIDTH, "verify_budget": None})
     out, counts = {}, {}
     for w in (1, WIDTH):
         before = _counters(llm)

@@ -34,6 +34,10 @@ from vllm_dsbd.engine.metrics import PROMETHEUS_DIR_ENV  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 2, 3, 16
+# load-aware speculation with the same budget on both engines: 4 requests at full shape need 28 tokens, so the ranks
+# must also agree on the shrunk forests ("auto" would measure each engine's own budget, and seeded T = 1 tokens depend
+# on the drafts)
+BUDGET = 16
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [250, 3, 77, 12, 9]]
 
 
@@ -64,7 +68,7 @@ def _run(target, draft, tp: int) -> dict:
                    disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=4,
                    tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                       "width": WIDTH})
+                                       "width": WIDTH, "verify_budget": BUDGET})
     try:
         out = {"greedy": _tokens(llm, _greedy()), "seeded": _tokens(llm, _seeded())}
         # beams inside the engine: deterministic (T = 0) and sampled (seeded T = 1) beam requests

@@ -34,7 +34,7 @@ from vllm_dsbd import patches  # noqa: E402
 from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
-ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft"]
+ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget"]
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,7 @@ def test_engine_args_dsbd(pair):
     assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
-        "draft": True,
+        "draft": True, "verify_budget": "auto",
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -326,8 +326,12 @@ def test_knobs_from_additional_config(pair):
         ({"mode": "full"}, r"full-width mode.*not available in the engine yet"),
         ({"min_width": 3, "width": 2}, r"'min_width' must be <= 'width' \(2\), got 3"),
         ({"dynamic_width": "yes"}, r"'dynamic_width' must be true or false"),
+        ({"verify_budget": 0}, r"'verify_budget' must be 'auto' \(measured at start-up\), an integer >= 1"),
+        ({"verify_budget": "off"}, r"'verify_budget' must be 'auto'.*or null \(pinned.*got 'off'"),
+        ({"verify_budget": 64, "mode": "single"}, r"'verify_budget' = 64 with mode='single'.*pinned"),
     ],
-    ids=["typo", "width0", "width-float", "tau1.5", "tau0", "mode-beam", "mode-full", "min>width", "dyn-str"],
+    ids=["typo", "width0", "width-float", "tau1.5", "tau0", "mode-beam", "mode-full", "min>width", "dyn-str",
+         "budget0", "budget-str", "budget-single"],
 )
 @pytest.mark.parametrize("where", ["speculative_config", "additional_config"])
 def test_bad_knobs_fail_at_startup(pair, knobs, match, where):
@@ -480,11 +484,44 @@ def test_dsbd_config_defaults_and_roundtrip():
         ({"draft": False, "depth": 2}, r"'depth' \(num_speculative_tokens: the draft depth\) = 2 needs a draft model"),
         ({"draft": False, "mode": "single"}, r"'mode'='single' keeps beams in draft layers and needs a draft model"),
         ({"draft": False, "width": 0}, r"'width' must be an integer >= 1, got 0"),
+        ({"verify_budget": 12.5}, r"'verify_budget' must be 'auto'.*got 12.5"),
+        ({"verify_budget": True}, r"'verify_budget' must be 'auto'.*got True"),
+        ({"verify_budget": -3}, r"'verify_budget' must be 'auto'.*got -3"),
+        ({"draft": False, "depth": 0, "verify_budget": 32}, r"'verify_budget' = 32 shrinks draft forests, and this "
+                                                            "engine has no draft model"),
     ],
 )
 def test_dsbd_config_rejects(d, match):
     with pytest.raises(ValueError, match=match):
         DSBDConfig.from_dict(d)
+
+
+def test_verify_budget_settings_and_when_speculation_is_load_aware():
+    assert DSBDConfig().verify_budget == "auto" and DSBDConfig().load_aware  # on by default
+    for budget in ("auto", 1, 256):
+        cfg = DSBDConfig.from_dict({"verify_budget": budget})
+        assert cfg.load_aware and DSBDConfig.from_dict(cfg.to_dict()) == cfg
+    assert not DSBDConfig(verify_budget=None).load_aware  # pinned
+    assert not DSBDConfig(mode="single").load_aware  # "auto" (the default) in mode single: pinned
+    assert not DSBDConfig(width=4, draft=False).load_aware  # no draft model: nothing to shrink
+    assert json.loads(json.dumps(DSBDConfig(verify_budget=None).to_dict()))["verify_budget"] is None
+
+
+@pytest.mark.parametrize("where", ["speculative_config", "additional_config", "cli"])
+def test_verify_budget_reaches_the_engine_config(pair, where):
+    target, draft = pair
+    spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": 3}
+    if where == "cli":
+        ea = engine_args_from_cli([target, "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+                                   "--speculative-config", json.dumps({**spec, "verify_budget": None})])
+        vc = ea.create_engine_config()
+        assert DSBDConfig.from_vllm_config(vc).verify_budget is None
+        return
+    kwargs = {"additional_config": {"dsbd": {"verify_budget": 48}}} if where == "additional_config" else {}
+    _, vc = build(target, {**spec, "verify_budget": 48} if where == "speculative_config" else spec, **kwargs)
+    cfg = DSBDConfig.from_vllm_config(vc)
+    assert cfg.verify_budget == 48 and cfg.load_aware
+    assert vc.speculative_config.num_speculative_tokens == 2 * 3 + 1  # the slots do not depend on the budget
 
 
 def test_from_vllm_config_checks():

@@ -37,6 +37,7 @@ REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
 BEAM_KEY = "dsbd_beam"  # SamplingParams.extra_args[BEAM_KEY]: a beam request (engine/beams.py BeamParams)
 REQUEST_KEYS = (REQUEST_WIDTH_KEY, BEAM_KEY)
 MODES = ("sample", "single", "full")
+AUTO_BUDGET = "auto"  # verify_budget: measured at start-up (engine/load.py)
 DEFAULT_DEPTH = 3  # the draft depth when an engine with a draft model is given none
 
 
@@ -66,6 +67,12 @@ class DSBDConfig:
         draft: whether the engine has a draft model (set by the plugin from ``speculative_config["model"]``). False:
             no draft is loaded or run; beam requests are beam search / beam sampling in the engine, other requests
             plain target sampling (``min_width``, ``width_threshold`` and ``dynamic_width`` have no effect).
+        verify_budget: load-aware speculation (``engine/load.py``): the most tokens a step schedules (each request
+            its root or beam leaves plus its forest) before the draft width, then depth, shrink, down to no draft.
+            "auto" (default): the knee of the target's forward time, measured at start-up, and at least one
+            request's full step; an integer >= 1: that budget; None: pinned, every request drafts the configured
+            width and depth whatever the load. Mode "single" is always pinned (its output law depends on the width
+            and depth), as is an engine without a draft model (nothing to shrink); an integer there is refused.
     """
 
     width: int = 2
@@ -75,6 +82,7 @@ class DSBDConfig:
     dynamic_width: bool = True
     mode: str = "sample"
     draft: bool = True
+    verify_budget: int | str | None = AUTO_BUDGET
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, bool):
@@ -115,6 +123,24 @@ class DSBDConfig:
                 "given: set speculative_config['model'] (--spec-model), or leave 'mode' out (beam requests are beam "
                 "search / beam sampling in the engine without a draft)"
             )
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        b = self.verify_budget
+        if not (b is None or b == AUTO_BUDGET or (_is_int(b) and b >= 1)):
+            raise ValueError(f"DSBD config: 'verify_budget' must be {AUTO_BUDGET!r} (measured at start-up), an integer "
+                             f">= 1 (tokens per step) or null (pinned: the configured width and depth), got {b!r}")
+        if _is_int(b) and not self.draft:
+            raise ValueError(f"DSBD config: 'verify_budget' = {b} shrinks draft forests, and this engine has no draft "
+                             "model: leave 'verify_budget' out")
+        if _is_int(b) and self.mode == "single":
+            raise ValueError(f"DSBD config: 'verify_budget' = {b} with mode='single': that mode's output law depends "
+                             "on the width and depth, so they are pinned (not load-aware); leave 'verify_budget' out")
+
+    @property
+    def load_aware(self) -> bool:
+        """Whether the draft shape follows the load (``engine/load.py``): a draft model, mode "sample", a budget."""
+        return self.draft and self.mode == "sample" and self.verify_budget is not None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

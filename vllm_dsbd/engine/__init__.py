@@ -17,7 +17,10 @@ Following one request from the plugin to the kernels:
   through patches ``beam_search_route`` / ``beam_serving_route``): the W beams of one vLLM request as a trie in its
   own KV slots, stepped by the runner (vLLM's beam search at T = 0, beam sampling at T > 0); patch ``beam_scheduler``
   finishes the request and carries the beams to the front end.
-* :mod:`.metrics`: layers passed per iteration and width per layer; beam passes, steps and KV blocks.
+* :mod:`.metrics`: layers passed per iteration and width per layer; beam passes, steps and KV blocks; the draft
+  depth load-aware speculation allowed.
+* :mod:`.load`: load-aware speculation, each request's draft width and depth per step from the batch's shapes and a
+  verified-token budget (``verify_budget``); :mod:`.load_probe` measures the ``"auto"`` budget at start-up.
 * :mod:`.graphs`: no CUDA graph replays over forest attention (PIECEWISE split at attention, or NONE), set when the
   config is built (patch ``vllm_post_init``) and checked by :mod:`.worker`; :mod:`.support`: what the engine
   cannot do (model features, logits processors, thinking budgets), refused at start-up with the reason.

@@ -89,6 +89,7 @@ class DraftJob:
     start: int
     root_pos: int
     depth: int  # >= 1
+    width: int | None = None  # nodes per depth at most (load-aware speculation); None: the request's width
 
 
 class DSBDDrafter(DraftModelProposer):
@@ -155,6 +156,9 @@ class DSBDDrafter(DraftModelProposer):
         block_rows = table[torch.from_numpy(rows_np)]
         brow_np = block_rows.numpy()
         params = _params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
+        if any(j.width is not None for j in jobs):  # load-aware: fewer draws per depth than the request's width
+            w = torch.tensor([j.state.width if j.width is None else j.width for j in jobs], dtype=torch.int64)
+            params = params.with_(width=w, min_width=torch.minimum(params.min_width, w))
         root_pos = np.array([j.root_pos for j in jobs], dtype=np.int64)
         L = torch.from_numpy(root_pos + 1)
 

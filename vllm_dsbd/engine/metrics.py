@@ -11,7 +11,10 @@ default registry of the process that runs the model runner):
   at T > 0 count theirs too);
 * ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
 * ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place);
-* ``vllm:dsbd_draft_nodes_total``: draft forest nodes verified by the target.
+* ``vllm:dsbd_draft_nodes_total``: draft forest nodes verified by the target;
+* ``vllm:dsbd_draft_depth``: histogram of the draft depth load-aware speculation (``load.py``) allowed each decoding
+  request in each step (buckets 0..64; the configured depth when pinned; beam requests that pin their own depth are
+  not counted). A request's actual forest can be shallower (its last tokens, EOS).
 
 How they reach ``LLM.get_metrics()`` and ``/metrics``:
 
@@ -123,6 +126,8 @@ def _build_collectors() -> dict:
         "tokens": PCounter("vllm:dsbd_emitted_tokens", "tokens emitted by DSBD iterations", **kw),
         "moves": PCounter("vllm:dsbd_kv_commit_slots", "KV slots moved by DSBD commits", **kw),
         "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
+        "draft_depth": Histogram("vllm:dsbd_draft_depth", "DSBD draft depth allowed per request per step by "
+                                 "load-aware speculation", buckets=[float(b) for b in range(0, 65)], **kw),
         "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
         "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),
         "beam_requests": PCounter("vllm:dsbd_beam_requests", "beam requests finished", **kw),
@@ -156,6 +161,7 @@ class DSBDStats:
         self.tokens = 0
         self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
+        self.draft_depths = Counter()  # depth allowed by load-aware speculation -> requests x steps
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
         self.beam_passes = 0  # target passes over beam requests (one per request and pass)
         self.beam_steps = 0  # beam steps done (every live beam grew by one token)
@@ -201,6 +207,16 @@ class DSBDStats:
                         except ValueError:  # the name is taken by a collector we do not own: leave it
                             pass
             return self._prom
+
+    def record_levels(self, depths: list[int]) -> None:
+        """The draft depth load-aware speculation allowed each decoding request of a step."""
+        if not depths:
+            return
+        self.draft_depths.update(depths)
+        prom = self._prometheus()
+        if prom is not None:
+            for d in depths:
+                prom["draft_depth"].observe(d)
 
     def record_beam(self, step, blocks: int | None) -> None:
         """One target pass over a beam request (``step``: its ``beams.StepResult``: beam steps made, forest nodes

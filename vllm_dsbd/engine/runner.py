@@ -39,7 +39,7 @@ import torch
 
 from vllm_dsbd.config import DSBDConfig
 
-from . import attention, kv, sampler
+from . import attention, kv, load, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
 from .metrics import DSBDStats
@@ -75,6 +75,9 @@ class DSBDRunnerMixin:
         # end of sample_tokens (_relayout_requests) and sent to the scheduler (``dsbd_relayout``, patch
         # beam_scheduler)
         self._dsbd_relayout_pending: dict[str, list[int]] = {}
+        # load-aware speculation (load.py): tokens per step before drafts shrink; None: pinned. "auto" is measured by
+        # the worker after vLLM's warm-up (load_probe.py), which sets it
+        self.dsbd_budget: int | None = cfg.verify_budget if cfg.load_aware and cfg.verify_budget != "auto" else None
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
@@ -389,6 +392,7 @@ class DSBDRunnerMixin:
             return out
         discard = self.discard_request_mask.np[:num_reqs]
         cfg, jobs, beam_jobs = self.dsbd_cfg, [], []
+        levels = self._load_levels(discard)
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if discard[i] or st is None:
@@ -397,14 +401,15 @@ class DSBDRunnerMixin:
                 step = getattr(plan_rows[i], "beam_result", None) if plan_rows is not None else None
                 if step is not None and not step.finished:
                     out[i] = list(step.next_drafts)
-                    if step.stepped and (job := self._beam_draft_job(i, st, len(step.next_drafts))) is not None:
+                    if step.stepped and (job := self._beam_draft_job(i, st, len(step.next_drafts),
+                                                                     levels[i])) is not None:
                         beam_jobs.append(job)
                 continue
             res = results[i]
             n_before = int(batch.num_tokens_no_spec[i])
             root_pos = n_before + len(res.tokens) - 1
             n_out = len(self.requests[req_id].output_token_ids) + len(res.tokens)
-            depth = cfg.depth
+            depth = min(cfg.depth, levels[i].depth)
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)
             depth = min(depth, (self.max_model_len - 2 - root_pos) // max(st.width, 1))
@@ -415,7 +420,8 @@ class DSBDRunnerMixin:
             start = min(st.draft_len, root_pos)
             old = batch.token_ids_cpu[i, start:n_before].tolist() if start < n_before else []
             tokens = old + res.tokens[max(0, start - n_before):]
-            jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth))
+            jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
+                                 width=min(st.width, levels[i].width)))
         forests = self.drafter.propose_forests(jobs)
         for job, pf in zip(jobs, forests):
             job.state.pending = pf
@@ -426,7 +432,27 @@ class DSBDRunnerMixin:
                 out[job.row] += job.state.beam.forest.tokens
         return out
 
-    def _beam_draft_job(self, i: int, st, num_leaf_drafts: int) -> BeamDraftJob | None:
+    def _load_levels(self, discard) -> list[load.Level]:
+        """The draft limits of every request of the batch this step (load.py: from the batch's shapes and the
+        budget, never from a draw); each decoding request's depth goes to ``vllm:dsbd_draft_depth``."""
+        cfg, shapes = self.dsbd_cfg, []
+        for req_id in self.input_batch.req_ids:
+            st = self.dsbd_requests.get(req_id)
+            if st is None:
+                shapes.append(load.Shape(leaves=1, width=0, depth=0))
+            elif st.beam is not None:
+                p = st.beam.params
+                depth = cfg.depth if p.depth is None else min(cfg.depth, p.depth)
+                shapes.append(load.Shape(leaves=p.width, width=p.width, depth=depth, pinned=p.depth is not None))
+            else:
+                shapes.append(load.Shape(leaves=1, width=st.width, depth=cfg.depth))
+        levels = load.plan(shapes, self.dsbd_budget)
+        if cfg.draft:
+            self.dsbd_stats.record_levels(
+                [lv.depth for lv, s, skip in zip(levels, shapes, discard) if not skip and s.depth and not s.pinned])
+        return levels
+
+    def _beam_draft_job(self, i: int, st, num_leaf_drafts: int, level: load.Level | None = None) -> BeamDraftJob | None:
         """The draft job of a beam request after a full step (T = 0: the draft's beam search; T > 0: its beam
         sampling): depth up to the steps left (and the request's ``depth``), nodes up to the draft slots left after
         the leaves and the KV blocks the request owns now (the drafter writes the forest's draft K/V). Without a
@@ -441,12 +467,16 @@ class DSBDRunnerMixin:
         elif beam.draft_skip > 0:  # recent forests passed no layer: this step goes without one (beams.py)
             beam.draft_skip -= 1
             return None
+        elif level is not None:  # load-aware (load.py): fewer depths, and nodes below
+            depth = min(depth, level.depth)
         if depth <= 0:
             return None
         bt = self.input_batch.block_table[self.drafter.kv_cache_gid]
         end = beam.base + len(beam.tokens)  # first slot after the trie
         room = int(bt.num_blocks_per_row[i]) * bt.block_size - end
         max_nodes = min(self.dsbd_cfg.num_speculative_slots - num_leaf_drafts, room, self.max_model_len - 1 - end)
+        if level is not None and beam.params.depth is None:
+            max_nodes = min(max_nodes, level.nodes(load.Shape(beam.params.width, beam.params.width, depth)))
         if max_nodes <= 0:
             return None
         start = catch_up_start(st)

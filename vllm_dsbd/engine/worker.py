@@ -10,6 +10,10 @@ engine without a draft model vLLM's runner is built as the DSBD runner builds it
 """
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
 # the worker vLLM's platform picked -> ours
 WORKERS = {
     "vllm.v1.worker.cpu_worker.CPUWorker": "vllm_dsbd.engine.worker.DSBDCPUWorker",
@@ -48,6 +52,35 @@ def _vllm_init_device(worker, init_device) -> None:
 
 
 class _DecisionsMixin:
+    def compile_or_warm_up_model(self):
+        """vLLM's warm-up (and graph capture), then the probe of ``verify_budget="auto"`` (``load_probe.py``) on a
+        load-aware engine; the random state is reset after it, as vLLM resets it after its own warm-up."""
+        out = super().compile_or_warm_up_model()
+        runner = self.model_runner
+        if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == "auto":
+            if getattr(runner.device, "type", str(runner.device)) != "cuda":
+                # a CPU's forward times on shared cores move between runs (the tiny test pair's knee measured 16 and
+                # 32 tokens in two runs), and with them the forests and a seeded T > 0 request's tokens: "auto" is
+                # pinned there; an integer budget makes a CPU engine load-aware
+                logger.info("DSBD load-aware speculation: verify_budget 'auto' is measured on a GPU only; on %s the "
+                            "draft shape is pinned (give an integer verify_budget to make it load-aware)",
+                            runner.device)
+                return out
+            from vllm.utils.torch_utils import set_random_seed
+
+            from .load_probe import measure_budget
+
+            runner.dsbd_budget, runner.dsbd_load_times = measure_budget(runner)
+            set_random_seed(self.model_config.seed)
+        return out
+
+    def dsbd_load(self) -> dict:
+        """This rank's load-aware speculation settings (``LLM.collective_rpc("dsbd_load")``): the budget (None:
+        pinned), the start-up table {tokens: seconds} when measured, and the depths allowed so far {depth: count}."""
+        runner = self.model_runner
+        return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
+                "depths": dict(runner.dsbd_stats.draft_depths)}
+
     def dsbd_decisions(self) -> dict:
         """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every
         tensor-parallel rank iff they built the same forests and made the same decisions."""

@@ -1,0 +1,130 @@
+"""Load-aware speculation (DESIGN.md §2): how wide and deep each request of a step drafts, from the batch alone.
+
+Verifying a forest costs the target almost nothing while the step's scheduled tokens stay under the device's compute
+knee (a few hundred on an H100) and real time past it. So a step has a *verified-token budget* B, and the draft shape
+of every request shrinks as the batch grows, down to no draft at all (depth 0):
+
+* a request's tokens in a step are ``leaves + nodes``: a plain request schedules its root (1) and its forest, a beam
+  request its W live leaves and its forest (:class:`Shape`);
+* the shapes a request may draft with are the *levels* ``(depth, width)`` in lexicographic order, deepest first:
+  ``(G, W), (G, W - 1), ..., (G, 1), (G - 1, W), ..., (1, 1)``, then ``(0, 0)`` (no forest); a request drafts at
+  most ``min(width, its width)`` nodes per depth and ``min(depth, its depth)`` depths (depth before width: a chain
+  gains more per node than a wider layer);
+* :func:`plan`: every request gets the highest level at which the whole batch fits in B, then requests in batch
+  order go one level up while the batch still fits (the budget is used, and levels differ by at most one);
+* a request whose shape is pinned (a beam request that set its own ``depth``) keeps its full shape and is counted.
+
+The plan is a function of the shapes of the batch's requests and of B only: never of a random draw, an acceptance or
+a timing, so every tensor-parallel rank computes the same plan, and the output law of every request is unchanged
+(a forest's shape is fixed before its coins are drawn; DESIGN.md §1).
+
+B comes from the config (``verify_budget``: an integer, ``"auto"``, or ``None`` = pinned, always the configured
+shape). ``"auto"``: the target's forward pass is timed once at start-up at 1, 2, 4, ... tokens (``load_probe.py``),
+and B is the knee of that table (:func:`knee`), but never less than one request's full step (:func:`auto_budget`):
+at batch 1 DSBD always drafts what was configured.
+
+This module imports neither vLLM nor torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["AUTO", "KNEE_RATIO", "Level", "Shape", "auto_budget", "knee", "levels", "plan", "probe_sizes"]
+
+AUTO = "auto"
+KNEE_RATIO = 1.25  # the knee: the most tokens whose forward time is at most KNEE_RATIO x that of one token
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What one request of the step may schedule: ``leaves`` tokens besides its forest (1: a plain request's root;
+    W: a beam request's live leaves), at most ``width`` forest nodes per depth and ``depth`` depths (as configured:
+    the engine's depth, the request's width). ``pinned``: it always drafts this full shape (counted, never cut)."""
+
+    leaves: int
+    width: int
+    depth: int
+    pinned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """The draft limits of one request in one step: at most ``width`` nodes per depth, ``depth`` depths
+    (``Level(0, 0)``: no forest)."""
+
+    width: int
+    depth: int
+
+    def nodes(self, shape: Shape) -> int:
+        """Forest nodes ``shape`` may draft at this level."""
+        if shape.pinned:
+            return shape.width * shape.depth
+        return min(self.width, shape.width) * min(self.depth, shape.depth)
+
+    def tokens(self, shape: Shape) -> int:
+        """Tokens ``shape`` schedules at this level (leaves + forest nodes)."""
+        return shape.leaves + self.nodes(shape)
+
+
+def levels(width: int, depth: int) -> list[Level]:
+    """The levels from the full shape down to no forest: ``(depth, width) ... (1, 1)``, then ``(0, 0)``."""
+    return [Level(w, d) for d in range(depth, 0, -1) for w in range(width, 0, -1)] + [Level(0, 0)]
+
+
+def plan(shapes: Sequence[Shape], budget: int | None) -> list[Level]:
+    """The level of every request of a step (same order as ``shapes``), within ``budget`` scheduled tokens.
+
+    ``budget`` None: every request at its full shape (pinned speculation). Otherwise the highest level at which the
+    whole batch fits (``(0, 0)`` if none does: no request drafts), then requests in order one level up while the
+    total stays within ``budget``."""
+    if not shapes:
+        return []
+    top = Level(max(s.width for s in shapes), max(s.depth for s in shapes))
+    if budget is None:
+        return [top] * len(shapes)
+    ladder = levels(top.width, top.depth)
+    at = len(ladder) - 1
+    for k, lv in enumerate(ladder):
+        if sum(lv.tokens(s) for s in shapes) <= budget:
+            at = k
+            break
+    out = [ladder[at]] * len(shapes)
+    if at == 0:
+        return out
+    up, total = ladder[at - 1], sum(ladder[at].tokens(s) for s in shapes)
+    for i, s in enumerate(shapes):
+        extra = up.tokens(s) - out[i].tokens(s)
+        if total + extra <= budget:
+            out[i] = up
+            total += extra
+    return out
+
+
+def probe_sizes(max_tokens: int) -> list[int]:
+    """Token counts the start-up probe times: 1, 2, 4, ... up to ``max_tokens`` (which is included)."""
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max(1, max_tokens)]
+
+
+def knee(times: Mapping[int, float], ratio: float = KNEE_RATIO) -> int:
+    """The knee of a forward-time table {tokens: seconds} (which must hold 1): the largest n such that every probed
+    m <= n took at most ``ratio`` x the time of 1 token. Sizes past the first one over the line do not count (a
+    later one under it is noise)."""
+    if 1 not in times:
+        raise ValueError(f"the forward-time table must hold 1 token, got sizes {sorted(times)}")
+    base, best = times[1], 1
+    for n in sorted(times):
+        if times[n] > ratio * base:
+            break
+        best = n
+    return best
+
+
+def auto_budget(measured_knee: int, full_step: int) -> int:
+    """The budget of ``verify_budget="auto"``: the measured knee, but never less than ``full_step`` (one request's
+    tokens at its full configured shape), so that a lone request always drafts what was configured."""
+    return max(measured_knee, full_step)
