@@ -39,8 +39,10 @@ def _row(**peaks):
     return r
 
 
-def test_full_width_step_passes_a_layer_then_compacts():
-    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0)
+def test_full_width_step_passes_a_layer_then_compacts(relayout=False):
+    """The step's own compaction (the re-layout after it is off here; see the next test)."""
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0,
+                       relayout=relayout)
     # step 1 from the prompt: beams "3" (best) and "5"
     assert beam.partial(_row(t3=10.0, t5=9.5)[None]) is None
     out = beam.step(None)
@@ -70,6 +72,41 @@ def test_full_width_step_passes_a_layer_then_compacts():
     out = beam.step(None, torch.stack([_row(), _row()]))
     assert (out.layers_passed, beam.steps, beam.draft_skip) == (0, 4, 1)
     assert beam.tokens == [3, 1, 2, 4, 7, 5, 6] and out.moves == [] and out.row == [7, 5]
+
+
+def test_relayout_moves_the_common_prefix_to_linear_context_and_drops_dead_slots():
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0)
+    beam.partial(_row(t3=10.0, t5=9.5)[None])
+    beam.step(None)
+    # step 2 as in the test above: the beams are "3 1 4" and "3 2 7"; their common prefix "3" becomes linear context
+    # (slot P, already its slot: no K/V move besides the step's own), vLLM's token list does not change
+    beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
+                             drafted=[True, True, False, False])
+    beam.partial(torch.stack([_row(t1=10.0, t2=9.0), _row()]))
+    out = beam.step(None, torch.stack([_row(t4=10.0), _row(t7=10.0), _row(), _row()]))
+    assert (beam.prefix, beam.base, beam.tokens, beam.parents) == ([3], P + 1, [1, 2, 4, 7], [-1, -1, 0, 1])
+    assert beam.depths == [2, 2, 3, 3] and beam.position(P) == P and beam.position(P + 1 + 2) == P + 2
+    assert out.moves == [(P + 2, P + 1), (P + 3, P + 2)] and out.tokens is None and out.dropped == 0
+    assert (out.row, out.next_drafts) == ([1, 2, 4], [7])
+    assert beam.draft_gap == P  # "3" has no draft K/V (no draft pass ran): the draft's catch-up starts there
+    beam.draft_gap = None  # as after a catch-up pass
+    # step 3 without a forest: "3 1 4 5" and "3 2 7 6": no common token past "3", no dead node: nothing to do
+    beam.partial(torch.stack([_row(t5=10.0), _row(t6=10.0)]))
+    out = beam.step(None)
+    assert (beam.prefix, beam.tokens, out.moves, out.tokens) == ([3], [1, 2, 4, 7, 5, 6], [], None)
+    # step 4: both new beams extend "3 1 4 5" (tokens 1 and 2); the beam "3 2 7 6" dies. The step drops its leaf
+    # "6" (after vLLM's last token); the re-layout makes "1 4 5" linear context (slots P+1..P+3: "4" and "5" move
+    # down from P+3 and P+5), drops the dead "2" and "7", and vLLM's list becomes the prefix and leaf 0
+    beam.partial(torch.stack([_row(t1=10.0, t2=9.5), _row()]))
+    out = beam.step(None)
+    assert (beam.prefix, beam.base, beam.tokens, beam.parents) == ([3, 1, 4, 5], P + 4, [1, 2], [-1, -1])
+    assert out.moves == [(P + 3, P + 2), (P + 5, P + 3)] and out.dropped == 2
+    assert (out.row, out.tokens, out.next_drafts) == ([1], [3, 1, 4, 5, 1], [2])
+    assert beam.draft_gap == P + 2  # "1" has the draft K/V of its forest pass, "4" and "5" none: catch-up from "4"
+    assert beam.position(P + 4) == P + 4  # leaf 0 at depth 5: position P - 1 + 5, in the slot right after the prefix
+    # the beams read through the prefix (what the request returns), and the settled prefix includes it
+    assert [beam._path(b.node)[0] for b in beam.live] == [[3, 1, 4, 5, 1], [3, 1, 4, 5, 2]]
+    assert beam.settle() == [3, 1, 4, 5]
 
 
 def test_settled_prefix_waits_for_finished_beams_that_may_still_be_returned():
