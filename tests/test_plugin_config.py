@@ -635,6 +635,18 @@ def test_logprobs_on_a_beam_request_are_refused():
             check_request(_beam_sp(beam, logprobs=n), cfg)
 
 
+def test_stop_conditions_on_a_beam_request_are_refused():
+    """vLLM checks stop strings on a request's output text (for a beam request: its settled prefix) and stop token ids
+    on the tokens it appends (trie slots): either could end a beam request with no beams; plain requests keep them."""
+    cfg = DSBDConfig(width=4)
+    beam = {"width": 2, "max_tokens": 4}
+    assert check_request(SamplingParams(stop=["\n"], stop_token_ids=[7]), cfg) == 4
+    assert check_request(_beam_sp(beam, stop=[], stop_token_ids=[]), cfg) == 4
+    for name, value in (("stop", ["\n"]), ("stop", "end"), ("stop_token_ids", [7])):
+        with pytest.raises(ValueError, match=rf"^{name}: not supported on a beam request"):
+            check_request(_beam_sp(beam, **{name: value}), cfg)
+
+
 def test_unknown_dsbd_request_key_is_refused():
     cfg = DSBDConfig(width=4)
     with pytest.raises(ValueError, match=r"^extra_args: unknown DSBD key 'dsbd_widht'; the DSBD request keys are"):

@@ -276,7 +276,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
-            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), or ``logprobs``.
+            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``, or
+            ``logprobs``.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -300,6 +301,11 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                              f"extra_args[{BEAM_KEY!r}]['eos_token_id'] names its EOS (EOS would otherwise be an "
                              "ordinary beam token, and vLLM stops a request whose tokens reach EOS before DSBD "
                              "returns any beam)")
+        for name in ("stop", "stop_token_ids"):
+            if getattr(sampling_params, name, None):
+                raise ValueError(f"{name}: not supported on a beam request (extra_args[{BEAM_KEY!r}]): vLLM checks it "
+                                 "on the request's trie slots and settled text, not on each beam; a beam ends at "
+                                 f"extra_args[{BEAM_KEY!r}]['eos_token_id'] or its max_tokens")
         if getattr(sampling_params, "logprobs", None) is not None:
             raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
                              "are its beams' settled prefix, then the best beam; each beam's per-token "

@@ -25,6 +25,8 @@ the runner of other engines ignores them):
   past the slots it uses (the list plus the forest the runner just drafted after it) go back to the pool. The runner
   does the same to its own copy of the tokens and its block table, so the next step's lengths and block tables
   agree; the list never outgrows what vLLM checked at admission.
+* ``_update_request_with_output`` switches vLLM's token stops (EOS, ``stop_token_ids``) off for a beam request:
+  they would look at trie slots (the generation config's extra EOS ids are ordinary beam tokens).
 * ``_free_request``: that request's ``kv_transfer_params`` (the one per-request dict vLLM carries from the engine
   core to ``RequestOutput.kv_transfer_params`` in the front end, across processes) are its beams: the front end
   (patch ``beam_search_route``) turns them into vLLM's beam-search outputs. Requests with a KV connector's own params
@@ -98,6 +100,17 @@ def free_tail_blocks(kv_cache_manager, request_id: str, used_slots: int) -> None
             mgr.block_pool.free_blocks(reversed(tail))
 
 
+def ignore_token_stops(sp) -> None:
+    """vLLM's stop on EOS and on ``stop_token_ids`` (``check_stop``) looks at the tokens it appends, which for a beam
+    request are trie slots, not a sequence: off for it (the engine's copy of its ``SamplingParams``). A beam's own EOS
+    never enters the trie (it finishes the beam), but a request that does not ignore EOS gets the generation config's
+    other EOS ids as ``stop_token_ids`` (``SamplingParams.update_from_generation_config``), which are ordinary trie
+    tokens; user-given ``stop_token_ids`` are refused in the front end (``config.check_request``)."""
+    sp._eos_token_id = None
+    if sp.stop_token_ids:
+        sp.stop_token_ids = []
+
+
 def _settled_tokens(scheduler, request) -> list[int]:
     out = getattr(scheduler, "_dsbd_model_runner_output", None)
     settled = getattr(out, "dsbd_settled", None)
@@ -113,8 +126,11 @@ def _patch(mod: types.ModuleType) -> None:
 
     def make_update(orig):
         def _update_request_with_output(self, request, new_token_ids):
+            beam = getattr(self, "_dsbd_engine", False) and is_beam_request(request)
+            if beam:
+                ignore_token_stops(request.sampling_params)
             new_token_ids, stopped = orig(self, request, new_token_ids)
-            if not getattr(self, "_dsbd_engine", False) or not is_beam_request(request):
+            if not beam:
                 return new_token_ids, stopped
             payload = _finished_payload(self, request)
             if not stopped and payload is not None:
