@@ -161,7 +161,10 @@ to add a speculative method with its own config keys and proposer; no such regis
    of the best beam), not the trie slots vLLM appended; at a re-layout (``ModelRunnerOutput.dsbd_relayout``,
    ``BeamRequest._relayout``) the request's output token list becomes the runner's new one (the beams' common prefix
    as linear context, then the trie without dead slots), with ``num_computed_tokens`` and the block hashes past the
-   first changed token following (DESIGN §2 "shrinking the request at re-layout"). Why: vLLM's token list of a
+   first changed token following (DESIGN §2 "shrinking the request at re-layout"), and the blocks past the slots it
+   uses go back to the pool; vLLM's token stops (EOS, ``stop_token_ids``, which for a request that does not ignore EOS
+   include the generation config's other EOS ids) are off for it, as its appended tokens are trie slots
+   (``tests/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a
    beam request is prompt + trie nodes; vLLM cannot know when the search ends (the engine request has
    ``ignore_eos`` and a large ``max_tokens``), has no per-request output channel from the runner but ``kv_transfer_params`` (engine core -> ``RequestOutput``,
    across processes), would cache trie blocks (K/V under trie masks and positions) for any request with the same
