@@ -95,7 +95,9 @@ def serve_command(target: Path, draft: Path, width: int, depth: int) -> str:
             f"--served-model-name smollm2-dsbd{mem}")
 
 
-def run(target: Path, prompts, params, speculative_config=None, verbose: bool = False):
+def run(target: Path, prompts, params, speculative_config=None, verbose: bool = False, beam=None):
+    """Sampling on one engine; then, with ``beam`` = (token prompts, BeamSearchParams), ``LLM.beam_search`` on it
+    (a plain engine: vLLM's front-end loop; a DSBD engine: one engine request per prompt, beams in the engine)."""
     import vllm
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -108,6 +110,13 @@ def run(target: Path, prompts, params, speculative_config=None, verbose: bool = 
     outs = llm.generate(prompts, params, use_tqdm=False)
     secs = time.perf_counter() - t0
     after = {k: (metric(llm, k) or 0) - before[k] for k in before}
+    if beam is not None:
+        ids, bp = beam
+        llm.beam_search([{"prompt_token_ids": ids[0]}], type(bp)(beam_width=bp.beam_width, max_tokens=2))  # warm-up
+        t0 = time.perf_counter()
+        beams = llm.beam_search([{"prompt_token_ids": p} for p in ids], bp)
+        after["beams"] = ([[list(s.tokens[len(p):]) for s in o.sequences] for o, p in zip(beams, ids)],
+                          time.perf_counter() - t0, llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -124,6 +133,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--draft-layers", type=int, default=8, help="layers of the untrained fallback draft")
+    ap.add_argument("--beam-width", type=int, default=4,
+                    help="LLM.beam_search width of the beam search part (0: skip it)")
     ap.add_argument("--paths", action="store_true", help="print the model folders and a serve command, then exit")
     ap.add_argument("--verbose", action="store_true", help="show vLLM's log lines")
     args = ap.parse_args()
@@ -149,9 +160,21 @@ def main():
     params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i)
               for i in range(len(prompts))]
     print(f"target: SmolLM2-135M-Instruct ({target}); draft: {draft_kind}")
-    plain = run(target, prompts, params, verbose=args.verbose)
-    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": args.width}
-    dsbd = run(target, prompts, params, spec, verbose=args.verbose)
+    beam = None
+    W = args.beam_width
+    if W:
+        from vllm.sampling_params import BeamSearchParams
+
+        beam = ([tok.encode(p, add_special_tokens=False) for p in prompts],
+                BeamSearchParams(beam_width=W, max_tokens=args.max_tokens))
+    plain = run(target, prompts, params, verbose=args.verbose, beam=beam)
+    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
+            "width": max(args.width, W)}
+    if W > args.width:  # the engine's width holds the beams; the sampling requests keep --width
+        params = [p.clone() for p in params]
+        for p in params:
+            p.extra_args = {"dsbd_width": args.width}
+    dsbd = run(target, prompts, params, spec, verbose=args.verbose, beam=beam)
 
     for p, a, b in zip(PROMPTS, plain[0], dsbd[0]):
         print(f"\n### {p}\n  plain: {a.strip()[:200]!r}\n  dsbd:  {b.strip()[:200]!r}")
@@ -175,6 +198,25 @@ def main():
           "here: " + ("fewer target passes pay on this machine." if speed > 1 else
                       "fewer target passes do not pay yet, because drafting and verification run step by step on the "
                       "host and the draft model is a large fraction of this small target (NOTES.md has the numbers)."))
+    if W:
+        print_beams(tok, PROMPTS, plain[3]["beams"], dsbd[3]["beams"], W)
+
+
+def print_beams(tok, texts, loop, engine, width: int) -> None:
+    """The beam search part: the best beam of the first prompts from both engines, then whether all beams agree and
+    the best-beam tokens per second of vLLM's loop and of the beams inside the DSBD engine."""
+    (a, ta, cached), (b, tb, _) = loop, engine
+    print(f"\n## Beam search, width {width}, temperature 0: `LLM.beam_search` on the plain engine (vLLM's front-end "
+          "loop: one engine request per beam per token) and on the DSBD engine (one request per prompt, the beams in "
+          "the engine, the draft's forest off them)")
+    for p, x, y in list(zip(texts, a, b))[:3]:
+        print(f"\n### {p}\n  vLLM loop best beam: {tok.decode(x[0]).strip()[:200]!r}\n"
+              f"  DSBD best beam:      {tok.decode(y[0]).strip()[:200]!r}")
+    same = sum(x == y for x, y in zip(a, b))
+    na, nb = sum(len(x[0]) for x in a), sum(len(y[0]) for y in b)
+    print(f"\nsame {width} beams (tokens, order) for {same} of {len(a)} prompts; best-beam tokens/s: vLLM loop "
+          f"{na / ta:.1f}, DSBD engine {nb / tb:.1f} ({(nb / tb) / (na / ta):.1f}x; prefix caching "
+          f"{'on' if cached else 'off'}, vLLM's default here; benchmarks/beams.py has the longer runs)")
 
 
 if __name__ == "__main__":
