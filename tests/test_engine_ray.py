@@ -65,7 +65,11 @@ def _inspect(daemons):
 def ray_tp2(pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
     assert not ray.is_initialized()
     before = {p.pid for p in psutil.Process().children()}
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False)
+    # one OpenMP thread per worker, as the in-process engines of the suite run (engine_utils): Ray's worker processes
+    # run at nice 15 beside the engine's busy-polling driver on 2 cores, and with vLLM's CPU settings (libgomp in
+    # LD_PRELOAD, exported by the first engine of this process) a worker with more threads ran ~20x slower
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         daemons = [p for p in psutil.Process().children() if p.pid not in before]
         out = _run(*pair, tp=2, backend="ray", inspect=_inspect(daemons))
