@@ -1,12 +1,13 @@
 """DSBD under vLLM's Ray executor (``distributed_executor_backend="ray"``, ``RayExecutorV2``) on the CPU, with tensor
-parallelism 2: one worker actor per rank in a local Ray cluster of 2 CPUs (patch ``cpu_ray_executor``).
+parallelism 1 and 2: one worker actor per rank in a local Ray cluster of 2 CPUs (patch ``cpu_ray_executor``), one
+engine and one cluster at a time.
 
 Against the in-process TP = 1 engine of ``test_engine_tp`` (same tiny model pair, prompts and workloads, imported from
 there), checked:
 
 * temperature 0 (widths 1 and 2) and seeded temperature 1: the Ray engine emits exactly TP = 1's tokens;
 * beam requests (``LLM.beam_search`` and seeded sampled beams): exactly TP = 1's beams;
-* unseeded requests finish and both Ray ranks' decision digests agree;
+* unseeded requests finish and the Ray ranks' decision digests agree;
 * DSBD's counters and vLLM's spec-decode counters count the same forests, and drafts were accepted;
 * the actors ran this checkout's ``vllm_dsbd`` (the same file as the test process), one per rank, in other processes;
 * Ray starts and shuts down cleanly: after the engine and ``ray.shutdown()``, Ray is not initialised and none of the
@@ -61,8 +62,10 @@ def _inspect(daemons):
     return inspect
 
 
-@pytest.fixture(scope="module")
-def ray_tp2(pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def ray_run(request, pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
+    """One Ray cluster per engine (vLLM 0.26's Ray executor leaves its placement group until ``ray.shutdown()``)."""
+    tp = request.param
     assert not ray.is_initialized()
     before = {p.pid for p in psutil.Process().children()}
     # one OpenMP thread per worker, as the in-process engines of the suite run (engine_utils): Ray's worker processes
@@ -72,10 +75,11 @@ def ray_tp2(pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         daemons = [p for p in psutil.Process().children() if p.pid not in before]
-        out = _run(*pair, tp=2, backend="ray", inspect=_inspect(daemons))
+        out = _run(*pair, tp=tp, backend="ray", inspect=_inspect(daemons))
         started = {**out.pop("running"), **_ray_processes(daemons)}
     finally:
         ray.shutdown()
+    out["tp"] = tp
     out["started"] = {pid: cmd for pid, (_, cmd) in started.items()}
     _, alive = psutil.wait_procs([p for p, _ in started.values()], timeout=30)
     out["left"] = {p.pid: started[p.pid][1] for p in alive if _running(p)}
@@ -83,42 +87,43 @@ def ray_tp2(pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
     return out
 
 
-def test_ray_greedy_and_seeded_equal_tp1(tp1, ray_tp2):  # noqa: F811
-    assert ray_tp2["greedy"] == tp1["greedy"]
-    assert ray_tp2["seeded"] == tp1["seeded"]
+def test_ray_greedy_and_seeded_equal_tp1(tp1, ray_run):  # noqa: F811
+    assert ray_run["greedy"] == tp1["greedy"]
+    assert ray_run["seeded"] == tp1["seeded"]
 
 
-def test_ray_beam_requests_equal_tp1(tp1, ray_tp2):  # noqa: F811
-    assert [[t for t, _ in g] for g in ray_tp2["beams"]] == [[t for t, _ in g] for g in tp1["beams"]]
-    for g, e in zip(ray_tp2["beams"], tp1["beams"]):
+def test_ray_beam_requests_equal_tp1(tp1, ray_run):  # noqa: F811
+    assert [[t for t, _ in g] for g in ray_run["beams"]] == [[t for t, _ in g] for g in tp1["beams"]]
+    for g, e in zip(ray_run["beams"], tp1["beams"]):
         assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
-    assert ray_tp2["sampled_beams"] == tp1["sampled_beams"]
+    assert ray_run["sampled_beams"] == tp1["sampled_beams"]
 
 
-def test_ray_ranks_agree_and_drafts_are_counted(ray_tp2):
-    assert [len(t) for t in ray_tp2["unseeded"]] == [MAX_TOKENS] * len(PROMPTS) * 2
-    ranks = ray_tp2["ranks"]
-    assert sorted(r["tp_rank"] for r in ranks) == [0, 1]
-    assert {k: v for k, v in ranks[0].items() if k != "tp_rank"} == {k: v for k, v in ranks[1].items()
-                                                                      if k != "tp_rank"}
+def test_ray_ranks_agree_and_drafts_are_counted(ray_run):
+    assert [len(t) for t in ray_run["unseeded"]] == [MAX_TOKENS] * len(PROMPTS) * 2
+    ranks = ray_run["ranks"]
+    assert sorted(r["tp_rank"] for r in ranks) == list(range(ray_run["tp"]))
+    for r in ranks[1:]:
+        assert {k: v for k, v in r.items() if k != "tp_rank"} == {k: v for k, v in ranks[0].items() if k != "tp_rank"}
     rank0 = next(r for r in ranks if r["tp_rank"] == 0)
-    rank0_before = next(r for r in ray_tp2["before_ranks"] if r["tp_rank"] == 0)
+    rank0_before = next(r for r in ray_run["before_ranks"] if r["tp_rank"] == 0)
     forests = rank0["forest_iterations"] - rank0_before["forest_iterations"]
-    m = ray_tp2["metrics"]
+    m = ray_run["metrics"]
     assert forests > 0
     assert m["vllm:dsbd_iterations"] == m["vllm:spec_decode_num_drafts"] == forests, m
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-def test_ray_workers_run_this_checkout_in_actors(ray_tp2):
-    assert [os.path.realpath(f) for f in ray_tp2["worker_files"]] == [os.path.realpath(vllm_dsbd.__file__)] * 2
-    pids = ray_tp2["worker_pids"]
-    assert len(set(pids)) == 2 and os.getpid() not in pids
-    assert set(pids) <= set(ray_tp2["started"])  # the actors are processes of this test's Ray cluster
+def test_ray_workers_run_this_checkout_in_actors(ray_run):
+    tp = ray_run["tp"]
+    assert [os.path.realpath(f) for f in ray_run["worker_files"]] == [os.path.realpath(vllm_dsbd.__file__)] * tp
+    pids = ray_run["worker_pids"]
+    assert len(set(pids)) == tp and os.getpid() not in pids
+    assert set(pids) <= set(ray_run["started"])  # the actors are processes of this test's Ray cluster
 
 
-def test_ray_shuts_down_cleanly(ray_tp2):
-    started = ray_tp2["started"].values()
+def test_ray_shuts_down_cleanly(ray_run):
+    started = ray_run["started"].values()
     assert all(any(d in cmd for cmd in started) for d in RAY_DAEMONS), started  # Ray really ran here, and we saw it
-    assert not ray_tp2["ray_initialized"]
-    assert ray_tp2["left"] == {}
+    assert not ray_run["ray_initialized"]
+    assert ray_run["left"] == {}
