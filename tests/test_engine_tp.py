@@ -63,10 +63,12 @@ def _tokens(llm, reqs):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _run(target, draft, tp: int) -> dict:
+def _run(target, draft, tp: int, backend: str | None = None, inspect=None) -> dict:
+    """The engine's outputs for every workload above (``backend``: vLLM's executor, default ``mp`` for TP > 1;
+    ``inspect(llm)``: a dict merged into the result while the engine runs)."""
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=4,
-                   tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=4, tensor_parallel_size=tp,
+                   distributed_executor_backend=backend or ("mp" if tp > 1 else None),
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                        "width": WIDTH, "verify_budget": BUDGET})
     try:
@@ -77,7 +79,8 @@ def _run(target, draft, tp: int) -> dict:
         out["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in beams]
         sampled = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [vllm.SamplingParams(
             temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True, detokenize=False,
-            extra_args={"dsbd_beam": {"width": WIDTH, "max_tokens": 6, "ignore_eos": True}}) for i in range(len(PROMPTS))],
+            extra_args={"dsbd_beam": {"width": WIDTH, "max_tokens": 6, "ignore_eos": True}})
+            for i in range(len(PROMPTS))],
             use_tqdm=False)
         out["sampled_beams"] = [[b["token_ids"] for b in o.kv_transfer_params["dsbd_beam"]] for o in sampled]
         before_ranks = llm.collective_rpc("dsbd_decisions")
@@ -87,10 +90,12 @@ def _run(target, draft, tp: int) -> dict:
         out["ranks"] = llm.collective_rpc("dsbd_decisions")
         out["before_ranks"] = before_ranks
         out["metrics"] = {k: (metric(llm, k) or 0) - v for k, v in before.items()}
+        if inspect is not None:
+            out.update(inspect(llm))
         return out
     finally:
         shutdown(llm)
-        if tp > 1:
+        if tp > 1 or backend is not None:
             _clear_frontend_metrics()
 
 
@@ -126,7 +131,8 @@ def test_greedy_equals_tp1(tp1, tp2):
 
 def test_beam_requests_equal_tp1(tp1, tp2):
     """Beams inside the engine under TP = 2: the runner's finished beams reach the scheduler through the
-    multiprocess executor, and both ranks step the beams alike (deterministic and seeded sampled beams equal TP = 1's)."""
+    multiprocess executor, and both ranks step the beams alike (deterministic and seeded sampled beams equal
+    TP = 1's)."""
     assert [[t for t, _ in g] for g in tp2["beams"]] == [[t for t, _ in g] for g in tp1["beams"]]
     for g, e in zip(tp2["beams"], tp1["beams"]):
         assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))

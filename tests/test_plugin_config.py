@@ -76,6 +76,8 @@ def test_register_is_reentrant():
     import vllm.v1.metrics.loggers  # noqa: F401
     import vllm.entrypoints.generate.beam_search.offline  # noqa: F401
     import vllm.entrypoints.generate.beam_search.online  # noqa: F401
+    import vllm.platforms.cpu  # noqa: F401
+    import vllm.v1.executor.ray_executor_v2  # noqa: F401
 
     before = patches.applied()
     plugin.register()
@@ -165,9 +167,11 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         load_general_plugins()
         from vllm_dsbd import patches, plugin
         assert plugin.is_registered()
-        # only env_names applies at once (vllm.envs is imported before plugins load); the rest waits for its module
+        # only env_names and the CPU platform's Ray key apply at once (vllm.envs and the current platform are imported
+        # before plugins load); the rest waits for its module
         assert "vllm.config.speculative" not in sys.modules
-        assert {r.patch_id for r in patches.applied()} == {"env_names"}
+        assert {r.target for r in patches.applied() if r.patch_id != "env_names"} == {
+            "vllm.platforms.cpu.CpuPlatform.ray_device_key"}
         from vllm.config.speculative import SpeculativeConfig
         assert SpeculativeConfig.uses_draft_model.__dsbd_patch__ == "uses_draft_model"
         assert "vllm.v1.spec_decode.llm_base_proposer" not in sys.modules
@@ -189,6 +193,11 @@ def test_fresh_process_through_vllm_plugin_loader(tmp_path):
         assert BeamSearchOfflineMixin.beam_search.__dsbd_patch__ == "beam_search_route"
         from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
         assert BeamSearchOnlineMixin.beam_search.__dsbd_patch__ == "beam_serving_route"
+        from vllm.platforms.cpu import CpuPlatform
+        assert CpuPlatform.ray_device_key == "CPU"
+        import vllm.v1.executor.ray_executor_v2 as ray_v2
+        assert ray_v2.RayExecutorV2._get_actor_resource_kwargs.__dsbd_patch__ == "cpu_ray_executor"
+        assert ray_v2.RayWorkerProc.__name__ == "CPURayWorkerProc"
         print(sorted({r.patch_id for r in patches.applied()}))
         """,
         tmp_path, VLLM_DSBD_DISABLE="0",

@@ -22,11 +22,13 @@ How they reach ``LLM.get_metrics()`` and ``/metrics``:
 * engine core in a child process (the default of ``vllm serve`` and ``LLM``): the plugin's ``register()`` in the
   first (front-end) process calls :func:`setup_frontend`, which makes a temporary directory, exports it to the
   processes it starts (``VLLM_DSBD_PROMETHEUS_DIR``, with its own pid in ``VLLM_DSBD_PROMETHEUS_PID``; a program
-  started as a separate program, not by ``multiprocessing``, makes its own) and registers a
+  started as a separate program, not by ``multiprocessing`` nor as a Ray actor, makes its own) and registers a
   ``prometheus_client`` ``MultiProcessCollector`` over it in its default registry; an engine in another process then
   creates its collectors with memory-mapped values in that directory (prometheus_client's multiprocess mode, for
-  these collectors only), and the front end serves them with its own metrics. Not covered: ``--api-server-count > 1``
-  (vLLM then serves only its own multiprocess directory).
+  these collectors only), and the front end serves them with its own metrics. vLLM's Ray executor passes the front
+  end's environment to its worker actors, so a rank-0 worker on the front end's machine writes there too. Not
+  covered: ``--api-server-count > 1`` (vLLM then serves only its own multiprocess directory), and a rank-0 Ray worker
+  on another machine (the directory is local; its counters stay in that worker's process).
 vLLM's own spec-decode metrics describe a DSBD engine as follows (patches ``spec_stats_depths`` and
 ``spec_stats_prometheus``): ``vllm:spec_decode_num_drafts`` = forests verified (= ``vllm:dsbd_iterations``),
 ``..._num_draft_tokens`` = forest nodes verified (= ``vllm:dsbd_draft_nodes``), ``..._num_accepted_tokens`` = layers
@@ -40,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -66,8 +69,10 @@ def setup_frontend() -> None:
 
     if _FRONTEND_DIR is not None:
         return
-    if multiprocessing.parent_process() is not None and os.environ.get(PROMETHEUS_DIR_ENV):
-        return  # a multiprocessing child of a front end (an engine core): it writes to the front end's directory
+    if os.environ.get(PROMETHEUS_DIR_ENV) and (multiprocessing.parent_process() is not None or _in_ray_actor()):
+        # a multiprocessing child of a front end (an engine core, an ``mp`` worker) or a Ray actor it started (a Ray
+        # executor's worker, which gets the front end's environment): it writes to the front end's directory
+        return
     # a program of its own (even one started by another front end, e.g. a benchmark run from a test): its own
     # directory, replacing any inherited one
     try:
@@ -79,6 +84,16 @@ def setup_frontend() -> None:
     os.environ[PROMETHEUS_DIR_ENV] = _FRONTEND_DIR.name
     os.environ[PROMETHEUS_PID_ENV] = str(os.getpid())
     MultiProcessCollector(REGISTRY, path=_FRONTEND_DIR.name)
+
+
+def _in_ray_actor() -> bool:
+    """Whether this process runs a Ray actor (vLLM's Ray executor makes one per worker). Ray's worker processes are
+    not ``multiprocessing`` children; Ray is only looked at when this process has imported it."""
+    ray = sys.modules.get("ray")
+    try:
+        return ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - a partly imported or shut-down Ray: not an actor we can tell of
+        return False
 
 
 def _child_dir() -> str | None:

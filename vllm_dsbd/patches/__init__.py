@@ -2,9 +2,10 @@
 (``_patching.py``: originals recorded, a second patch of the same target raises ``PatchError``, patches of modules
 not imported yet wait for their import). ``vllm_dsbd.plugin.register()`` is the only caller.
 
-Every patch but one leaves other speculative methods and non-speculative configs exactly as vLLM made them: each
-replacement first checks for method "dsbd" and otherwise calls the original. The exception, ``cpu_expand_kernel``
-(10), fixes a vLLM bug that breaks vLLM's own speculative sampling on CPU; it makes the CPU compute what the GPU does.
+Every patch but two leaves other speculative methods and non-speculative configs exactly as vLLM made them: each
+replacement first checks for method "dsbd" and otherwise calls the original. The exceptions are on the CPU platform
+only: ``cpu_expand_kernel`` (10) fixes a vLLM bug that breaks vLLM's own speculative sampling on CPU (it makes the CPU
+compute what the GPU does), and ``cpu_ray_executor`` (19) lets vLLM's Ray executor start on CPU, where it raised.
 
 Ledger (What / Why / How / Upstream / When it can go). "vLLM has a method registry" below means a way for a plugin
 to add a speculative method with its own config keys and proposer; no such registry or upstream issue exists for
@@ -204,6 +205,29 @@ to add a speculative method with its own config keys and proposer; no such regis
    suffix, extract_hidden_states and custom_class (config/speculative.py:1348-1362), and that config is None without a
    draft (2), so the start-up log of the engine's config (``VllmConfig.__str__``) raised ``AttributeError``. How: wrap;
    other configs go to the original. When it can go: with 1 (a method that declares it has no draft model).
+
+19. ``cpu_ray_executor`` - targets ``vllm.platforms.cpu.CpuPlatform.ray_device_key``; on the CPU platform only,
+   ``vllm.v1.executor.ray_executor_v2.RayExecutorV2._get_actor_resource_kwargs`` and the module global
+   ``ray_executor_v2.RayWorkerProc`` (applied when that module is imported). The second patch that changes a
+   non-DSBD path: every engine on CPU with ``distributed_executor_backend="ray"``.
+   What: vLLM's Ray executor (``RayExecutorV2``, the default for "ray") runs on the CPU platform, for TP = 1 and
+   TP > 1: one placement-group bundle of one Ray CPU per rank, the worker actors inside (``num_cpus=0``).
+   Why: ``CpuPlatform`` has no ``ray_device_key`` (platforms/interface.py:147, empty = no Ray), so
+   ``initialize_ray_cluster`` raised "current platform cpu does not support ray" (ray_utils.py:589-593;
+   vllm-project/vllm#21602, closed stale; the upstream fix #25386 was closed unmerged). With the key "CPU", the
+   executor asks Ray for ``resources={"CPU": 1}`` per actor (ray_executor_v2.py:254-261), which Ray refuses ("Use the
+   'num_cpus' ... keyword"), and each actor reads ``get_accelerator_ids()["CPU"]`` (ray_executor_v2.py:125-137),
+   which does not exist. DSBD needs it because the design runs DSBD under vLLM's Ray executor like any other
+   engine. Changing non-DSBD engines is acceptable: on CPU this path raised before, so no working configuration
+   changes; GPU platforms keep vLLM's code (the executor patches are not applied there, and their key is not
+   touched). How: key "CPU" (placement-group bundles ``{"CPU": 1}``, ray_utils.py:637-639); actor resources
+   ``{"num_gpus": 0}`` (its bundle holds the rank's CPU); actors of ``vllm_dsbd.engine.ray_worker.CPURayWorkerProc``,
+   which reports no accelerator ids (the CPU worker reads none). Not covered: vLLM's older ``RayDistributedExecutor``
+   (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``, ray_executor.py:207-212 asks for the same refused resource) and Ray
+   data parallelism (v1/engine/utils.py:575, :774): untested here. Per-rank OpenMP core binding, which the ``mp``
+   executor sets up on CPU (multiproc_executor.py:175), is not done by the Ray executor (set
+   ``VLLM_CPU_OMP_THREADS_BIND`` / ``OMP_NUM_THREADS``). When it can go: vLLM's CPU platform supports Ray (a
+   ``ray_device_key`` with CPU-aware actor resources, as #25386 proposed).
 """
 
 from __future__ import annotations
@@ -235,6 +259,7 @@ PATCHES = (
     "beam_search_route",
     "beam_serving_route",
     "spec_repr",
+    "cpu_ray_executor",
 )
 
 
