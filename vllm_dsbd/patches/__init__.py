@@ -170,8 +170,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``ignore_eos`` and a large ``max_tokens``), has no per-request output channel from the runner but
    ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), would cache trie blocks (K/V under
    trie masks and positions) for any request with the same tokens (``tests/test_engine_beams.py`` sees 144 cached
-   tokens served instead of 112 without the cap), and would output (and stream) the trie's slots, which are no beam. ``_update_request_with_output`` is where the tokens
-   vLLM appends to a request become the tokens it outputs, and the only place where the two can differ (the front
+   tokens served instead of 112 without the cap), and would output (and stream) the trie's slots, which are no
+   beam. ``_update_request_with_output`` is where the tokens vLLM appends to a request become the tokens it outputs, and the only place where the two can differ (the front
    end, in or across processes, sees only the latter): a streamed beam request (``DELTA`` / ``CUMULATIVE``, the
    server's ``"stream": true`` with ``vllm_xargs``) streams the settled prefix, never retracted, and every beam
    request's final ``CompletionOutput`` is its best beam (``tests/test_engine_beam_stream.py``). Engine
