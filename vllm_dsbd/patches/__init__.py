@@ -153,35 +153,34 @@ to add a speculative method with its own config keys and proposer; no such regis
 
 15. ``beam_scheduler`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output``,
    ``._free_request`` and ``.__init__``.
-   What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams.py``) stops when the DSBD runner says its
-   beam search is over (``ModelRunnerOutput.dsbd_finished``, kept on the scheduler by 13's ``update_from_output``
-   wrapper), with its best beam's finish reason; its beams travel to the front end as the request's
-   ``kv_transfer_params``; prefix caching commits its blocks only up to its prompt; and the tokens vLLM outputs for it
+   What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams.py``) stops when the DSBD runner says its beam
+   search is over (``ModelRunnerOutput.dsbd_finished``, kept on the scheduler by 13's ``update_from_output`` wrapper),
+   with its best beam's finish reason; its beams travel to the front end as the request's ``kv_transfer_params``; prefix
+   caching commits its blocks only up to its prompt; and the tokens vLLM outputs for it
    (``EngineCoreOutput.new_token_ids``) are the ones its step settled (``ModelRunnerOutput.dsbd_settled``,
    ``BeamRequest.settle``: the common prefix of its live beams and its n best finished beams, then at the end the rest
    of the best beam), not the trie slots vLLM appended; at a re-layout (``ModelRunnerOutput.dsbd_relayout``,
-   ``BeamRequest._relayout``) the request's output token list becomes the runner's new one (the beams' common prefix
-   as linear context, then the trie without dead slots), with ``num_computed_tokens`` and the block hashes past the
-   first changed token following (DESIGN §2 "shrinking the request at re-layout"), and the blocks past the slots it
-   uses go back to the pool; vLLM's token stops (EOS, ``stop_token_ids``, which for a request that does not ignore EOS
-   include the generation config's other EOS ids) are off for it, as its appended tokens are trie slots
-   (``tests/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a
-   beam request is prompt + trie nodes; vLLM cannot know when the search ends (the engine request has
-   ``ignore_eos`` and a large ``max_tokens``), has no per-request output channel from the runner but
-   ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), would cache trie blocks (K/V under
-   trie masks and positions) for any request with the same tokens (``tests/test_engine_beams.py`` sees 144 cached
-   tokens served instead of 112 without the cap), and would output (and stream) the trie's slots, which are no
-   beam. ``_update_request_with_output`` is where the tokens vLLM appends to a request become the tokens it outputs, and the only place where the two can differ (the front
-   end, in or across processes, sees only the latter): a streamed beam request (``DELTA`` / ``CUMULATIVE``, the
-   server's ``"stream": true`` with ``vllm_xargs``) streams the settled prefix, never retracted, and every beam
-   request's final ``CompletionOutput`` is its best beam (``tests/test_engine_beam_stream.py``). Engine
-   ``logprobs`` are refused for beam requests (``config.check_request``): vLLM slices them by the number of tokens
-   output. vLLM's token list only grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so
-   without the re-layout a beam request keeps every slot it ever kept (dead beams' nodes as holes) and its forest
-   attention recomputes over them. How: wrap the three; requests without ``dsbd_beam`` and non-DSBD engines are
-   untouched. When it can go: vLLM gains in-engine beam search (or a runner-side finish with a payload, output tokens
-   that may differ from the appended ones, and a way for the runner to rewrite a request's token list) and a
-   per-request cap on prefix-cache commits.
+   ``BeamRequest._relayout``) the request's output token list becomes the runner's new one (the beams' common prefix as
+   linear context, then the trie without dead slots), with ``num_computed_tokens`` and the block hashes past the first
+   changed token following (DESIGN §2 "shrinking the request at re-layout"), and the blocks past the slots it uses go
+   back to the pool; vLLM's token stops (EOS, ``stop_token_ids``, which for a request that does not ignore EOS include
+   the generation config's other EOS ids) are off for it, as its appended tokens are trie slots
+   (``tests/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
+   know when the search ends (the engine request has ``ignore_eos`` and a large ``max_tokens``), has no per-request
+   output channel from the runner but ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), would
+   cache trie blocks (K/V under trie masks and positions) for any request with the same tokens
+   (``tests/test_engine_beams.py`` sees 144 cached tokens served instead of 112 without the cap), and would output (and
+   stream) the trie's slots, which are no beam. ``_update_request_with_output`` is where the tokens vLLM appends to a
+   request become the tokens it outputs, and the only place where the two can differ (the front end, in or across
+   processes, sees only the latter): a streamed beam request (``DELTA`` / ``CUMULATIVE``, the server's ``"stream":
+   true`` with ``vllm_xargs``) streams the settled prefix, never retracted, and every beam request's final
+   ``CompletionOutput`` is its best beam (``tests/test_engine_beam_stream.py``). Engine ``logprobs`` are refused for
+   beam requests (``config.check_request``): vLLM slices them by the number of tokens output. vLLM's token list only
+   grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
+   keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
+   the three; requests without ``dsbd_beam`` and non-DSBD engines are untouched. When it can go: vLLM gains in-engine
+   beam search (or a runner-side finish with a payload, output tokens that may differ from the appended ones, and a way
+   for the runner to rewrite a request's token list) and a per-request cap on prefix-cache commits.
 
 16. ``beam_search_route`` - target ``vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin
    .beam_search`` (``LLM.beam_search``).
