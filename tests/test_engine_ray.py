@@ -23,7 +23,9 @@ import os
 import psutil
 import pytest
 
-from test_engine_tp import MAX_TOKENS, PROMPTS, _run, pair, tp1  # noqa: F401  (fixtures: model pair, TP = 1 run)
+from test_engine_tp import (  # noqa: F401  (fixtures: model pair, TP = 1 run)
+    MAX_TOKENS, PROMPTS, _run, assert_metrics_count_forests, pair, tp1,
+)
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402  (a missing or broken Ray must fail the suite, never skip it)
@@ -105,13 +107,7 @@ def test_ray_ranks_agree_and_drafts_are_counted(ray_run):
     assert sorted(r["tp_rank"] for r in ranks) == list(range(ray_run["tp"]))
     for r in ranks[1:]:
         assert {k: v for k, v in r.items() if k != "tp_rank"} == {k: v for k, v in ranks[0].items() if k != "tp_rank"}
-    rank0 = next(r for r in ranks if r["tp_rank"] == 0)
-    rank0_before = next(r for r in ray_run["before_ranks"] if r["tp_rank"] == 0)
-    forests = rank0["forest_iterations"] - rank0_before["forest_iterations"]
-    m = ray_run["metrics"]
-    assert forests > 0
-    assert m["vllm:dsbd_iterations"] == m["vllm:spec_decode_num_drafts"] == forests, m
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert_metrics_count_forests(ray_run)
 
 
 def test_ray_workers_run_this_checkout_in_actors(ray_run):
