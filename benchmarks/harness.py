@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--beam-widths", default="2,4")
     ap.add_argument("--configs", default=None, help="regex: run only the configurations whose name matches")
     ap.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs (the CPU profile is always eager)")
     ap.add_argument("--target", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="HF folder (default: the committed distilled draft)")
     ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")
@@ -123,8 +124,10 @@ def main(argv=None) -> int:
     engines = [c for c in configs if c.kind != "beam_search"]
     if beams and not any(c.kind == "plain" for c in engines):
         engines.insert(0, harness_runs.Config("plain", "plain"))  # beam search runs on the plain engine
-    engine_kw = dict(dtype="float32" if args.profile == "cpu" else "bfloat16", enforce_eager=True, max_model_len=512,
-                     enable_prefix_caching=False)
+    # CPU: eager, as every CPU engine here; GPU: vLLM's CUDA graphs (the plugin lowers a DSBD engine's mode to
+    # piecewise graphs or eager and logs it), unless --eager
+    engine_kw = dict(dtype="float32" if args.profile == "cpu" else "bfloat16",
+                     enforce_eager=args.profile == "cpu" or args.eager, max_model_len=512, enable_prefix_caching=False)
     power = PowerSampler() if args.profile == "gpu" else None
 
     runs = []

@@ -11,12 +11,17 @@ is counted), the KV commit of the accepted path and vLLM's rollback. What is rep
 forest, layer d is accepted with probability ``rate`` independently, stopping at the first rejection; the accepted
 path is a prefix of the path to the first deepest node; the emitted tokens are that path's
 draft tokens plus the real verification's last token.
+
+Beam requests at temperature 0 (``BeamRequest._verify_layers``): after the real beam step on the leaves, each forest
+layer passes with probability ``rate`` (stopping at the first failure); a passing layer makes the forest's nodes under
+the live beams the new beams (as many as the target's candidates, in the forest's order, each with its candidate's
+raw log-probability) and the next beam step runs on their logits from the same target pass, as a real pass does.
 """
 from __future__ import annotations
 
 import random
 
-_STATE = {"rate": None, "rng": random.Random(0), "orig": None}
+_STATE = {"rate": None, "rng": random.Random(0), "orig": None, "orig_beam": None}
 
 
 def set_rate(rate: float) -> None:
@@ -26,22 +31,31 @@ def set_rate(rate: float) -> None:
 
 
 def install(rate: float, seed: int = 0) -> None:
-    """Replaces ``vllm_dsbd.engine.sampler.verify`` in this process (idempotent; :func:`uninstall` restores it)."""
+    """Replaces ``vllm_dsbd.engine.sampler.verify`` and ``BeamRequest._verify_layers`` in this process (idempotent;
+    :func:`uninstall` restores them)."""
     from vllm_dsbd.engine import sampler
+    from vllm_dsbd.engine.beams import BeamRequest
 
     set_rate(rate)
     _STATE["rng"] = random.Random(seed)
     if _STATE["orig"] is None:
         _STATE["orig"] = sampler.verify
         sampler.verify = _verify_at_set_rate
+    if _STATE["orig_beam"] is None:
+        _STATE["orig_beam"] = BeamRequest._verify_layers
+        BeamRequest._verify_layers = _beam_layers_at_set_rate
 
 
 def uninstall() -> None:
     from vllm_dsbd.engine import sampler
+    from vllm_dsbd.engine.beams import BeamRequest
 
     if _STATE["orig"] is not None:
         sampler.verify = _STATE["orig"]
         _STATE["orig"] = None
+    if _STATE["orig_beam"] is not None:
+        BeamRequest._verify_layers = _STATE["orig_beam"]
+        _STATE["orig_beam"] = None
 
 
 def chain(parents: list[int], depths: list[int]) -> list[int]:
@@ -75,3 +89,30 @@ def _verify_at_set_rate(logits, rows, cfg):
         out.append(RowResult(tokens=[pf.tokens[c] for c in path] + [res.tokens[-1]], path=path, passed=k,
                              widths=res.widths))
     return out
+
+
+def _beam_layers_at_set_rate(self, cands, forest, logits, eos):
+    """``BeamRequest._verify_layers`` (T = 0) with layers passing at the set rate (see the module's docstring)."""
+    import torch
+
+    from vllm_dsbd.engine.beams import _Live
+
+    F = logits.shape[0]
+    n0 = self._graft(forest, F)
+    kids: dict[int, list[int]] = {}
+    for c in range(F):
+        kids.setdefault(forest.parents[c], []).append(c)
+    rng, rate = _STATE["rng"], _STATE["rate"]
+    passed = 0
+    while cands and self.steps < self.params.max_tokens and rng.random() < rate:
+        picks = [(b, c) for b, beam in enumerate(self.live) for c in kids.get(beam.node, [])][: len(cands)]
+        if len(picks) < len(cands):
+            break
+        nodes = [n0 + c for _, c in picks]
+        for nd, (_, _, _, v, _) in zip(nodes, cands):
+            self.logprobs[nd] = v
+        self.live = [_Live(nd, self.live[b].score + v, ss) for nd, (b, _), (_, _, _, v, ss) in zip(nodes, picks, cands)]
+        cands = self._search(torch.log_softmax(logits[torch.tensor(nodes) - n0], dim=-1), eos)
+        self.steps += 1
+        passed += 1
+    return cands, passed

@@ -99,7 +99,7 @@ def dsbd_run(pair, plain_greedy):  # plain_greedy first: one engine at a time
         accepted[w] = metric(llm, "vllm:spec_decode_num_accepted_tokens") - before
     metrics = {name: metric(llm, name) for name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-        "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens", "vllm:dsbd_draft_nodes")}
+        "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens", "vllm:dsbd_draft_nodes", "vllm:dsbd_target_passes")}
     metrics["layers_passed"] = metric(llm, "vllm:dsbd_layers_passed")
     metrics["per_pos"] = metric(llm, "vllm:spec_decode_num_accepted_tokens_per_pos")
     metrics["accepted_by_width"] = accepted
@@ -168,6 +168,10 @@ def test_not_vacuous(dsbd_run):
     assert m["vllm:dsbd_emitted_tokens"] >= len(WIDTHS) * len(PROMPTS) * MAX_TOKENS
     hist = m["layers_passed"]
     assert hist is not None and hist.count == m["vllm:dsbd_iterations"]
+    # target passes, counted per request and step: each emits 1 token plus the layers it passed, and at least one
+    # pass per request is a prefill (no forest)
+    assert m["vllm:dsbd_target_passes"] == m["vllm:dsbd_emitted_tokens"] - hist.sum
+    assert m["vllm:dsbd_target_passes"] >= m["vllm:dsbd_iterations"] + (len(WIDTHS) + 2) * len(PROMPTS)
     # mean layers passed = vLLM's accepted tokens per draft
     assert abs(hist.sum - m["vllm:spec_decode_num_accepted_tokens"]) < 1e-6
 

@@ -2,15 +2,25 @@
 
 Target: a Llama-3.1-8B-shaped model, draft: a Llama-3.2-1B-shaped model, both with vLLM's random (``dummy``) weights,
 made on the machine from config files only, with a word-level tokenizer of one word per token id (vLLM's beam
-search needs a tokenizer; prompts are random token ids). Random weights make real
-DSBD acceptance near zero, so the DSBD rows use ``benchmarks/set_acceptance.py``: **accepted-path lengths follow a set
-per-layer acceptance rate instead of DSBD's verification** (which still runs, so its cost counts). The numbers are
-system speed at a given acceptance, not quality, and not DSBD's output law.
+search needs a tokenizer; prompts are random token ids). Random weights make real acceptance near zero, so the
+speculative rows run at a **set per-layer acceptance rate** (benchmark only): vLLM ``draft_model`` with vLLM's own
+``rejection_sample_method="synthetic"`` (unconditional rates r, r^2, r^3, ...), DSBD with
+``benchmarks/set_acceptance.py`` (DSBD's verification still runs, so its cost counts; the accepted path's length
+follows the rate). The numbers are system speed at a given acceptance, not quality, and not DSBD's output law.
 
-Rows, on the same prompts, one process, engines one after the other:
-  plain sampling (temperature 1)     one engine, which also runs vLLM's LLM.beam_search at each --beam-widths
-  DSBD width W (per request), rate r one DSBD engine (width max(--widths), depth --depth), every (W, r)
-Printed last: tokens/s, target passes per token, and each row's speed relative to plain sampling.
+Rows, on the same prompts, one process, engines one after the other (``--engines`` picks), at each ``--batches``
+size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in one call):
+  plain        plain sampling (temperature 1); vLLM's ``LLM.beam_search`` W = ``--beam-width`` (T = 0) at
+               ``--beam-batches``
+  draft_model  vLLM's draft_model speculation, depth ``--depth``, at each rate
+  dsbd         DSBD plain requests at each width of ``--widths`` and each rate; DSBD beam requests (beam search
+               W = ``--beam-width``, T = 0, forests of depth ``--depth`` verified at the set rate) and in-engine beam
+               search without drafts (depth 0) at ``--beam-batches``
+CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
+``--eager``. Rows are printed (``row: {...}``) and appended to ``rows.jsonl`` as they finish, so a run cut by a time
+limit keeps what it measured. Printed last: tokens/s, target passes per token, each row's speed relative to plain
+sampling at the same batch, and plain decoding's time per token at batch 1 against the HBM floor (weight and KV
+bytes / ``--hbm-tbps``).
 
     python benchmarks/gpu/large_model.py --out results/gpu/large_model        (GPU)
     python benchmarks/gpu/large_model.py --tiny --out /tmp/lm                  (CPU smoke)
@@ -81,24 +91,240 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def param_bytes(shape: dict, bytes_per: int = 2) -> int:
+    """Weight bytes of a Llama of this shape (embedding, LM head unless tied, attention, MLP, norms)."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    vocab = shape["vocab_size"] * h * (1 if shape["tie_word_embeddings"] else 2)
+    return bytes_per * (n * layer + vocab + h)
+
+
+def kv_bytes(shape: dict, tokens: int, bytes_per: int = 2) -> int:
+    head = shape["hidden_size"] // shape["num_attention_heads"]
+    return bytes_per * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head * tokens
+
+
+def engine_kwargs(args) -> dict:
+    dtype = "float32" if args.tiny else "bfloat16"
+    gpu_mem = {} if args.tiny else {"gpu_memory_utilization": 0.45}  # engines in turn in one process
+    need = args.prompt_len + max(args.max_tokens, args.beam_tokens * (args.beam_width + 1) + 2) + 64
+    return dict(dtype=dtype, **gpu_mem, enforce_eager=args.eager or args.tiny, load_format="dummy", seed=0,
+                max_model_len=need, disable_log_stats=False, enable_prefix_caching=False,
+                max_num_seqs=max(max(args.batches) * args.beam_width, 8))
+
+
+class Bench:
+    """The prompts, the batch sizes, and the rows measured so far (printed and appended to rows.jsonl)."""
+
+    def __init__(self, args, prompts):
+        self.args, self.prompts, self.rows = args, prompts, []
+        self.out = Path(args.out) if args.out else None
+        if self.out:  # rows of earlier runs into the same folder (one engine per call) are kept
+            self.out.mkdir(parents=True, exist_ok=True)
+            if args.fresh or not (self.out / "rows.jsonl").exists():
+                (self.out / "rows.jsonl").write_text("")
+
+    def all_rows(self) -> list[dict]:
+        """This run's rows, after those of earlier runs into the same folder."""
+        if not self.out:
+            return self.rows
+        return [json.loads(line) for line in (self.out / "rows.jsonl").read_text().splitlines() if line.strip()]
+
+    def groups(self, batch: int) -> list[list]:
+        """The prompt groups of one row: batch 1 = ``--b1-prompts`` calls of one prompt, else one call of B."""
+        if batch == 1:
+            return [[p] for p in self.prompts[: self.args.b1_prompts]]
+        return [self.prompts[:batch]]
+
+    def run(self, llm, method: str, batch: int, call, counter: str | None = None, accepted: str | None = None,
+            **extra) -> dict:
+        """Times ``call(prompts) -> new tokens`` over the batch's groups (one warm-up call first) and records a row.
+        Target passes, counted by the engine: the increase of ``counter``, or tokens minus the increase of the
+        ``accepted`` draft tokens counter (each pass emits one token plus the drafts it accepted), else one per
+        token."""
+        groups = self.groups(batch)
+        call(groups[0][:1])  # warm-up (graphs, allocator) for this request shape
+        before = {k: metric(llm, k) for k in (counter, accepted) if k}
+        t0 = time.perf_counter()
+        tokens = sum(call(g) for g in groups)
+        secs = time.perf_counter() - t0
+        delta = {k: metric(llm, k) - v for k, v in before.items()}
+        passes = delta[counter] if counter else tokens - delta[accepted] if accepted else tokens
+        row = dict(method=method, batch=batch, tokens=tokens, seconds=secs, passes=passes, **extra)
+        self.rows.append(row)
+        print("row:", row, flush=True)
+        if self.out:
+            with open(self.out / "rows.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+
+def params(args, n, **kw):
+    import vllm
+
+    return [vllm.SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=i,
+                                detokenize=False, **kw) for i in range(n)]
+
+
+def new_tokens(outs) -> int:
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def plain_rows(bench: Bench, target: Path, kw: dict) -> None:
+    import vllm
+    from vllm.sampling_params import BeamSearchParams
+
+    args = bench.args
+    llm = vllm.LLM(model=str(target), **kw)
+    try:
+        for b in args.batches:
+            bench.run(llm, "plain sampling", b, lambda g: new_tokens(
+                llm.generate(g, params(args, len(g)), use_tqdm=False)), width=1, rate=None)
+        bp = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.beam_tokens, ignore_eos=True,
+                              temperature=0.0)
+        for b in args.beam_batches:
+            bench.run(llm, "vLLM beam_search", b, lambda g: sum(
+                len(o.sequences[0].tokens) - args.prompt_len for o in llm.beam_search(
+                    [{"prompt_token_ids": p["prompt_token_ids"]} for p in g], bp)),
+                width=args.beam_width, rate=None)
+    finally:
+        shutdown(llm)
+
+
+def draft_model_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
+    """vLLM's draft_model at each set rate: its synthetic rejection sampler accepts position k of a draft with the
+    conditional rate r (unconditional r^k); one engine, the rates tensor refilled between rows. vLLM's CPU sampler
+    has no synthetic mode: with ``--tiny`` the rows run vLLM's real rejection sampling (rate None)."""
+    import vllm
+
+    args = bench.args
+    r0 = args.rates[0]
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.depth}
+    if not args.tiny:
+        spec.update(rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=[r0 ** (k + 1) for k in range(args.depth)])
+    llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
+    try:
+        sampler = runner_of(llm).rejection_sampler
+        for rate in (args.rates if not args.tiny else [None]):
+            if rate is not None:
+                sampler.synthetic_conditional_rates.fill_(rate)
+            for b in args.batches:
+                bench.run(llm, "vLLM draft_model (set rate)", b, lambda g: new_tokens(
+                    llm.generate(g, params(args, len(g)), use_tqdm=False)),
+                    accepted="vllm:spec_decode_num_accepted_tokens", width=1, rate=rate)
+    finally:
+        shutdown(llm)
+
+
+def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
+    import vllm
+    from vllm.sampling_params import BeamSearchParams
+
+    from vllm_dsbd.patches.beam_search_route import beam_request_params
+
+    args = bench.args
+    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
+            "width": max(args.widths + [args.beam_width]), "dynamic_width": False}
+    llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
+    cfg = llm.llm_engine.vllm_config
+
+    def beams(g, depth):
+        bp = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.beam_tokens, ignore_eos=True,
+                              temperature=0.0)
+        sps = [beam_request_params(bp, None, args.prompt_len, cfg.model_config.max_model_len,
+                                   cfg.additional_config["dsbd"]["width"]) for _ in g]
+        for sp in sps:
+            if depth is not None:
+                sp.extra_args["dsbd_beam"]["depth"] = depth
+        llm.generate(g, sps, use_tqdm=False)
+        return args.beam_tokens * len(g)  # every beam search here runs max_tokens steps (EOS ignored)
+
+    set_acceptance.install(args.rates[0])
+    try:
+        for rate in args.rates:
+            set_acceptance.set_rate(rate)
+            for w in args.widths:
+                for b in args.batches:
+                    bench.run(llm, "DSBD plain requests (set rate)", b, lambda g: new_tokens(llm.generate(
+                        g, params(args, len(g), extra_args={"dsbd_width": w}), use_tqdm=False)),
+                        counter="vllm:dsbd_target_passes", width=w, rate=rate)
+            for b in args.beam_batches:
+                bench.run(llm, "DSBD beam requests (set rate)", b, lambda g: beams(g, None),
+                          counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate)
+        for b in args.beam_batches:
+            bench.run(llm, "in-engine beam search (depth 0)", b, lambda g: beams(g, 0),
+                      counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None)
+    finally:
+        set_acceptance.uninstall()
+        shutdown(llm)
+
+
+def report(rows: list[dict], args, target_shape: dict) -> str:
+    import torch
+
+    plain = {r["batch"]: r["tokens"] / r["seconds"] for r in rows if r["method"] == "plain sampling"}
+    for r in rows:
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+        r["passes_per_token"] = r["passes"] / max(r["tokens"], 1)
+        r["speed_vs_plain"] = r["tokens_per_s"] / plain[r["batch"]] if r["batch"] in plain else None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    shapes = "tiny" if args.tiny else "target Llama-3.1-8B shape, draft Llama-3.2-1B shape"
+    lines = [f"{device}; {shapes}; random weights; prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens "
+             f"(beam rows {args.beam_tokens}), plain and speculative rows T = 1, beam rows T = 0; "
+             f"{'eager' if args.eager or args.tiny else 'CUDA graphs on (vLLM defaults, DSBD lowered by the plugin)'}"
+             f"; DSBD depth {args.depth}, fixed width", "",
+             "| method | batch | W | rate | tokens | tok/s | target passes / token | vs plain (same batch) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rate = f"{r['rate']:.2f}" if r.get("rate") is not None else "-"
+        vs = f"{r['speed_vs_plain']:.2f}" if r["speed_vs_plain"] is not None else "-"
+        lines.append(f"| {r['method']} | {r['batch']} | {r['width']} | {rate} | {r['tokens']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['passes_per_token']:.3f} | {vs} |")
+    if 1 in plain:
+        ctx = args.prompt_len + args.max_tokens // 2
+        floor = (param_bytes(target_shape) + kv_bytes(target_shape, ctx)) / (args.hbm_tbps * 1e12)
+        lines += ["", f"plain decoding at batch 1: {1e3 / plain[1]:.2f} ms per token; HBM floor (weights + KV at "
+                      f"{ctx} tokens) / {args.hbm_tbps} TB/s = {1e3 * floor:.2f} ms: "
+                      f"{1 / plain[1] / floor:.2f}x the floor"]
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test of the flow)")
-    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--engines", default="plain,draft_model,dsbd")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--b1-prompts", type=int, default=4, help="prompts run one after the other at batch 1")
+    ap.add_argument("--beam-batches", default="1")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--beam-tokens", type=int, default=32)
     ap.add_argument("--widths", default="1,4")
-    ap.add_argument("--rates", default="0.5,0.8")
+    ap.add_argument("--rates", default="0.6,0.8")
     ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--beam-widths", default="4")
+    ap.add_argument("--beam-width", type=int, default=4)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager) in every engine")
+    ap.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM bandwidth for the floor (H100 SXM: 3.35)")
     ap.add_argument("--work", default="/tmp/dsbd-large-model")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="folder: rows.jsonl (appended), README.md, large_model.json")
+    ap.add_argument("--fresh", action="store_true", help="forget the rows of earlier runs in --out")
+    ap.add_argument("--report", action="store_true", help="no engine: the table of the rows in --out")
     args = ap.parse_args()
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    args.batches, args.beam_batches, args.widths = ints(args.batches), ints(args.beam_batches), ints(args.widths)
+    args.rates = [float(r) for r in args.rates.split(",")]
+    engines = [] if args.report else [e for e in args.engines.split(",") if e]
+    if unknown := set(engines) - {"plain", "draft_model", "dsbd"}:
+        ap.error(f"unknown engines {sorted(unknown)}")
 
     import torch
-    import vllm
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import BeamSearchParams
 
     if args.tiny:
         torch.set_num_threads(1)
@@ -106,83 +332,30 @@ def main() -> int:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     dtype = "float32" if args.tiny else "bfloat16"
     work = Path(args.work)
-    target = write_config(work / "target", TINY_T if args.tiny else LLAMA_8B, dtype)
-    draft = write_config(work / "draft", TINY_D if args.tiny else LLAMA_1B, dtype)
-    vocab = (TINY_T if args.tiny else LLAMA_8B)["vocab_size"]
+    tshape, dshape = (TINY_T, TINY_D) if args.tiny else (LLAMA_8B, LLAMA_1B)
+    target, draft = write_config(work / "target", tshape, dtype), write_config(work / "draft", dshape, dtype)
     for folder in (target, draft):
         if not (folder / "tokenizer.json").exists():
-            write_tokenizer(folder, vocab)
+            write_tokenizer(folder, tshape["vocab_size"])
     rnd = random.Random(0)
-    prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(3, vocab) for _ in range(args.prompt_len)])
-               for _ in range(args.num_prompts)]
-    widths = [int(w) for w in args.widths.split(",")]
-    rates = [float(r) for r in args.rates.split(",")]
-    beam_widths = [int(w) for w in args.beam_widths.split(",") if w]
-    gpu_mem = {} if args.tiny else {"gpu_memory_utilization": 0.45}  # two engines in turn in one process
-    common = dict(dtype=dtype, **gpu_mem, enforce_eager=True, load_format="dummy", seed=0,
-                  max_model_len=args.prompt_len + args.max_tokens + 64, disable_log_stats=False,
-                  enable_prefix_caching=False)
-
-    def params(**kw):
-        return [vllm.SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=i,
-                                    detokenize=False, **kw) for i in range(len(prompts))]
-
-    rows = []
-    llm = vllm.LLM(model=str(target), **common)
-    llm.generate(prompts[:2], params()[:2], use_tqdm=False)  # warm-up
-    outs, secs = timed(lambda: llm.generate(prompts, params(), use_tqdm=False))
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    rows.append(dict(method="plain sampling", width=1, rate=None, tokens=n, seconds=secs, passes=n))
-    print("row:", rows[-1], flush=True)
-    for w in beam_widths:
-        bp = BeamSearchParams(beam_width=w, max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
-        outs, secs = timed(lambda: llm.beam_search(
-            [{"prompt_token_ids": p["prompt_token_ids"]} for p in prompts], bp))
-        n = sum(len(o.sequences[0].tokens) - args.prompt_len for o in outs)
-        rows.append(dict(method="vLLM beam_search", width=w, rate=None, tokens=n, seconds=secs, passes=n))
-        print("row:", rows[-1], flush=True)
-    shutdown(llm)
-
-    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": max(widths),
-            "dynamic_width": False}
-    llm = vllm.LLM(model=str(target), speculative_config=spec, **common)
-    set_acceptance.install(rates[0])
-    try:
-        llm.generate(prompts[:2], params()[:2], use_tqdm=False)  # warm-up
-        for rate in rates:
-            set_acceptance.set_rate(rate)
-            for w in widths:
-                before = metric(llm, "vllm:spec_decode_num_drafts")
-                outs, secs = timed(lambda: llm.generate(prompts, params(extra_args={"dsbd_width": w}),
-                                                        use_tqdm=False))
-                drafts = metric(llm, "vllm:spec_decode_num_drafts") - before
-                n = sum(len(o.outputs[0].token_ids) for o in outs)
-                rows.append(dict(method="DSBD (SET-RATE acceptance)", width=w, rate=rate, tokens=n, seconds=secs,
-                                 passes=len(prompts) + drafts))
-                print("row:", rows[-1], flush=True)
-    finally:
-        set_acceptance.uninstall()
-        shutdown(llm)
-
-    base = rows[0]["tokens"] / rows[0]["seconds"]
-    for r in rows:
-        r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        r["passes_per_token"] = r["passes"] / r["tokens"]
-        r["speed_vs_plain"] = r["tokens_per_s"] / base
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    shapes = "tiny" if args.tiny else "target Llama-3.1-8B shape, draft Llama-3.2-1B shape"
-    print(f"\n{device}; {shapes}; random weights; {args.num_prompts} prompts x {args.prompt_len} tokens, "
-          f"{args.max_tokens} new tokens, temperature 1, eager; DSBD depth {args.depth}, fixed width")
-    print(f"{'method':28s} {'W':>2s} {'rate':>5s} {'tokens':>7s} {'tok/s':>8s} {'passes/tok':>11s} {'vs plain':>9s}")
-    for r in rows:
-        rate = f"{r['rate']:.2f}" if r["rate"] is not None else "-"
-        print(f"{r['method']:28s} {r['width']:2d} {rate:>5s} {r['tokens']:7d} {r['tokens_per_s']:8.1f} "
-              f"{r['passes_per_token']:11.3f} {r['speed_vs_plain']:9.2f}")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "large_model.json").write_text(json.dumps(dict(device=device, shapes=shapes, args=vars(args),
-                                                              rows=rows), indent=1))
+    n = max(args.batches + args.beam_batches + [args.b1_prompts])
+    prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(3, tshape["vocab_size"]) for _ in range(args.prompt_len)])
+               for _ in range(n)]
+    bench = Bench(args, prompts)
+    kw = engine_kwargs(args)
+    steps = {"plain": lambda: plain_rows(bench, target, kw),
+             "draft_model": lambda: draft_model_rows(bench, target, draft, kw),
+             "dsbd": lambda: dsbd_rows(bench, target, draft, kw)}
+    for e in engines:
+        t0 = time.perf_counter()
+        steps[e]()
+        print(f"engine {e}: {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = bench.all_rows()
+    text = report(rows, args, tshape)
+    print("\n" + text)
+    if bench.out:
+        (bench.out / "README.md").write_text(f"# large_model.py\n\n`{' '.join(sys.argv)}`\n\n{text}\n")
+        (bench.out / "large_model.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
     return 0
 
 

@@ -9,6 +9,9 @@ default registry of the process that runs the model runner):
   iteration = layers passed + 1;
 * ``vllm:dsbd_layer_width{layer="d"}``: histogram of the width K of verified draft layer d (1-based; beam requests
   at T > 0 count theirs too);
+* ``vllm:dsbd_target_passes_total``: target passes that emitted tokens for a request that is not a beam request (one
+  per request per engine step, its prefill's last chunk included, forest or not): target passes per token =
+  ``target_passes / emitted_tokens``, counted by the engine;
 * ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
 * ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place);
 * ``vllm:dsbd_draft_nodes_total``: draft forest nodes verified by the target;
@@ -138,6 +141,8 @@ def _build_collectors() -> dict:
                             buckets=[float(b) for b in range(0, 65)], **kw),
         "width": Histogram("vllm:dsbd_layer_width", "DSBD width of a verified draft layer", ["layer"],
                            buckets=[float(b) for b in range(1, 65)], **kw),
+        "passes": PCounter("vllm:dsbd_target_passes", "target passes that emitted tokens for a request (beam "
+                           "requests: vllm:dsbd_beam_target_passes)", **kw),
         "tokens": PCounter("vllm:dsbd_emitted_tokens", "tokens emitted by DSBD iterations", **kw),
         "moves": PCounter("vllm:dsbd_kv_commit_slots", "KV slots moved by DSBD commits", **kw),
         "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
@@ -266,6 +271,7 @@ class DSBDStats:
         self.iterations += 1
         self.tokens += len(res.tokens)
         if prom is not None:
+            prom["passes"].inc()
             prom["tokens"].inc(len(res.tokens))
         if row.forest is None:
             return

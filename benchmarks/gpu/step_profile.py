@@ -1,0 +1,243 @@
+"""Where the time of one engine step goes, and how many times a step waits for the GPU (GPU; ``--tiny``: the same
+flow on CPU as a smoke test, without the synchronisation count).
+
+The models of ``large_model.py`` (random-weight Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped draft, bf16, CUDA
+graphs as vLLM and the plugin set them unless ``--eager``), B requests decoding together (``--batches``), DSBD at a
+set acceptance rate (``set_acceptance.py``) and vLLM's draft_model at the same rate (its synthetic rejection sampler)
+for comparison, plus plain vLLM. For each engine and batch size, after the prefill and two warm-up steps, three runs
+of ``--steps`` engine steps each:
+
+1. **step time**: ``LLMEngine.step`` wall time, nothing added (median);
+2. **breakdown**: the runner's phases timed with ``torch.cuda.synchronize()`` around each (median per step):
+   target forward (``_model_forward``), sampling (``_sample``: vLLM's sampler or rejection sampler; DSBD's
+   verification), drafting (``propose_draft_token_ids``) split into draft forward (the draft model's forward) and
+   the drafting's own work, and the rest of the step (scheduler, input preparation, output processing);
+3. **host synchronisations**: ``torch.cuda.set_sync_debug_mode("warn")`` warns at every operation that waits for the
+   GPU; counted per step, with the source lines that cause most of them.
+
+Results: a table on stdout and in ``--out``/README.md, the rows in ``--out``/step_profile.json.
+
+    python benchmarks/gpu/step_profile.py --out results/gpu/step_profile        (GPU)
+    python benchmarks/gpu/step_profile.py --tiny --out /tmp/sp                  (CPU smoke)
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # large_model (which puts benchmarks/ on the path)
+import large_model as lm  # noqa: E402
+import set_acceptance  # noqa: E402
+
+PHASES = ("target forward", "sampling / verification", "draft forward", "drafting work", "rest")
+
+
+class Phases:
+    """Wraps the runner's methods (instance attributes) to time them, synchronising the GPU around each when on."""
+
+    def __init__(self, runner, cuda: bool):
+        import torch
+
+        self.on, self.acc = False, collections.Counter()
+        self._sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self._wrap(runner, "_model_forward", "target forward")
+        self._wrap(runner, "_sample", "sampling / verification")
+        self._wrap(runner, "propose_draft_token_ids", "drafting")
+        drafter = getattr(runner, "drafter", None)
+        model = getattr(drafter, "model", None)
+        if model is not None and hasattr(model, "register_forward_pre_hook"):
+            start: list[float] = []
+
+            def pre(*_):  # hooks return None: a value would replace the module's inputs / output
+                if self.on:
+                    self._sync()
+                    start.append(time.perf_counter())
+
+            def post(*_):
+                if self.on and start:
+                    self._sync()
+                    self.acc["draft forward"] += time.perf_counter() - start.pop()
+            model.register_forward_pre_hook(pre)
+            model.register_forward_hook(post)
+
+    def _wrap(self, obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self._sync()
+                self.acc[label] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    def step(self, engine) -> dict:
+        self.acc.clear()
+        self.on = True
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            engine.step()
+            self._sync()
+        finally:
+            self.on = False
+        total = time.perf_counter() - t0
+        a = self.acc
+        out = {"target forward": a["target forward"], "sampling / verification": a["sampling / verification"],
+               "draft forward": a["draft forward"], "drafting work": a["drafting"] - a["draft forward"]}
+        out["rest"] = total - sum(out.values())
+        out["total"] = total
+        return out
+
+
+def count_syncs(engine, steps: int) -> tuple[list[int], collections.Counter]:
+    """Host synchronisations per step (``torch.cuda.set_sync_debug_mode("warn")``) and their source lines."""
+    import torch
+
+    per_step, sites = [], collections.Counter()
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            break
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        mine = [w for w in caught if "synchroniz" in str(w.message)]
+        per_step.append(len(mine))
+        sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in mine)
+    return per_step, sites
+
+
+def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
+    import torch
+    import vllm
+
+    cuda = torch.cuda.is_available()
+    engine = llm.llm_engine
+    runner = lm.runner_of(llm)
+    phases = getattr(runner, "_dsbd_step_phases", None) or Phases(runner, cuda)
+    runner._dsbd_step_phases = phases
+    need = 3 + 3 * args.steps + 8
+    per_token = max(1, 1 + args.depth) if extra_args is not None or name.startswith("vLLM draft") else 1
+    sp = vllm.SamplingParams(temperature=1.0, max_tokens=need * per_token, ignore_eos=True, detokenize=False,
+                             extra_args=extra_args)
+    for i in range(batch):
+        engine.add_request(f"{name}-{batch}-{i}", {"prompt_token_ids": [(7 * i + j) % 500 + 3
+                                                                        for j in range(args.prompt_len)]}, sp)
+    for _ in range(3):  # prefill, two warm-up decode steps
+        engine.step()
+    plain = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize() if cuda else None
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize() if cuda else None
+        plain.append(time.perf_counter() - t0)
+    split = [phases.step(engine) for _ in range(args.steps)]
+    syncs, sites = count_syncs(engine, args.steps) if cuda else ([], collections.Counter())
+    engine.abort_request([f"{name}-{batch}-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    row = {"engine": name, "batch": batch, "step_ms": 1e3 * statistics.median(plain),
+           **{p: 1e3 * statistics.median(s[p] for s in split) for p in PHASES},
+           "synced_step_ms": 1e3 * statistics.median(s["total"] for s in split),
+           "syncs_per_step": statistics.median(syncs) if syncs else None,
+           "sync_sites": sites.most_common(8)}
+    print("row:", row, flush=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--engines", default="plain,draft_model,dsbd")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--widths", default="1,4", help="DSBD widths (per request)")
+    ap.add_argument("--rate", type=float, default=0.8)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--work", default="/tmp/dsbd-large-model")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    widths = [int(w) for w in args.widths.split(",") if w]
+
+    import torch
+    import vllm
+
+    if args.tiny:
+        torch.set_num_threads(1)
+    dtype = "float32" if args.tiny else "bfloat16"
+    tshape, dshape = (lm.TINY_T, lm.TINY_D) if args.tiny else (lm.LLAMA_8B, lm.LLAMA_1B)
+    work = Path(args.work)
+    target, draft = lm.write_config(work / "target", tshape, dtype), lm.write_config(work / "draft", dshape, dtype)
+    for folder in (target, draft):
+        if not (folder / "tokenizer.json").exists():
+            lm.write_tokenizer(folder, tshape["vocab_size"])
+    kw = dict(dtype=dtype, enforce_eager=args.eager or args.tiny, load_format="dummy", seed=0,
+              max_model_len=args.prompt_len + 3 * (3 + 3 * args.steps + 8) * (args.depth + 1) + 64,
+              enable_prefix_caching=False, max_num_seqs=max(batches),
+              **({} if args.tiny else {"gpu_memory_utilization": 0.45}))
+    rows = []
+    for name in [e for e in args.engines.split(",") if e]:
+        spec, runs = None, [("plain vLLM", None)]
+        if name == "draft_model":
+            spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.depth}
+            if not args.tiny:  # vLLM's CPU sampler has no synthetic mode
+                spec.update(rejection_sample_method="synthetic",
+                            synthetic_acceptance_rates=[args.rate ** (k + 1) for k in range(args.depth)])
+            runs = [(f"vLLM draft_model d={args.depth}", None)]
+        elif name == "dsbd":
+            spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
+                    "width": max(widths), "dynamic_width": False}
+            runs = [(f"DSBD W={w} d={args.depth}", {"dsbd_width": w}) for w in widths]
+        llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
+        if name == "dsbd":
+            set_acceptance.install(args.rate)
+        try:
+            for label, extra in runs:
+                for b in batches:
+                    rows.append(measure(args, label, llm, b, extra))
+        finally:
+            set_acceptance.uninstall()
+            lm.shutdown(llm)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    lines = [f"{device}; {'tiny' if args.tiny else 'Llama-3.1-8B / 3.2-1B shapes'}, random weights, {dtype}, "
+             f"{'eager' if kw['enforce_eager'] else 'CUDA graphs on'}; speculation at a set acceptance rate "
+             f"{args.rate}; medians over {args.steps} steps; phase times with the GPU synchronised around each", "",
+             "| engine | batch | step ms | " + " | ".join(PHASES) + " | syncs / step |",
+             "|---|---|---|" + "---|" * len(PHASES) + "---|"]
+    for r in rows:
+        s = "-" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:g}"
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['step_ms']:.2f} | "
+                     + " | ".join(f"{r[p]:.2f}" for p in PHASES) + f" | {s} |")
+    lines += ["", "Most frequent synchronising lines per row:"]
+    lines += [f"- {r['engine']}, batch {r['batch']}: " + ", ".join(f"{k} x{v}" for k, v in r["sync_sites"])
+              for r in rows if r["sync_sites"]]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "step_profile.json").write_text(json.dumps(dict(device=device, args=vars(args), rows=rows), indent=1))
+        (out / "README.md").write_text(f"# step_profile.py\n\n`{' '.join(sys.argv)}`\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
