@@ -20,3 +20,52 @@ def test_chain_is_the_path_to_the_first_deepest_node():
 def test_package_never_imports_it():
     hits = [p for p in (ROOT / "vllm_dsbd").rglob("*.py") if "set_acceptance" in p.read_text()]
     assert hits == []
+
+
+def _beam_after_one_step():
+    """A T = 0 beam request of width 2 after its first step (leaves "3", "5"), with a forest of 2 nodes under each
+    depth: depth 1 nodes 2, 3 (under leaf node 0), depth 2 nodes 4, 5 (under node 2); the target's logits make no
+    forest node one of its best pairs, so the real rule passes no layer."""
+    import torch
+
+    from vllm_dsbd.engine.beams import BeamForest, BeamParams, BeamRequest
+
+    V, P = 8, 5
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0,
+                       relayout=False)
+    first = torch.zeros(V)
+    first[3], first[5] = 10.0, 9.5
+    beam.partial(first[None])
+    beam.step(None)
+    beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
+                             drafted=[True, True, False, False])
+    leaves = torch.zeros(2, V)
+    leaves[:, 7] = 10.0  # the target's best pairs end in token 7: never a forest token
+    leaves[:, 0] = 9.0
+    beam.partial(leaves)
+    return beam, torch.zeros(4, V).index_fill_(1, torch.tensor([7]), 10.0)
+
+
+def test_beam_layers_pass_at_the_set_rate():
+    """Rate 1: every forest layer under the live beams passes (the beams become forest nodes, one beam step each);
+    rate 0: none passes; uninstall restores the real rule (which passes none here)."""
+    from vllm_dsbd.engine.beams import BeamRequest
+
+    real = BeamRequest._verify_layers
+    try:
+        set_acceptance.install(1.0)
+        assert BeamRequest._verify_layers is not real
+        beam, flogits = _beam_after_one_step()
+        out = beam.step(None, flogits)
+        assert (out.layers_passed, beam.steps) == (2, 4)  # depth 1 then depth 2, then the step on their logits
+        # the beams run through the forest: "3" -> node "1" (depth 1) -> nodes "4", "6" (depth 2), then the target's
+        # own step ("7" on both); leaf "5" and node "2" got no child and are dropped
+        assert beam.tokens == [3, 1, 4, 6, 7, 7] and beam.parents == [-1, 0, 1, 1, 2, 3]
+        set_acceptance.set_rate(0.0)
+        beam, flogits = _beam_after_one_step()
+        assert (beam.step(None, flogits).layers_passed, beam.steps) == (0, 2)
+    finally:
+        set_acceptance.uninstall()
+    assert BeamRequest._verify_layers is real
+    beam, flogits = _beam_after_one_step()
+    assert beam.step(None, flogits).layers_passed == 0
