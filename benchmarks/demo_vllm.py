@@ -9,7 +9,8 @@ vLLM's own log lines are hidden unless --verbose is given.
 
 Draft: the distilled SmolLM2 draft when its artifact is in the repository (drafts/), otherwise the target's first
 layers, untrained (low acceptance; say so in the table). Both engines run in this process, one after the other.
-Tokens per target pass = generated tokens / target forward passes (one per engine step for a request).
+Tokens per target pass = generated tokens / target forward passes (one per engine step for a request; DSBD's are
+counted by the engine, ``vllm:dsbd_target_passes``).
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def run(target: Path, prompts, params, speculative_config=None, verbose: bool = 
                    disable_log_stats=False, speculative_config=speculative_config, use_tqdm_on_load=verbose)
     llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     before = {k: metric(llm, k) or 0 for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
-                                               "vllm:spec_decode_num_draft_tokens", "vllm:dsbd_iterations")}
+                                               "vllm:spec_decode_num_draft_tokens", "vllm:dsbd_iterations",
+                                               "vllm:dsbd_target_passes")}
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     secs = time.perf_counter() - t0
@@ -182,9 +184,9 @@ def main():
     for name, (texts, n_tok, secs, m) in (("plain sampling", plain), (f"DSBD W={args.width} depth={args.depth}", dsbd)):
         drafts = m["vllm:spec_decode_num_drafts"]
         acc = m["vllm:spec_decode_num_accepted_tokens"]
-        # target passes, counted by the engine: one per engine step of a request = the prefill step + one per
-        # verified forest (vLLM counts a "draft" per forest scheduled)
-        passes = len(prompts) + drafts if drafts else n_tok
+        # target passes, counted by the DSBD engine (vllm:dsbd_target_passes: one per request per engine step that
+        # emitted tokens for it); plain sampling makes one per token
+        passes = m["vllm:dsbd_target_passes"] if drafts else n_tok
         nodes = f"{m['vllm:spec_decode_num_draft_tokens'] / drafts:.1f}" if drafts else "-"
         rows.append((name, n_tok, n_tok / secs, n_tok / passes, nodes, f"{acc / drafts:.2f}" if drafts else "-", secs))
     print(f"\n{'method':24s} {'tokens':>7s} {'tok/s':>7s} {'tok/target pass':>16s} {'draft nodes/forest':>19s} "
