@@ -63,3 +63,7 @@ class BatchParams:
 
     def with_(self, **kw) -> "BatchParams":
         return replace(self, **kw)
+
+    def to(self, device) -> "BatchParams":
+        """The same params on ``device`` (tensors already there are kept as they are)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})

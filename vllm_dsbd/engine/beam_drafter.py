@@ -109,7 +109,8 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         sample += [t0 + B + b.node - job.start for b in beam.live]
         t0 += len(s)
     fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
-    logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
+    # beam requests keep their tries and forests on the host (per-request Python work): the draft logits come over
+    logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0).cpu()
     leaf_logits, at = [], 0
     for job in jobs:
         beam = job.state.beam
@@ -175,7 +176,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         sub = list(layer_of)
         fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
         logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
-                                  list(range(t0)), fb, d)
+                                  list(range(t0)), fb, d).cpu()
         at = 0
         for k in sub:
             m = len(layer_of[k])

@@ -107,8 +107,8 @@ class DSBDDrafter(DraftModelProposer):
     def _forward(self, input_ids, positions, slots: np.ndarray, query_lens, seq_lens, block_rows: torch.Tensor,
                  sample_idx, forest: ForestBatch | None, draft_index: int) -> torch.Tensor:
         """One draft forward pass over a ragged batch (``draft_index``: the forest depth it drafts, 0 = catch-up);
-        returns the draft logits [len(sample_idx), V] (float32). The index arguments are int sequences or numpy
-        arrays (one conversion each)."""
+        returns the draft logits [len(sample_idx), V] (float32, on the device). The index arguments are int sequences
+        or numpy arrays (one conversion each)."""
         dev = self.device
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -138,17 +138,21 @@ class DSBDDrafter(DraftModelProposer):
             hidden = self.model(input_ids=ids, positions=pos, inputs_embeds=None)
         self.forward_passes += 1
         idx = torch.from_numpy(np.asarray(sample_idx, dtype=np.int64)).to(dev)
-        return self.model.compute_logits(hidden[idx]).float().cpu()
+        return self.model.compute_logits(hidden[idx]).float()
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_forests(self, jobs: list[DraftJob]) -> list[PendingForest]:
         """Drafts one forest per job (all jobs batched: one draft pass per depth). Updates each state's draft_len.
 
-        Token ids, positions and slots of every pass are built with numpy over the whole batch (no per-request
-        tensor ops); the per-request loops left only slice Python lists."""
+        The draft logits, the beam steps and the forest (its draft joints included) stay on the draft model's device;
+        what the next pass's inputs need (each depth's draws: valid, parent and token slots, [R, W] each, and the
+        requests' depths) comes to the host in one copy per depth. Token ids, positions and slots of every pass are
+        built with numpy over the whole batch (no per-request tensor ops); the per-request loops left only slice
+        Python lists."""
         if not jobs:
             return []
+        dev = self.device
         R, W, G = len(jobs), self.cfg.width, max(j.depth for j in jobs)
         table, bs, owned = self._block_table()
         rows_np = np.array([j.row for j in jobs], dtype=np.int64)
@@ -159,8 +163,9 @@ class DSBDDrafter(DraftModelProposer):
         if any(j.width is not None for j in jobs):  # load-aware: fewer draws per depth than the request's width
             w = torch.tensor([j.state.width if j.width is None else j.width for j in jobs], dtype=torch.int64)
             params = params.with_(width=w, min_width=torch.minimum(params.min_width, w))
+        params = params.to(dev)
         root_pos = np.array([j.root_pos for j in jobs], dtype=np.int64)
-        L = torch.from_numpy(root_pos + 1)
+        L = torch.from_numpy(root_pos + 1).to(dev)
 
         # pass 0: catch-up, plain causal attention; logits at each root
         start = np.array([j.start for j in jobs], dtype=np.int64)
@@ -176,39 +181,53 @@ class DSBDDrafter(DraftModelProposer):
         for j in jobs:
             j.state.draft_len = j.root_pos + 1
         V = root_logits.shape[-1]
-        full = torch.zeros(R, W, V)
+        full = torch.zeros(R, W, V, device=dev)
         full[:, 0] = root_logits
-        scores = torch.zeros(R, W)
-        live = torch.zeros(R, W, dtype=torch.bool)
+        scores = torch.zeros(R, W, device=dev)
+        live = torch.zeros(R, W, dtype=torch.bool, device=dev)
         live[:, 0] = True
-        depth = params.depth.clone()
-        steps, valid_np, parent_np = [], [], []  # the steps' valid and parent slots as numpy [R, W], for the layout
+        depth_np = np.array([j.depth for j in jobs], dtype=np.int64)  # host copy of ``depth``
+        depth = torch.from_numpy(depth_np.copy()).to(dev)
+        eos = (params.eos >= 0)[:, None]
+        live_np = np.ones((R, W), dtype=bool)  # host copy of the last step's continuing draws (read from depth 2 on)
+        steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
         for d in range(1, G + 1):
             live = live & (depth >= d)[:, None]
-            # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does
-            depth = torch.where(~live.any(1) & (depth >= d), d - 1, depth)
-            if not bool(live.any()):
-                break
+            # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does: ``live``
+            # came from the last step's draws, whose host copy says which requests still have a live beam
+            if d > 1:
+                ended = ~live_np.any(1) & (depth_np >= d)
+                if ended.any():
+                    depth_np = np.where(ended, d - 1, depth_np)
+                    depth = torch.from_numpy(depth_np.copy()).to(dev)
+                if not (live_np.any(1) & (depth_np >= d)).any():
+                    break
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
-            valid_np.append(_pad_cols(st.valid.numpy(), W, False))
-            parent_np.append(_pad_cols(st.parent.numpy(), W, 0))
-            not_eos = ~((params.eos >= 0)[:, None] & (st.token == params.eos[:, None]))
+            cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
+            # one copy to the host per depth: the draws' valid, parent and token slots and which continue
+            ws = st.valid.shape[1]
+            host = torch.cat([st.valid.long(), st.parent, st.token, cont.long()], 1).cpu().numpy()
+            v_np, p_np, t_np = host[:, :ws].astype(bool), host[:, ws : 2 * ws], host[:, 2 * ws : 3 * ws]
+            live_np = _pad_cols(host[:, 3 * ws :].astype(bool), W, False)
+            valid_np.append(_pad_cols(v_np, W, False))
+            parent_np.append(_pad_cols(p_np, W, 0))
+            token_np.append(_pad_cols(t_np, W, 0))
             # the next step's beams are this step's draws, in W slots (draws of narrower requests padded)
             pad = W - st.score.shape[1]
             scores = torch.nn.functional.pad(st.score, (0, pad), value=NEG_INF)
-            live = torch.nn.functional.pad(st.valid & not_eos, (0, pad), value=False)
-            deeper = (depth > d).numpy()
+            live = torch.nn.functional.pad(cont, (0, pad), value=False)
+            deeper = depth_np > d
             if not deeper.any():
                 continue
             # pass d: the depth-d nodes of the requests that go deeper, under forest attention; query tokens in
             # (request, slot) order
             # the layout of the forest so far (Forest.from_steps(steps, depth.clamp(max=d)) then forest_layout's
             # compact and parent indices), in numpy
-            pv = np.stack(valid_np, 1) & (np.arange(d)[None, :] < np.minimum(depth.numpy(), d)[:, None])[:, :, None]
+            pv = np.stack(valid_np, 1) & (np.arange(d)[None, :] < np.minimum(depth_np, d)[:, None])[:, :, None]
             compact, num_nodes, parents = _layout_np(pv, np.stack(parent_np, 1))
-            ri, si = np.nonzero(st.valid.numpy() & deeper[:, None])
+            ri, si = np.nonzero(v_np & deeper[:, None])
             comp = compact[ri, d - 1, si]
             sub = np.nonzero(deeper)[0]
             qlens = np.bincount(ri, minlength=R)[sub]
@@ -221,21 +240,24 @@ class DSBDDrafter(DraftModelProposer):
                                 comp_l[t : t + q]))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
-            lg = self._forward(st.token.numpy()[ri, si], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),
+            lg = self._forward(t_np[ri, si], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),
                                qlens, root_pos[sub] + 1 + num_nodes[sub], block_rows[torch.from_numpy(sub)],
                                np.arange(t), fb, d)
-            full = torch.zeros(R, W, V)
-            full[torch.from_numpy(ri), torch.from_numpy(si)] = lg
+            full = torch.zeros(R, W, V, device=dev)
+            full[torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)] = lg
         if not steps:
             return [None] * R
         forest = Forest.from_steps(steps, depth, W)
         # each request's nodes in compact (depth-major) order: forest_layout's token, parent and depth rows, in numpy
-        fv = forest.valid.numpy()
-        _, _, parents = _layout_np(fv, forest.parent.numpy())
-        tokens, fdepth = forest.token.numpy(), np.repeat(np.arange(1, fv.shape[1] + 1)[:, None], fv.shape[2], 1)
+        g = len(steps)
+        fv = np.stack(valid_np, 1)[:, :g] & (np.arange(g)[None, :] < depth_np[:, None])[:, :, None]
+        _, _, parents = _layout_np(fv, np.stack(parent_np, 1))
+        tokens = np.stack(token_np, 1)
+        fdepth = np.repeat(np.arange(1, g + 1)[:, None], W, 1)
         padded = _pad_forest(forest, self.cfg.depth, W, V)
-        has = (forest.depth > 0) & forest.valid.flatten(1).any(1)
-        vdepth = torch.minimum(forest.valid.any(2).sum(1), forest.depth)  # what sampler.truncate gives when uncut
+        has = (depth_np > 0) & fv.reshape(R, -1).any(1)
+        vdepth_np = np.minimum(fv.any(2).sum(1), depth_np)  # what sampler.truncate gives when uncut
+        vdepth = torch.from_numpy(vdepth_np).to(dev)
         out = []
         for i, (j, ok) in enumerate(zip(jobs, has.tolist())):
             if not ok:
@@ -248,7 +270,8 @@ class DSBDDrafter(DraftModelProposer):
             uncut = Forest(parent=f.parent, token=f.token, valid=f.valid, score=f.score, q_joint=f.q_joint,
                            depth=vdepth[i : i + 1])
             out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
-                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, uncut=uncut))
+                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, uncut=uncut,
+                                     depth=int(depth_np[i])))
         return out
 
 

@@ -166,7 +166,7 @@ class DSBDRunnerMixin:
                 row.forest = PendingForest(forest=cut, tokens=pf.tokens[:n],
                                            parents=pf.parents[:n], depths=pf.depths[:n], root_pos=pf.root_pos)
                 row.num_nodes = n
-                row.drafted_depth = int(pf.forest.depth[0])
+                row.drafted_depth = pf.depth if pf.depth is not None else int(pf.forest.depth[0])
                 base = int(qsl[i]) + ns - n
                 node_rows.extend(range(base, base + n))
                 node_pos.extend([pf.root_pos + d for d in pf.depths[:n]])

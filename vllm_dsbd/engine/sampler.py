@@ -53,11 +53,12 @@ class RowResult:
     rows: list[int] | None = None  # logits row of each emitted token, when not given by ``path`` (beam requests)
 
 
-def empty_forest(depth: int, width: int, vocab: int) -> Forest:
-    z = torch.zeros(1, depth, width, dtype=torch.int64)
-    return Forest(parent=z, token=z.clone(), valid=torch.zeros(1, depth, width, dtype=torch.bool),
-                  score=torch.full((1, depth, width), NEG_INF), q_joint=torch.full((1, depth, width * vocab), NEG_INF),
-                  depth=torch.zeros(1, dtype=torch.int64))
+def empty_forest(depth: int, width: int, vocab: int, device="cpu") -> Forest:
+    z = torch.zeros(1, depth, width, dtype=torch.int64, device=device)
+    return Forest(parent=z, token=z.clone(), valid=torch.zeros(1, depth, width, dtype=torch.bool, device=device),
+                  score=torch.full((1, depth, width), NEG_INF, device=device),
+                  q_joint=torch.full((1, depth, width * vocab), NEG_INF, device=device),
+                  depth=torch.zeros(1, dtype=torch.int64, device=device))
 
 
 def truncate(forest: Forest, context_len: int, n: int) -> Forest:
@@ -81,43 +82,53 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[RowResult]:
-    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass."""
+    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
+
+    Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
+    the core verifies all requests at once; what the results need comes to the host in one copy at the end (plus one
+    to read the forests' depths and one for the nodes' rows, both small)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
-    # the core runs on the host (the drafter keeps its forests there too): one copy of the pass's logits rows
-    logits = logits.float().cpu()
-    forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V) for row in rows]
-    forest = Forest(parent=torch.cat([f.parent for f in forests]), token=torch.cat([f.token for f in forests]),
-                    valid=torch.cat([f.valid for f in forests]), score=torch.cat([f.score for f in forests]),
-                    q_joint=torch.cat([f.q_joint for f in forests]),
-                    depth=torch.cat([f.depth for f in forests]).to(torch.int64))
+    dev = logits.device
+    forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V, dev) for row in rows]
+    forest = Forest(parent=torch.cat([f.parent for f in forests]).to(dev),
+                    token=torch.cat([f.token for f in forests]).to(dev),
+                    valid=torch.cat([f.valid for f in forests]).to(dev),
+                    score=torch.cat([f.score for f in forests]).to(dev),
+                    q_joint=torch.cat([f.q_joint for f in forests]).to(dev),
+                    depth=torch.cat([f.depth for f in forests]).to(device=dev, dtype=torch.int64))
     depth = forest.depth.tolist()
-    ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64)
+    ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
-    tl = torch.zeros(R, G + 1, W, V)
-    first = torch.tensor([r.first_row for r in rows], dtype=torch.int64)
-    tl[:, 0, 0] = logits[first]
+    tl = torch.zeros(R, G + 1, W, V, device=dev)
+    first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
+    tl[:, 0, 0] = logits[first].float()
     sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
     if sel[0].numel():
         src = first[sel[0]] + 1 + compact[sel]
-        tl[sel[0], sel[1] + 1, sel[2]] = logits[src]
-    params = _params([r.state for r in rows], depth, cfg)
-    scores = torch.zeros(R, W)
-    live = torch.zeros(R, W, dtype=torch.bool)
+        tl[sel[0], sel[1] + 1, sel[2]] = logits[src].float()
+    params = _params([r.state for r in rows], depth, cfg).to(dev)
+    scores = torch.zeros(R, W, device=dev)
+    live = torch.zeros(R, W, dtype=torch.bool, device=dev)
     live[:, 0] = True
     res = verify_forest(forest, tl, scores, live, params, ctx)
     new, fin = iteration_outputs(forest, res, params, finished=False)  # the finished beams only if some row needs them
 
-    # per-request results from Python lists read once (no per-request tensor indexing)
-    out = []
+    # per-request results from one host copy of what they need, read as Python lists (no per-request tensor indexing)
     rec = res.layers
-    new_valid, new_tok, new_len = new.valid[:, 0].tolist(), new.tokens[:, 0].tolist(), new.length[:, 0].tolist()
+    parts = [new.valid[:, :1].long(), new.length[:, :1], res.last[:, None], res.passed[:, None], new.tokens[:, 0],
+             rec.parent[:, :, 0], rec.width, compact.flatten(1), forest.parent.flatten(1)]
+    host = torch.cat([p.to(torch.int64) for p in parts], 1).cpu()
+    cuts = torch.tensor([p.shape[1] for p in parts]).cumsum(0).tolist()
+    cols = [host[:, a:b] for a, b in zip([0] + cuts[:-1], cuts)]
+    new_valid, new_len, last_l, passed_l = (c[:, 0].tolist() for c in cols[:4])
+    new_tok, rpar_l, width_l = cols[4].tolist(), cols[5].tolist(), cols[6].tolist()
+    comp_l = cols[7].reshape(compact.shape).tolist()
+    fpar_l = cols[8].reshape(forest.parent.shape).tolist()
     if not all(new_valid):
         _, fin = iteration_outputs(forest, res, params)
-    last_l, passed_l = res.last.tolist(), res.passed.tolist()
-    rpar_l, width_l = rec.parent[:, :, 0].tolist(), rec.width.tolist()
-    comp_l, fpar_l = compact.tolist(), forest.parent.tolist()
+    out = []
     for i in range(R):
         # single-output-beam mode: the emitted beam is the first output of the last processed layer; it is among the
         # live beams unless it is EOS, then among the finished ones (at most one in single mode)

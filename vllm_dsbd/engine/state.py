@@ -35,6 +35,7 @@ class PendingForest:
     # ``sampler.truncate(forest, ., len(tokens))`` (nothing cut: the depth capped at the last valid layer), built by
     # the drafter for the whole batch at once; None: compute it
     uncut: Forest | None = None
+    depth: int | None = None  # ``forest.depth`` as an int (read without a device synchronisation); None: read it
 
 
 @dataclass
