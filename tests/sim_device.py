@@ -90,8 +90,8 @@ class SimulatedDevice(TorchFunctionMode):
                 checked = flat
             host = [x for x in checked if not on_device(x) and x.dim() > 0]
             if host and any(on_device(x) for x in checked):
-                self.mismatches.append(f"{name} at {self._where()}: shapes "
-                                       f"{[tuple(x.shape) for x in checked]}, on device {[on_device(x) for x in checked]}")
+                self.mismatches.append(f"{name} at {self._where()}: shapes {[tuple(x.shape) for x in checked]}, "
+                                       f"on device {[on_device(x) for x in checked]}")
         if name == "cpu" and out is args[0]:  # a CPU tensor's .cpu() is itself: the host copy must be a new object
             out = out.detach()
         placed = _device_kw(name, args, kwargs)
