@@ -1,0 +1,192 @@
+"""Verification of chain forests (one node per depth, one output per layer) with the decisions of ``verify_forest``,
+bit for bit, in a fraction of its operations.
+
+At width 1 in mode "sample" (``max_k`` = 1) every request's forest is a chain and every layer emits one token: plain
+speculative sampling along the chain (accept the draft z when u * Q(z) < P(z), else one draw from
+norm(max(P - Q, 0)); the bonus layer after the last draft draws from P), or at temperature 0 the target's top-1.
+``verify.verify_forest`` handles any width with some 150 small tensor operations per layer, a layer record and
+``outputs.iteration_outputs`` afterwards; here a layer takes a few dozen.
+
+Why it still steps layer by layer instead of verifying every layer of every request in one stacked call: the float
+operations whose results decide (the joint's normaliser, exp of P and Q, the residual's sum, the logs of the draws)
+must see tensors of exactly the shapes ``verify_forest`` gives them, because CPU kernels are not invariant to the
+number of rows (measured on 2 threads: ``logsumexp`` or ``sum`` of one 49152-entry row alone differs in the last bit
+from the same row among others, a two-pass reduction split across threads). So each layer computes the joint of
+every request, then P and Q of the same rows ``verify_layer`` gets (every row when all are sampling rows still
+verifying, else those rows, by the same mask), and the draws of one layer are made together, as ``verify_layer``
+makes them. What is shared across layers is exact whatever the shape (integer hashing, the uniforms' exact float
+steps, comparisons); what cannot change a decision is dropped (the layer record, the width policy, which gives 1 at
+K = 1, the bookkeeping for later drafts of a multi-draft layer).
+
+A residual draw never lands on the rejected draft (its residual mass there is exactly 0), so it cannot pass its layer
+and is made after the loop, all layers' integer noise at once; a layer whose draw could land on its draft
+(``verify_layer``'s fallbacks to P when the residual has no mass) draws at once, in the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .joint import _top_k_top_p
+from .params import BatchParams
+from .verify import _TINY
+
+
+@dataclass
+class ChainResult:
+    """Per request (Python lists, read once): what ``verify_forest`` + ``iteration_outputs`` give for a chain."""
+
+    last: list[int]  # index of the last processed layer: the request emits its first ``last`` nodes, then ``token``
+    passed: list[int]  # layers passed (an accepted EOS node passes its layer and ends the chain)
+    token: list[int]  # the last processed layer's output token
+
+
+def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, valid: torch.Tensor,
+                  q_joint: torch.Tensor, params: BatchParams, context_len: torch.Tensor) -> ChainResult | None:
+    """Verifies R chains from the logits of one target pass: ``verify_forest`` at width 1 and ``max_k`` = 1.
+
+    Args:
+        logits:  [N, V] float32 target logits rows.
+        src:     [R, G + 1] int64 row of ``logits`` at the parent of layer d (d = 0: the root; d >= 1: after the
+                 depth-d node); any row where that node is not valid (never read).
+        token:   [R, G] int64 node token at depth d + 1; valid: [R, G] bool.
+        q_joint: [R, G, V] float32 log Q of each depth, laid out as ``verify_forest`` gets it (``sampler.verify``
+                 concatenates the requests' forests): its layer views are what the exp of Q runs over.
+        params:  width 1, ``max_k`` 1 (exact target sampling); depth <= G per request.
+        context_len: [R] int64 position of the layer-0 token.
+    Returns:
+        the per-request results, or None when a processed row has no finite target log-probability (NaN logits):
+        ``verify_forest`` emits nothing there, which the caller's general path then reports.
+    """
+    R, L = src.shape
+    G = L - 1
+    V = logits.shape[1]
+    det = params.deterministic
+    sampling = ~det
+    temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)[:, None, None]
+    top_k = torch.where(sampling, params.top_k, 0)
+    top_p = torch.where(sampling, params.top_p, 1.0)
+    truncated = bool((top_k > 0).any() | (top_p < 1.0).any())
+    layers = torch.arange(L)
+    in_depth = layers[None, :] <= params.depth[:, None]  # [R, L] layer d is processed (if alive)
+    has_draft = torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None])
+    z_all = torch.nn.functional.pad(token, (0, 1))
+    eos = torch.where(params.eos >= 0, params.eos, -1)  # never equal to a token when there is none
+    # keys and acceptance coins of every layer at once (integer hashing and exact float steps: the bits of the
+    # per-layer calls of verify_layer on any subset of rows)
+    base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)  # [R, L]
+    coin = rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base))  # draft j = 0 of each layer
+    s = torch.zeros(R, 1)  # score of each live beam: deterministic rows rank by it (sampling rows: P ignores it)
+    alive = torch.ones(R, dtype=torch.bool)
+    passed = torch.zeros(R, dtype=torch.int64)
+    last = torch.zeros(R, dtype=torch.int64)
+    final = torch.zeros(R, dtype=torch.int64)
+    later = []  # (layer, rows, T) of the draws made after the loop
+    for d in range(L):
+        rows = alive & in_depth[:, d]
+        if not bool(rows.any()):
+            break
+        # joint.joint_logprobs of every row with its one live beam (score s: s - s = 0 on the joint)
+        joint = torch.log_softmax(logits[src[:, d]][:, None] / temp, dim=-1).reshape(R, V) + 0.0
+        if truncated:
+            joint = _top_k_top_p(joint, top_k, top_p)
+        norm = torch.logsumexp(joint, dim=-1, keepdim=True)
+        logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
+        z, dval = z_all[:, d], has_draft[:, d] & alive
+        out = z.clone()
+        samp = rows & sampling
+        passes = torch.zeros(R, dtype=torch.bool)
+        if bool(samp.any()):
+            every = bool(samp.all())
+            take = (lambda t: t) if every else (lambda t: t[samp])
+            got = _layer(take(logp), take(z), take(dval), take(coin[:, d]), q_joint[:, d] if d < G else None,
+                         None if every else samp)
+            if got is None:
+                return None
+            acc, need, tn, now = got
+            if every:
+                passes, at = acc, need
+            else:
+                idx = samp.nonzero().squeeze(1)
+                passes[idx] = acc
+                at = idx[need]  # the rows that draw, in batch order
+            if now:  # the draw may land on the draft: made now, and it passes the layer when it does
+                y = _draw([tn], rng.stream_key(base[at, d], rng.Stream.RESIDUAL))[0]
+                out[at] = y
+                passes[at] = y == z[at]
+            elif at.numel():
+                later.append((d, at, tn))
+        drow = rows & det
+        if bool(drow.any()):  # beam_step's top-1 (single-beam rows: EOS is an ordinary token there)
+            vals, idx = torch.topk(logp[drow], 1, dim=-1)
+            if not bool(torch.isfinite(vals).all()):
+                return None
+            out[drow] = idx[:, 0]
+            passes[drow] = idx[:, 0] == z[drow]
+        ok = dval & passes
+        passed += ok
+        last = torch.where(rows, d, last)
+        final = torch.where(rows, out, final)
+        s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
+        alive = ok & (out != eos)
+    if later:
+        at = torch.cat([a for _, a, _ in later])
+        lay = torch.cat([torch.full_like(a, d) for d, a, _ in later])
+        final[at] = torch.cat(_draw([t for _, _, t in later], rng.stream_key(base[at, lay], rng.Stream.RESIDUAL)))
+    return ChainResult(last=last.tolist(), passed=passed.tolist(), token=final.tolist())
+
+
+def _layer(logp: torch.Tensor, z: torch.Tensor, dval: torch.Tensor, coin: torch.Tensor, logq: torch.Tensor | None,
+           sel: torch.Tensor | None):
+    """``verify_layer`` with k = 1 and at most one draft per row, on its n sampling rows (``sel`` their mask over the
+    batch, None: every row). logp: [n, V]; z, dval, coin: [n] draft token, whether there is one, acceptance uniform;
+    logq: [R, V] log Q of the layer (None: no drafts). Returns (accepted [n], need [m] int64 rows of the n that draw,
+    T [m, V] what they draw from, whether a draw may land on its draft) or None on a row without finite log P."""
+    p = torch.exp(logp)
+    acc = torch.zeros_like(dval)
+    rej = acc
+    if logq is not None and bool(dval.any()):
+        q = torch.exp(logq if sel is None else logq[sel])
+        qz = q.gather(1, z[:, None]).squeeze(1)
+        pz = p.gather(1, z[:, None]).squeeze(1)
+        acc = dval & (coin * qz < pz)  # verify_layer: u * (qz / (1 - 0)) < T(z), T = P before any rejection
+        rej = dval & ~acc
+    need = (~acc).nonzero().squeeze(1)
+    if not need.numel():
+        return acc, need, None, False
+    pn = p[need]
+    tn = pn
+    now = False
+    if bool(rej.any()):
+        # the residual after a rejected draft: norm(max(P - Q, 0)), or P where it has no mass (all rows at once)
+        ri = rej.nonzero().squeeze(1)
+        pr = p[ri]
+        res = (pr - q[ri]).clamp(min=0.0)
+        tot = res.sum(1, keepdim=True)
+        tn = pn.clone()
+        tn[rej[need]] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), pr)
+        now = not bool((tot > _TINY).all())  # a fallback to P: the draw may hit the draft
+    mass = tn.sum(1, keepdim=True)
+    if bool(torch.isnan(mass).any()):  # a row without finite log P: verify_forest gives it no output (k = 0)
+        return None
+    full = mass > _TINY
+    if not bool(full.all()):
+        tn = torch.where(full, tn, pn)
+        now = True
+    return acc, need, tn, now
+
+
+def _draw(ts: list[torch.Tensor], keys: torch.Tensor) -> list[torch.Tensor]:
+    """``sampling.categorical(log T, key)`` of each group of rows in ``ts`` ([m_i, V]; ``keys`` [sum m_i], in the same
+    order): the integer noise of all groups at once, its logs and the argmax group by group (the shapes
+    ``verify_layer`` uses)."""
+    V = ts[0].shape[1]
+    u = rng.uniform(keys[:, None], torch.arange(V)[None, :])  # rng.gumbel before its logs: exact per entry
+    out, a = [], 0
+    for t in ts:
+        g = u[a : a + t.shape[0]].log_().neg_().log_().neg_()
+        out.append(torch.argmax(torch.log(t) + g, dim=-1))
+        a += t.shape[0]
+    return out
