@@ -64,10 +64,14 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     G = L - 1
     V = logits.shape[1]
     det = params.deterministic
-    sampling = ~det
-    temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)[:, None, None]
-    top_k = torch.where(sampling, params.top_k, 0)
-    top_p = torch.where(sampling, params.top_p, 1.0)
+    greedy = bool(det.any())  # deterministic rows need their beam's score (and the general joint's masks)
+    if greedy:
+        sampling = ~det
+        temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
+        top_k, top_p = torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0)
+    else:  # the same tensors' values
+        temp, top_k, top_p = params.temperature, params.top_k, params.top_p
+    temp = temp[:, None, None]
     truncated = bool((top_k > 0).any() | (top_p < 1.0).any())
     layers = torch.arange(L)
     in_depth = layers[None, :] <= params.depth[:, None]  # [R, L] layer d is processed (if alive)
@@ -93,11 +97,14 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
         if truncated:
             joint = _top_k_top_p(joint, top_k, top_p)
         norm = torch.logsumexp(joint, dim=-1, keepdim=True)
-        logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
+        if greedy:
+            logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
+        else:  # the same on every row with a finite norm (the others are NaN either way: declined below)
+            logp = joint - norm
         z, dval = z_all[:, d], has_draft[:, d] & alive
         out = z.clone()
-        samp = rows & sampling
-        passes = torch.zeros(R, dtype=torch.bool)
+        samp = rows & sampling if greedy else rows
+        passes = None
         if bool(samp.any()):
             every = bool(samp.all())
             take = (lambda t: t) if every else (lambda t: t[samp])
@@ -110,7 +117,7 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
                 passes, at = acc, need
             else:
                 idx = samp.nonzero().squeeze(1)
-                passes[idx] = acc
+                passes = torch.zeros(R, dtype=torch.bool).index_put_((idx,), acc)
                 at = idx[need]  # the rows that draw, in batch order
             if now:  # the draw may land on the draft: made now, and it passes the layer when it does
                 y = _draw([tn], rng.stream_key(base[at, d], rng.Stream.RESIDUAL))[0]
@@ -118,18 +125,21 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
                 passes[at] = y == z[at]
             elif at.numel():
                 later.append((d, at, tn))
-        drow = rows & det
-        if bool(drow.any()):  # beam_step's top-1 (single-beam rows: EOS is an ordinary token there)
-            vals, idx = torch.topk(logp[drow], 1, dim=-1)
-            if not bool(torch.isfinite(vals).all()):
-                return None
-            out[drow] = idx[:, 0]
-            passes[drow] = idx[:, 0] == z[drow]
+        if greedy:
+            passes = torch.zeros(R, dtype=torch.bool) if passes is None else passes
+            drow = rows & det
+            if bool(drow.any()):  # beam_step's top-1 (single-beam rows: EOS is an ordinary token there)
+                vals, idx = torch.topk(logp[drow], 1, dim=-1)
+                if not bool(torch.isfinite(vals).all()):
+                    return None
+                out[drow] = idx[:, 0]
+                passes[drow] = idx[:, 0] == z[drow]
         ok = dval & passes
         passed += ok
         last = torch.where(rows, d, last)
         final = torch.where(rows, out, final)
-        s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
+        if greedy:
+            s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
         alive = ok & (out != eos)
     if later:
         at = torch.cat([a for _, a, _ in later])
@@ -145,34 +155,38 @@ def _layer(logp: torch.Tensor, z: torch.Tensor, dval: torch.Tensor, coin: torch.
     logq: [R, V] log Q of the layer (None: no drafts). Returns (accepted [n], need [m] int64 rows of the n that draw,
     T [m, V] what they draw from, whether a draw may land on its draft) or None on a row without finite log P."""
     p = torch.exp(logp)
-    acc = torch.zeros_like(dval)
-    rej = acc
     if logq is not None and bool(dval.any()):
         q = torch.exp(logq if sel is None else logq[sel])
-        qz = q.gather(1, z[:, None]).squeeze(1)
-        pz = p.gather(1, z[:, None]).squeeze(1)
-        acc = dval & (coin * qz < pz)  # verify_layer: u * (qz / (1 - 0)) < T(z), T = P before any rejection
-        rej = dval & ~acc
+        zi = z[:, None]
+        hit = (coin[:, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)  # u * (qz / (1 - 0)) < T(z) = P(z)
+        acc = dval & hit
+        ri = (dval & ~hit).nonzero().squeeze(1)  # rejected
+    else:
+        acc = torch.zeros_like(dval)
+        ri = acc.nonzero().squeeze(1)
     need = (~acc).nonzero().squeeze(1)
-    if not need.numel():
-        return acc, need, None, False
+    m, now = need.numel(), False
+    if not m:
+        return acc, need, None, now
     pn = p[need]
     tn = pn
-    now = False
-    if bool(rej.any()):
+    if ri.numel():
         # the residual after a rejected draft: norm(max(P - Q, 0)), or P where it has no mass (all rows at once)
-        ri = rej.nonzero().squeeze(1)
-        pr = p[ri]
+        pr = pn if ri.numel() == m else p[ri]  # every row that draws was rejected: the same rows
         res = (pr - q[ri]).clamp(min=0.0)
         tot = res.sum(1, keepdim=True)
-        tn = pn.clone()
-        tn[rej[need]] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), pr)
-        now = not bool((tot > _TINY).all())  # a fallback to P: the draw may hit the draft
-    mass = tn.sum(1, keepdim=True)
-    if bool(torch.isnan(mass).any()):  # a row without finite log P: verify_forest gives it no output (k = 0)
-        return None
-    full = mass > _TINY
+        good = tot > _TINY
+        tr = torch.where(good, res / tot, pr)  # verify_layer divides by tot.clamp(min=_TINY): tot where it is used
+        if ri.numel() == m:
+            tn = tr
+        else:
+            tn = pn.clone()
+            tn[dval[need]] = tr  # the rejected rows among those that draw (the others have no draft)
+        now = not bool(good.all())  # a fallback to P: the draw may hit the draft
+    full = tn.sum(1, keepdim=True) > _TINY
     if not bool(full.all()):
+        if bool(torch.isnan(tn).any()):  # a row without finite log P: verify_forest gives it no output (k = 0)
+            return None
         tn = torch.where(full, tn, pn)
         now = True
     return acc, need, tn, now
