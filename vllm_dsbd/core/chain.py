@@ -4,8 +4,8 @@ bit for bit, in a fraction of its operations.
 At width 1 in mode "sample" (``max_k`` = 1) every request's forest is a chain and every layer emits one token: plain
 speculative sampling along the chain (accept the draft z when u * Q(z) < P(z), else one draw from
 norm(max(P - Q, 0)); the bonus layer after the last draft draws from P), or at temperature 0 the target's top-1.
-``verify.verify_forest`` handles any width with some 150 small tensor operations per layer, a layer record and
-``outputs.iteration_outputs`` afterwards; here a layer takes a few dozen.
+``verify.verify_forest`` handles any width with well over a hundred small tensor operations per layer, a layer
+record and ``outputs.iteration_outputs`` afterwards; here a layer takes a few dozen.
 
 Why it still steps layer by layer instead of verifying every layer of every request in one stacked call: the float
 operations whose results decide (the joint's normaliser, exp of P and Q, the residual's sum, the logs of the draws)
@@ -16,7 +16,9 @@ every request, then P and Q of the same rows ``verify_layer`` gets (every row wh
 verifying, else those rows, by the same mask), and the draws of one layer are made together, as ``verify_layer``
 makes them. What is shared across layers is exact whatever the shape (integer hashing, the uniforms' exact float
 steps, comparisons); what cannot change a decision is dropped (the layer record, the width policy, which gives 1 at
-K = 1, the bookkeeping for later drafts of a multi-draft layer).
+K = 1, the bookkeeping for later drafts of a multi-draft layer). The joint is ``joint.joint_logprobs``'s float
+operations in its order, without what is the identity with one live beam per row (the live mask; the score shift,
+s - s = 0, which still adds its 0.0), and with the deterministic rows' score kept only when the batch has some.
 
 A residual draw never lands on the rejected draft (its residual mass there is exactly 0), so it cannot pass its layer
 and is made after the loop, all layers' integer noise at once; a layer whose draw could land on its draft
