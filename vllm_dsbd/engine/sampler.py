@@ -7,6 +7,8 @@ after each of its n forest nodes (in compact depth-major order). The forest of e
 i.e. what ``core.reference.dsbd_decode`` does when ``max_new_tokens`` leaves no room for drafts), and the emitted beam
 is read with ``core.iteration_outputs`` (one output beam: the first output of the last processed layer; in mode
 "sample", the default, every layer has exactly one output, K = 1, so the emitted tokens are exact target samples).
+At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` makes the same decisions, bit
+for bit, with a fraction of the operations (the chain fast path; ``tests/test_verify_chain.py`` compares the two).
 
 The result goes back to vLLM in its sampled-token format: ``[num_reqs, 1 + max_nodes]`` int32 rows holding the
 accepted path's tokens then the last layer's token, padded with -1. vLLM then counts ``len - 1`` accepted draft
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.core.chain import verify_chains
 from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.outputs import iteration_outputs
@@ -81,12 +84,17 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
         tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True, max_k=1 if cfg.mode == "sample" else 0)
 
 
-def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[RowResult]:
+def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
+           chain_fast_path: bool = True) -> list[RowResult]:
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
 
     Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
     the core verifies all requests at once; what the results need comes to the host in one copy at the end (plus one
-    to read the forests' depths and one for the nodes' rows, both small)."""
+    to read the forests' depths and one for the nodes' rows, both small).
+
+    At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` gives the same results as
+    the general path (``tests/test_verify_chain.py`` compares them) for a fraction of its cost;
+    ``chain_fast_path=False`` always takes the general path."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device
@@ -100,6 +108,12 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
     depth = forest.depth.tolist()
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
+    params = _params([r.state for r in rows], depth, cfg).to(dev)
+    if (chain_fast_path and W == 1 and cfg.mode == "sample" and forest.max_depth == G
+            and forest.q_joint.shape[-1] == V):
+        out = _verify_chains(logits, rows, forest, compact, params, ctx, depth)
+        if out is not None:
+            return out
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
     tl = torch.zeros(R, G + 1, W, V, device=dev)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
@@ -108,7 +122,6 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
     if sel[0].numel():
         src = first[sel[0]] + 1 + compact[sel]
         tl[sel[0], sel[1] + 1, sel[2]] = logits[src].float()
-    params = _params([r.state for r in rows], depth, cfg).to(dev)
     scores = torch.zeros(R, W, device=dev)
     live = torch.zeros(R, W, dtype=torch.bool, device=dev)
     live[:, 0] = True
@@ -148,6 +161,25 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig) -> list[R
         out.append(RowResult(tokens=tokens, path=path, passed=passed_l[i],
                              widths=width_l[i][: min(last + 1, depth[i])]))
     return out
+
+
+def _verify_chains(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
+                   params: BatchParams, ctx: torch.Tensor, depth: list[int]) -> list[RowResult] | None:
+    """Width 1: every forest is a chain (node d at slot 0 of depth d); its logits row follows the root's by
+    ``1 + compact index``. None: the chain core declined (the general path then decides, and reports)."""
+    G = forest.max_depth
+    valid = forest.valid[:, :, 0]
+    comp = compact[:, :, 0]
+    first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=logits.device)
+    src = first[:, None].repeat(1, G + 1)
+    src[:, 1:] += torch.where(valid, 1 + comp, 0)
+    res = verify_chains(logits, src, forest.token[:, :, 0], valid, forest.q_joint, params, ctx)
+    if res is None:
+        return None
+    host = torch.cat([forest.token[:, :, 0], comp], 1).cpu()  # one copy: the chains' tokens and compact indices
+    tok_l, comp_l = host[:, :G].tolist(), host[:, G:].tolist()
+    return [RowResult(tokens=tok_l[i][:k] + [res.token[i]], path=comp_l[i][:k], passed=res.passed[i],
+                      widths=[1] * min(k + 1, depth[i])) for i, k in enumerate(res.last)]
 
 
 def sampled_token_ids(results: list[RowResult], num_reqs: int) -> torch.Tensor:

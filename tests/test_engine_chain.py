@@ -1,0 +1,78 @@
+"""An engine of width 1 (every forest a chain: ``sampler.verify``'s chain fast path, ``core/chain.py``) emits exactly
+the tokens it emits with the fast path switched off, real vLLM 0.26.0 on CPU. The other engine tests run engines of
+width >= 2 (per-request widths of 1 there still take the general path), so this is the fast path's engine check;
+``test_verify_chain.py`` compares the two paths step by step on synthetic steps.
+
+One engine (tiny random Llama pair, depth 3, pinned speculation), one batch mixing T = 1 with seeds, T = 0.8 with
+top-k / top-p, greedy requests and requests that may stop at EOS, generated twice: fast path on, then
+``sampler.verify(..., chain_fast_path=False)`` for every step. Outputs are compared token for token, and the fast path
+must have answered every verification step of the first run.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from vllm_dsbd.engine import sampler  # noqa: E402
+from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+
+DEPTH, MAX_TOKENS = 3, 24
+PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
+
+
+def _params():
+    out = []
+    for i, _ in enumerate(PROMPTS):
+        out.append(vllm.SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=i % 2 == 0))
+        out.append(vllm.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=200 + i, max_tokens=MAX_TOKENS,
+                                       ignore_eos=True))
+        out.append(vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 3,
+                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                       "width": 1, "verify_budget": None})
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
+    core, verify = sampler.verify_chains, sampler.verify
+    calls = {"called": 0, "answered": 0}
+
+    def spy(*args):
+        out = core(*args)
+        calls["called"] += 1
+        calls["answered"] += out is not None
+        return out
+
+    try:
+        sampler.verify_chains = spy
+        fast = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
+        fast_calls = dict(calls)
+        sampler.verify = functools.partial(verify, chain_fast_path=False)
+        general = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
+        general_calls = calls["called"] - fast_calls["called"]
+    finally:
+        sampler.verify_chains, sampler.verify = core, verify
+        shutdown(llm)
+    return fast, general, fast_calls, general_calls
+
+
+def test_width_one_engine_same_tokens_with_and_without_the_fast_path(runs):
+    fast, general, fast_calls, general_calls = runs
+    assert fast == general
+    assert all(len(t) > 0 for t in fast)
+    assert len({tuple(t) for t in fast}) > len(PROMPTS)  # the seeds and settings give different samples
+
+
+def test_the_fast_path_ran(runs):
+    _, _, fast_calls, general_calls = runs
+    assert fast_calls["called"] >= MAX_TOKENS // (DEPTH + 1) and fast_calls["answered"] == fast_calls["called"]
+    assert general_calls == 0

@@ -1,0 +1,212 @@
+"""Verification of chain forests (one node per depth, one output per layer) with the decisions of ``verify_forest``,
+bit for bit, in a fraction of its operations.
+
+At width 1 in mode "sample" (``max_k`` = 1) every request's forest is a chain and every layer emits one token: plain
+speculative sampling along the chain (accept the draft z when u * Q(z) < P(z), else one draw from
+norm(max(P - Q, 0)); the bonus layer after the last draft draws from P), or at temperature 0 the target's top-1.
+``verify.verify_forest`` handles any width with well over a hundred small tensor operations per layer, a layer
+record and ``outputs.iteration_outputs`` afterwards; here a layer takes a few dozen.
+
+Why it still steps layer by layer instead of verifying every layer of every request in one stacked call: the float
+operations whose results decide (the joint's normaliser, exp of P and Q, the residual's sum, the logs of the draws)
+must see tensors of exactly the shapes ``verify_forest`` gives them, because CPU kernels are not invariant to the
+number of rows (measured on 2 threads: ``logsumexp`` or ``sum`` of one 49152-entry row alone differs in the last bit
+from the same row among others, a two-pass reduction split across threads). So each layer computes the joint of
+every request, then P and Q of the same rows ``verify_layer`` gets (every row when all are sampling rows still
+verifying, else those rows, by the same mask), and the draws of one layer are made together, as ``verify_layer``
+makes them. What is shared across layers is exact whatever the shape (integer hashing, the uniforms' exact float
+steps, comparisons); what cannot change a decision is dropped (the layer record, the width policy, which gives 1 at
+K = 1, the bookkeeping for later drafts of a multi-draft layer). The joint is ``joint.joint_logprobs``'s float
+operations in its order, without what is the identity with one live beam per row (the live mask; the score shift,
+s - s = 0, which still adds its 0.0), and with the deterministic rows' score kept only when the batch has some.
+
+A residual draw never lands on the rejected draft (its residual mass there is exactly 0), so it cannot pass its layer
+and is made after the loop, all layers' integer noise at once; a layer whose draw could land on its draft
+(``verify_layer``'s fallbacks to P when the residual has no mass) draws at once, in the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .joint import _top_k_top_p
+from .params import BatchParams
+from .verify import _TINY
+
+
+@dataclass
+class ChainResult:
+    """Per request (Python lists, read once): what ``verify_forest`` + ``iteration_outputs`` give for a chain."""
+
+    last: list[int]  # index of the last processed layer: the request emits its first ``last`` nodes, then ``token``
+    passed: list[int]  # layers passed (an accepted EOS node passes its layer and ends the chain)
+    token: list[int]  # the last processed layer's output token
+
+
+def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, valid: torch.Tensor,
+                  q_joint: torch.Tensor, params: BatchParams, context_len: torch.Tensor) -> ChainResult | None:
+    """Verifies R chains from the logits of one target pass: ``verify_forest`` at width 1 and ``max_k`` = 1.
+
+    Args:
+        logits:  [N, V] float32 target logits rows.
+        src:     [R, G + 1] int64 row of ``logits`` at the parent of layer d (d = 0: the root; d >= 1: after the
+                 depth-d node); any row where that node is not valid (never read).
+        token:   [R, G] int64 node token at depth d + 1; valid: [R, G] bool.
+        q_joint: [R, G, V] float32 log Q of each depth, laid out as ``verify_forest`` gets it (``sampler.verify``
+                 concatenates the requests' forests): its layer views are what the exp of Q runs over.
+        params:  width 1, ``max_k`` 1 (exact target sampling); depth <= G per request.
+        context_len: [R] int64 position of the layer-0 token.
+    Returns:
+        the per-request results, or None when a processed row has no finite target log-probability (NaN logits):
+        ``verify_forest`` emits nothing there, which the caller's general path then reports.
+    """
+    R, L = src.shape
+    G = L - 1
+    V = logits.shape[1]
+    dev = logits.device
+    det = params.deterministic
+    greedy = bool(det.any())  # deterministic rows need their beam's score (and the general joint's masks)
+    if greedy:
+        sampling = ~det
+        temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
+        top_k, top_p = torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0)
+    else:  # the same tensors' values
+        temp, top_k, top_p = params.temperature, params.top_k, params.top_p
+    temp = temp[:, None, None]
+    truncated = bool((top_k > 0).any() | (top_p < 1.0).any())
+    layers = torch.arange(L, device=dev)
+    in_depth = layers[None, :] <= params.depth[:, None]  # [R, L] layer d is processed (if alive)
+    has_draft = torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None])
+    z_all = torch.nn.functional.pad(token, (0, 1))
+    eos = torch.where(params.eos >= 0, params.eos, -1)  # never equal to a token when there is none
+    # keys and acceptance coins of every layer at once (integer hashing and exact float steps: the bits of the
+    # per-layer calls of verify_layer on any subset of rows)
+    base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)  # [R, L]
+    coin = rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base))  # draft j = 0 of each layer
+    # score of each live beam: deterministic rows rank by it (sampling rows: P ignores it)
+    s = torch.zeros(R, 1, device=dev)
+    alive = torch.ones(R, dtype=torch.bool, device=dev)
+    passed = torch.zeros(R, dtype=torch.int64, device=dev)
+    last = torch.zeros(R, dtype=torch.int64, device=dev)
+    final = torch.zeros(R, dtype=torch.int64, device=dev)
+    later = []  # (layer, rows, T) of the draws made after the loop
+    for d in range(L):
+        rows = alive & in_depth[:, d]
+        if not bool(rows.any()):
+            break
+        # joint.joint_logprobs of every row with its one live beam (score s: s - s = 0 on the joint)
+        joint = torch.log_softmax(logits[src[:, d]].float()[:, None] / temp, dim=-1).reshape(R, V) + 0.0
+        if truncated:
+            joint = _top_k_top_p(joint, top_k, top_p)
+        norm = torch.logsumexp(joint, dim=-1, keepdim=True)
+        if greedy:
+            logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
+        else:  # the same on every row with a finite norm (the others are NaN either way: declined below)
+            logp = joint - norm
+        z, dval = z_all[:, d], has_draft[:, d] & alive
+        out = z.clone()
+        samp = rows & sampling if greedy else rows
+        passes = None
+        if bool(samp.any()):
+            every = bool(samp.all())
+            take = (lambda t: t) if every else (lambda t: t[samp])
+            got = _layer(take(logp), take(z), take(dval), take(coin[:, d]), q_joint[:, d] if d < G else None,
+                         None if every else samp)
+            if got is None:
+                return None
+            acc, need, tn, now = got
+            if every:
+                passes, at = acc, need
+            else:
+                idx = samp.nonzero().squeeze(1)
+                passes = torch.zeros(R, dtype=torch.bool, device=dev).index_put_((idx,), acc)
+                at = idx[need]  # the rows that draw, in batch order
+            if now:  # the draw may land on the draft: made now, and it passes the layer when it does
+                y = _draw([tn], rng.stream_key(base[at, d], rng.Stream.RESIDUAL))[0]
+                out[at] = y
+                passes[at] = y == z[at]
+            elif at.numel():
+                later.append((d, at, tn))
+        if greedy:
+            passes = torch.zeros(R, dtype=torch.bool, device=dev) if passes is None else passes
+            drow = rows & det
+            if bool(drow.any()):  # beam_step's top-1 (single-beam rows: EOS is an ordinary token there)
+                vals, idx = torch.topk(logp[drow], 1, dim=-1)
+                if not bool(torch.isfinite(vals).all()):
+                    return None
+                out[drow] = idx[:, 0]
+                passes[drow] = idx[:, 0] == z[drow]
+        ok = dval & passes
+        passed += ok
+        last = torch.where(rows, d, last)
+        final = torch.where(rows, out, final)
+        if greedy:
+            s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
+        alive = ok & (out != eos)
+    if later:
+        at = torch.cat([a for _, a, _ in later])
+        lay = torch.cat([torch.full_like(a, d) for d, a, _ in later])
+        final[at] = torch.cat(_draw([t for _, _, t in later], rng.stream_key(base[at, lay], rng.Stream.RESIDUAL)))
+    last_l, passed_l, token_l = torch.stack([last, passed, final]).tolist()  # one copy to the host
+    return ChainResult(last=last_l, passed=passed_l, token=token_l)
+
+
+def _layer(logp: torch.Tensor, z: torch.Tensor, dval: torch.Tensor, coin: torch.Tensor, logq: torch.Tensor | None,
+           sel: torch.Tensor | None):
+    """``verify_layer`` with k = 1 and at most one draft per row, on its n sampling rows (``sel`` their mask over the
+    batch, None: every row). logp: [n, V]; z, dval, coin: [n] draft token, whether there is one, acceptance uniform;
+    logq: [R, V] log Q of the layer (None: no drafts). Returns (accepted [n], need [m] int64 rows of the n that draw,
+    T [m, V] what they draw from, whether a draw may land on its draft) or None on a row without finite log P."""
+    p = torch.exp(logp)
+    if logq is not None and bool(dval.any()):
+        q = torch.exp(logq if sel is None else logq[sel])
+        zi = z[:, None]
+        hit = (coin[:, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)  # u * (qz / (1 - 0)) < T(z) = P(z)
+        acc = dval & hit
+        ri = (dval & ~hit).nonzero().squeeze(1)  # rejected
+    else:
+        acc = torch.zeros_like(dval)
+        ri = acc.nonzero().squeeze(1)
+    need = (~acc).nonzero().squeeze(1)
+    m, now = need.numel(), False
+    if not m:
+        return acc, need, None, now
+    pn = p[need]
+    tn = pn
+    if ri.numel():
+        # the residual after a rejected draft: norm(max(P - Q, 0)), or P where it has no mass (all rows at once)
+        pr = pn if ri.numel() == m else p[ri]  # every row that draws was rejected: the same rows
+        res = (pr - q[ri]).clamp(min=0.0)
+        tot = res.sum(1, keepdim=True)
+        good = tot > _TINY
+        tr = torch.where(good, res / tot, pr)  # verify_layer divides by tot.clamp(min=_TINY): tot where it is used
+        if ri.numel() == m:
+            tn = tr
+        else:
+            tn = pn.clone()
+            tn[dval[need]] = tr  # the rejected rows among those that draw (the others have no draft)
+        now = not bool(good.all())  # a fallback to P: the draw may hit the draft
+    full = tn.sum(1, keepdim=True) > _TINY
+    if not bool(full.all()):
+        if bool(torch.isnan(tn).any()):  # a row without finite log P: verify_forest gives it no output (k = 0)
+            return None
+        tn = torch.where(full, tn, pn)
+        now = True
+    return acc, need, tn, now
+
+
+def _draw(ts: list[torch.Tensor], keys: torch.Tensor) -> list[torch.Tensor]:
+    """``sampling.categorical(log T, key)`` of each group of rows in ``ts`` ([m_i, V]; ``keys`` [sum m_i], in the same
+    order): the integer noise of all groups at once, its logs and the argmax group by group (the shapes
+    ``verify_layer`` uses)."""
+    V = ts[0].shape[1]
+    # rng.gumbel before its logs: exact per entry
+    u = rng.uniform(keys[:, None], torch.arange(V, device=keys.device)[None, :])
+    out, a = [], 0
+    for t in ts:
+        g = u[a : a + t.shape[0]].log_().neg_().log_().neg_()
+        out.append(torch.argmax(torch.log(t) + g, dim=-1))
+        a += t.shape[0]
+    return out
