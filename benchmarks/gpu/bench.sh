@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU measurements of the speed issues; each step has a time limit, logs and results go to $OUT. DSBD_GPU_STEPS
-# picks the steps; the defaults fit one device call (600 s) each:
+# picks the steps; each fits one device call (600 s):
 #   DSBD_GPU_STEPS="large_model"  (default) benchmarks/gpu/large_model.py: random-weight Llama-3.1-8B-shaped target,
 #                 Llama-3.2-1B-shaped draft, bf16, CUDA graphs on: plain sampling, vLLM beam_search, vLLM draft_model
 #                 and DSBD (plain and beam requests) at a set acceptance rate, in-engine beam search; batch 1 and 32.
-#                 One engine per sub-step (large_plain, large_draft_model, large_dsbd), rows appended to
-#                 $OUT/large_model/rows.jsonl, then the table ($OUT/large_model/README.md).
+#                 One engine per sub-step, rows appended to $OUT/large_model/rows.jsonl, then the table
+#                 ($OUT/large_model/README.md). LARGE_ENGINES picks the engines: two calls, "plain draft_model"
+#                 (the default) then "dsbd" with the same $OUT content carried back (rows.jsonl is kept unless
+#                 LARGE_FRESH=1); each engine compiles and captures its graphs cold (~1-2 min for the 8B shape).
 #   DSBD_GPU_STEPS="step_profile" benchmarks/gpu/step_profile.py: where a step's time goes (target, draft,
 #                 verification, the rest) and the host synchronisations per step, batch 1 and 32.
 #   DSBD_GPU_STEPS="harness"      benchmarks/harness.py --profile gpu: the CPU harness's table on SmolLM2-135M in
@@ -20,12 +22,13 @@ STEPS=${DSBD_GPU_STEPS:-large_model}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 LM=(python -P benchmarks/gpu/large_model.py --out "$OUT/large_model" ${LM_ARGS:-})
 if [[ " $STEPS " == *" large_model "* ]]; then
-  rm -f "$OUT/large_model/rows.jsonl"
-  for engine in plain:${DSBD_PLAIN_S:-150} draft_model:${DSBD_DRAFT_MODEL_S:-150} dsbd:${DSBD_DSBD_S:-260}; do
+  [[ ${LARGE_FRESH:-0} == 1 ]] && rm -f "$OUT/large_model/rows.jsonl"
+  declare -A LIMIT=([plain]=${DSBD_PLAIN_S:-270} [draft_model]=${DSBD_DRAFT_MODEL_S:-270} [dsbd]=${DSBD_DSBD_S:-540})
+  for engine in ${LARGE_ENGINES:-plain draft_model}; do
     t0=$(date +%s)
-    timeout "${engine#*:}" "${LM[@]}" --engines "${engine%%:*}" > "$OUT/large_${engine%%:*}.log" 2>&1
-    echo "large_${engine%%:*} rc=$? $(( $(date +%s) - t0 ))s"
-    grep -E "^row:|Error" "$OUT/large_${engine%%:*}.log" | cut -c1-300
+    timeout "${LIMIT[$engine]}" "${LM[@]}" --engines "$engine" > "$OUT/large_$engine.log" 2>&1
+    echo "large_$engine rc=$? $(( $(date +%s) - t0 ))s"
+    grep -E "^row:|Error" "$OUT/large_$engine.log" | cut -c1-300
   done
   "${LM[@]}" --report 2>/dev/null | sed -n '/^| method/,$p'
 fi
