@@ -35,8 +35,8 @@ step kernel_tests "${DSBD_KERNEL_TEST_S:-240}" "${PYTEST[@]}" tests/test_kernel_
   tests/test_kernel_kv_commit.py tests/test_kernel_verify.py
 step bench_kernels 120 python benchmarks/bench_kernels.py --quick --csv "$OUT/bench_kernels.csv"
 step bench_verify 90 python benchmarks/bench_verify.py --quick --out "$OUT/verify"
-step engine_tests "${DSBD_ENGINE_TEST_S:-240}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \
-  tests/test_engine_sampling.py tests/test_engine_batch.py
+step engine_tests "${DSBD_ENGINE_TEST_S:-300}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \
+  tests/test_engine_sampling.py tests/test_engine_batch.py tests/test_engine_device_resident.py tests/test_engine_chain.py
 
 for f in bench_kernels bench_verify; do [[ -f $OUT/$f.log ]] && { echo "== $f (last lines)"; tail -25 "$OUT/$f.log"; }; done
 for f in kernel_tests engine_tests; do
