@@ -1,9 +1,10 @@
 """The DSBD step stays on the device (issue 15 item 2), checked on CPU with a simulated accelerator (``sim_device``).
 
 A real vLLM 0.26.0 engine (tiny Llama pair, width 2 and width 1 (the sampler's chain fast path), depth 3, pinned draft
-shape, temperature 1 and 0, EOS as an ordinary token and as a stop) runs with the simulated device active inside the drafter's ``propose_forests`` (the
-draft model's forward itself runs unobserved; its logits are tagged as device tensors) and inside the sampler's
-``verify`` (the target's logits tagged). Checked:
+shape, temperature 1 and 0, EOS as an ordinary token and as a stop) runs with the simulated device active inside the
+drafter's ``propose_forests`` (the draft model's forward itself runs unobserved; its logits are tagged as device
+tensors), inside the sampler's ``verify`` and inside the runner's gathering of beam requests' logits (the target's
+logits tagged). Checked:
 
 * no operation mixes a device tensor with a host tensor (each would raise on CUDA);
 * the forests handed from the drafter to the sampler are device tensors, and so is the draft joint;
@@ -11,6 +12,7 @@ draft model's forward itself runs unobserved; its logits are tagged as device te
   (depth + 1) x width (<= 8) times in a call (once per layer and draft at most: a read per request would make 16), and
   a call makes at most twice the synchronisations of a call at batch 1 (data-dependent branches taken more often);
   the counts and lines are printed;
+* beam requests (``LLM.beam_search``, width-2 engine): their logits rows of a step come to the host in one copy;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing).
 """
 from __future__ import annotations
@@ -75,6 +77,21 @@ class Observer:
                 out = orig_forward(self, *args, **kwargs)
             return sim_device.tag(out)
 
+        from vllm_dsbd.engine import runner as runner_mod
+
+        orig_beam_rows = runner_mod._beam_logits_on_host
+
+        def beam_rows(logits, plan, discard):
+            if not obs.active:
+                return orig_beam_rows(logits, plan, discard)
+            mode = sim_device.SimulatedDevice()
+            with mode:
+                out = orig_beam_rows(sim_device.tag(logits), plan, discard)
+            if out:
+                obs.calls.append(("beam_rows", len(out), mode))
+            return out
+
+        monkeypatch.setattr(runner_mod, "_beam_logits_on_host", beam_rows)
         monkeypatch.setattr(sampler, "verify", verify)
         monkeypatch.setattr(drafter.DSBDDrafter, "propose_forests", propose)
         monkeypatch.setattr(drafter.DSBDDrafter, "_forward", forward)
@@ -99,15 +116,25 @@ def runs(request):
         return [list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
 
+    def beams(prompts):  # beam requests: their logits rows come to the host in one copy per step
+        from vllm.sampling_params import BeamSearchParams
+
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=2, max_tokens=6))
+        return [[list(s.tokens) for s in o.sequences] for o in outs]
+
     cases = [("one", PROMPTS[:1], 1.0, False), ("many", PROMPTS, 1.0, False), ("greedy", PROMPTS[:4], 0.0, True)]
     try:
         plain = {name: gen(p, t, e) for name, p, t, e in cases}
+        plain["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
         obs.active = True
         out = {}
         for name, p, t, e in cases:
             n0 = len(obs.calls)
             out[name] = gen(p, t, e)
             out[name + "_calls"] = obs.calls[n0:]
+        n0 = len(obs.calls)
+        out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
+        out["beams_calls"] = obs.calls[n0:]
         out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
         return out
     finally:
@@ -146,5 +173,15 @@ def test_syncs_per_call_do_not_grow_with_the_batch(runs):
 
 
 def test_observing_changes_nothing(runs):
-    for name in ("one", "many", "greedy"):
+    for name in ("one", "many", "greedy", "beams"):
         assert runs[name] == runs["plain"][name]
+
+
+@pytest.mark.parametrize("runs", [2], indirect=True, ids=["width2"])  # beam search W = 2 needs an engine width >= 2
+def test_beam_requests_logits_come_over_in_one_copy(runs):
+    """Beam requests keep their beam steps on the host; their logits rows of a step come over in one copy (not one or
+    two per request), without mixing device and host tensors."""
+    calls = [(n, m) for k, n, m in runs["beams_calls"] if k == "beam_rows"]
+    assert calls and max(n for n, _ in calls) == 4  # the 4 beam requests together in a step
+    for n, m in calls:
+        assert m.mismatches == [] and sum(m.syncs.values()) == 1, (n, m.syncs, m.mismatches[:3])

@@ -288,9 +288,10 @@ class DSBDRunnerMixin:
                 results[k] = res
             self._commit_kv(plan, results)  # beam rows have no forest: skipped
         beam_moves = []
+        beam_rows = _beam_logits_on_host(logits, plan, discard)
         for k, row in enumerate(plan):
             if row.state.beam is not None:
-                results[k] = self._beam_step(logits, k, row, bool(discard[k]), beam_moves)
+                results[k] = self._beam_step(beam_rows.get(k), k, row, bool(discard[k]), beam_moves)
         self._move_kv(beam_moves)  # the kept beam nodes' K/V to their compacted slots
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
@@ -301,18 +302,19 @@ class DSBDRunnerMixin:
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
 
-    def _beam_step(self, logits, i: int, row, skip: bool, moves: list) -> sampler.RowResult:
-        """A beam request's part of the step: collect its leaves' logits, step the beams once every leaf is in."""
+    def _beam_step(self, rows, i: int, row, skip: bool, moves: list) -> sampler.RowResult:
+        """A beam request's part of the step: collect its leaves' logits, step the beams once every leaf is in.
+        ``rows``: its logits rows on the host (leaves, then forest nodes; ``_beam_logits_on_host``)."""
         beam = row.state.beam
         if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
             return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
         n, f = row.leaves, row.forest_nodes
         bt = self.input_batch.block_table[0]
         beam.peak_blocks = max(beam.peak_blocks, int(bt.num_blocks_per_row[i]) // bt.blocks_per_kv_block)
-        out = beam.partial(logits[row.first_row : row.first_row + n])
+        out = beam.partial(rows[:n])
         blocks = None
         if out is None:
-            out = beam.step(beam.params.eos_token_id, logits[row.first_row + n : row.first_row + n + f])
+            out = beam.step(beam.params.eos_token_id, rows[n : n + f])
             if settled := beam.settle():  # after the finish: the rest of the best beam
                 self._dsbd_settled[row.state.req_id] = settled
             if out.finished:
@@ -514,3 +516,21 @@ def gpu_runner_class() -> type:
         pass
 
     return DSBDGPUModelRunner
+
+
+def _beam_logits_on_host(logits: torch.Tensor, plan: list, discard) -> dict[int, torch.Tensor]:
+    """The logits rows of every beam request of the step that samples (its leaves, then its forest nodes), gathered on
+    the logits' device and copied to the host at once (float32): one transfer per step instead of two per request.
+    Beam requests keep their tries and beam steps on the host (``beams.BeamRequest``). Plan index -> its rows."""
+    ks = [k for k, r in enumerate(plan) if r.state.beam is not None and not discard[k]]
+    if not ks:
+        return {}
+    spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]
+    idx = torch.tensor([a + j for a, m in spans for j in range(m)], dtype=torch.int64)
+    host = logits[idx.to(logits.device)].float().cpu()
+    out, at = {}, 0
+    for k, (_, m) in zip(ks, spans):
+        out[k] = host[at : at + m]
+        at += m
+    return out
+
