@@ -69,6 +69,27 @@ def write_tokenizer(folder: Path, vocab: int) -> None:
         folder)
 
 
+def model_folders(work: Path, tiny: bool) -> tuple[Path, Path, dict]:
+    """(target folder, draft folder, target shape): config files and a tokenizer, the tiny shapes or the 8B / 1B."""
+    dtype = "float32" if tiny else "bfloat16"
+    tshape, dshape = (TINY_T, TINY_D) if tiny else (LLAMA_8B, LLAMA_1B)
+    target, draft = write_config(work / "target", tshape, dtype), write_config(work / "draft", dshape, dtype)
+    for folder in (target, draft):
+        if not (folder / "tokenizer.json").exists():
+            write_tokenizer(folder, tshape["vocab_size"])
+    return target, draft, tshape
+
+
+def draft_model_spec(draft: Path, depth: int, rate: float | None) -> dict:
+    """vLLM's draft_model speculation; at a set per-position ``rate`` (None: real rejection sampling) through vLLM's
+    synthetic rejection sampler (unconditional rates r, r^2, ...: conditional rate r at every position)."""
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": depth}
+    if rate is not None:
+        spec.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=[rate ** (k + 1)
+                                                                                      for k in range(depth)])
+    return spec
+
+
 def metric(llm, name):
     for m in llm.get_metrics():
         if m.name == name:
@@ -203,11 +224,7 @@ def draft_model_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
     import vllm
 
     args = bench.args
-    r0 = args.rates[0]
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.depth}
-    if not args.tiny:
-        spec.update(rejection_sample_method="synthetic",
-                    synthetic_acceptance_rates=[r0 ** (k + 1) for k in range(args.depth)])
+    spec = draft_model_spec(draft, args.depth, None if args.tiny else args.rates[0])
     llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
     try:
         sampler = runner_of(llm).rejection_sampler
@@ -330,13 +347,7 @@ def main() -> int:
         torch.set_num_threads(1)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    dtype = "float32" if args.tiny else "bfloat16"
-    work = Path(args.work)
-    tshape, dshape = (TINY_T, TINY_D) if args.tiny else (LLAMA_8B, LLAMA_1B)
-    target, draft = write_config(work / "target", tshape, dtype), write_config(work / "draft", dshape, dtype)
-    for folder in (target, draft):
-        if not (folder / "tokenizer.json").exists():
-            write_tokenizer(folder, tshape["vocab_size"])
+    target, draft, tshape = model_folders(Path(args.work), args.tiny)
     rnd = random.Random(0)
     n = max(args.batches + args.beam_batches + [args.b1_prompts])
     prompts = [TokensPrompt(prompt_token_ids=[rnd.randrange(3, tshape["vocab_size"]) for _ in range(args.prompt_len)])

@@ -183,12 +183,7 @@ def main() -> int:
     if args.tiny:
         torch.set_num_threads(1)
     dtype = "float32" if args.tiny else "bfloat16"
-    tshape, dshape = (lm.TINY_T, lm.TINY_D) if args.tiny else (lm.LLAMA_8B, lm.LLAMA_1B)
-    work = Path(args.work)
-    target, draft = lm.write_config(work / "target", tshape, dtype), lm.write_config(work / "draft", dshape, dtype)
-    for folder in (target, draft):
-        if not (folder / "tokenizer.json").exists():
-            lm.write_tokenizer(folder, tshape["vocab_size"])
+    target, draft, _ = lm.model_folders(Path(args.work), args.tiny)
     kw = dict(dtype=dtype, enforce_eager=args.eager or args.tiny, load_format="dummy", seed=0,
               max_model_len=args.prompt_len + 3 * (3 + 3 * args.steps + 8) * (args.depth + 1) + 64,
               enable_prefix_caching=False, max_num_seqs=max(batches),
@@ -197,10 +192,8 @@ def main() -> int:
     for name in [e for e in args.engines.split(",") if e]:
         spec, runs = None, [("plain vLLM", None)]
         if name == "draft_model":
-            spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.depth}
-            if not args.tiny:  # vLLM's CPU sampler has no synthetic mode
-                spec.update(rejection_sample_method="synthetic",
-                            synthetic_acceptance_rates=[args.rate ** (k + 1) for k in range(args.depth)])
+            # vLLM's CPU sampler has no synthetic mode: real rejection sampling with --tiny
+            spec = lm.draft_model_spec(draft, args.depth, None if args.tiny else args.rate)
             runs = [(f"vLLM draft_model d={args.depth}", None)]
         elif name == "dsbd":
             spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,

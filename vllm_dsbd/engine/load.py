@@ -30,9 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "KNEE_RATIO", "Level", "Shape", "auto_budget", "knee", "levels", "plan", "probe_sizes"]
+__all__ = ["KNEE_RATIO", "Level", "Shape", "auto_budget", "knee", "levels", "plan", "probe_sizes"]
 
-AUTO = "auto"
 KNEE_RATIO = 1.25  # the knee: the most tokens whose forward time is at most KNEE_RATIO x that of one token
 
 

@@ -37,7 +37,7 @@ import logging
 import numpy as np
 import torch
 
-from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
 from . import attention, kv, load, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
@@ -77,7 +77,7 @@ class DSBDRunnerMixin:
         self._dsbd_relayout_pending: dict[str, list[int]] = {}
         # load-aware speculation (load.py): tokens per step before drafts shrink; None: pinned. "auto" is measured by
         # the worker after vLLM's warm-up (load_probe.py), which sets it
-        self.dsbd_budget: int | None = cfg.verify_budget if cfg.load_aware and cfg.verify_budget != "auto" else None
+        self.dsbd_budget: int | None = cfg.verify_budget if cfg.load_aware and cfg.verify_budget != AUTO_BUDGET else None
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "

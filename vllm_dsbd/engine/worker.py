@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from vllm_dsbd.config import AUTO_BUDGET
+
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 # the worker vLLM's platform picked -> ours
@@ -57,7 +59,7 @@ class _DecisionsMixin:
         load-aware engine; the random state is reset after it, as vLLM resets it after its own warm-up."""
         out = super().compile_or_warm_up_model()
         runner = self.model_runner
-        if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == "auto":
+        if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == AUTO_BUDGET:
             if getattr(runner.device, "type", str(runner.device)) != "cuda":
                 # a CPU's forward times on shared cores move between runs (the tiny test pair's knee measured 16 and
                 # 32 tokens in two runs), and with them the forests and a seeded T > 0 request's tokens: "auto" is
