@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 _TAG = "_dsbd_on_device"
 _SYNC = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero"}
 _TO_HOST = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
-_INDEXING = {"__getitem__", "__setitem__", "index_select", "gather"}  # host index tensors are fine for these on CUDA
+_INDEXING = {"__getitem__", "__setitem__"}  # host index tensors are fine in indexing on CUDA (not in gather & co.)
 
 
 def tag(t):
