@@ -6,7 +6,9 @@ width >= 2 (per-request widths of 1 there still take the general path), so this 
 One engine (tiny random Llama pair, depth 3, pinned speculation), one batch mixing T = 1 with seeds, T = 0.8 with
 top-k / top-p, greedy requests and requests that may stop at EOS, generated twice: fast path on, then
 ``sampler.verify(..., chain_fast_path=False)`` for every step. Outputs are compared token for token, and the fast path
-must have answered every verification step of the first run.
+must have answered every verification step of the first run. A width-1 forest is a chain, which the layers' own
+causal attention already computes right (``attention.drop_chain_queries``): no pass of either run recomputes forest
+attention, and the drafts are still accepted (vLLM's spec-decode counters).
 """
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ import functools
 
 import pytest
 
-from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.engine import sampler  # noqa: E402
+from vllm_dsbd.engine import attention, sampler  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 DEPTH, MAX_TOKENS = 3, 24
@@ -39,12 +41,16 @@ def runs():
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 3,
+                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 3, disable_log_stats=False,
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                        "width": 1, "verify_budget": None})
     prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
-    core, verify = sampler.verify_chains, sampler.verify
-    calls = {"called": 0, "answered": 0}
+    core, verify, recompute = sampler.verify_chains, sampler.verify, attention.recompute_forest_outputs
+    calls = {"called": 0, "answered": 0, "recomputed": 0}
+
+    def count_recompute(*args):
+        calls["recomputed"] += 1
+        return recompute(*args)
 
     def spy(*args):
         out = core(*args)
@@ -54,25 +60,33 @@ def runs():
 
     try:
         sampler.verify_chains = spy
+        attention.recompute_forest_outputs = count_recompute
         fast = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
         fast_calls = dict(calls)
         sampler.verify = functools.partial(verify, chain_fast_path=False)
         general = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
         general_calls = calls["called"] - fast_calls["called"]
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
     finally:
-        sampler.verify_chains, sampler.verify = core, verify
+        sampler.verify_chains, sampler.verify, attention.recompute_forest_outputs = core, verify, recompute
         shutdown(llm)
-    return fast, general, fast_calls, general_calls
+    return fast, general, fast_calls, general_calls, calls["recomputed"], accepted
 
 
 def test_width_one_engine_same_tokens_with_and_without_the_fast_path(runs):
-    fast, general, fast_calls, general_calls = runs
+    fast, general, fast_calls, general_calls, _, _ = runs
     assert fast == general
     assert all(len(t) > 0 for t in fast)
     assert len({tuple(t) for t in fast}) > len(PROMPTS)  # the seeds and settings give different samples
 
 
 def test_the_fast_path_ran(runs):
-    _, _, fast_calls, general_calls = runs
+    _, _, fast_calls, general_calls, _, _ = runs
     assert fast_calls["called"] >= MAX_TOKENS // (DEPTH + 1) and fast_calls["answered"] == fast_calls["called"]
     assert general_calls == 0
+
+
+def test_chains_keep_the_layers_causal_attention(runs):
+    *_, recomputed, accepted = runs
+    assert recomputed == 0
+    assert accepted >= 2 * len(PROMPTS)  # the drafts the causal attention verified were accepted

@@ -80,7 +80,7 @@ def test_forest_recompute_equals_attention_over_each_path():
     reqs = [(torch.tensor([5, 2, 7, 0], dtype=torch.int32), 20, [-1, -1, 0, 1, 0, 3]),
             (torch.tensor([1, 3, 4, 6], dtype=torch.int32), 3, [-1, 0, 1])]
     block_table = torch.stack([r[0] for r in reqs])
-    entries, rows, t = [], [], 0
+    entries, t = [], 0
     for i, (_, ctx, parents) in enumerate(reqs):
         entries.append((i, list(range(t + 1, t + 1 + len(parents))), ctx, parents, list(range(len(parents)))))
         t += 1 + len(parents) + 2  # a causal token before and two unrelated tokens after each forest
@@ -105,6 +105,42 @@ def test_forest_recompute_equals_attention_over_each_path():
             torch.testing.assert_close(output[tok], ref, atol=1e-5, rtol=1e-5)
     others = [r for r in range(t) if r not in touched]
     assert torch.all(output[others] == 7.0), "tokens outside the forest batch must be left alone"
+
+
+@pytest.mark.parametrize("parents,chain", [([-1, 0, 1, 1, 3], 3), ([-1, -1, 0, 1], 1), ([-1, 0, 1], 3), ([-1], 1)])
+def test_chain_queries_keep_causal_attention(parents, chain):
+    """``drop_chain_queries`` drops exactly the queries of the leading chain (nodes 0..chain-1), and for those nodes
+    forest attention (the recompute) equals causal attention over positions [0, ctx + q], what the layer's own
+    attention computes for a token at position ctx + q; for the first node off the chain it does not."""
+    torch.manual_seed(0)
+    nb, kvh, bs, d, h, ctx = 6, 2, 16, 64, 4, 13
+    cache = _cpu_cache(nb, kvh, bs, d, seed=2)
+    k_plane, v_plane = kv.cpu_planes(cache)
+    brow = torch.tensor([4, 1, 5], dtype=torch.int32)
+    n = len(parents)
+    entry = (0, list(range(1, n + 1)), ctx, parents, list(range(n)))
+    kept = attention.drop_chain_queries(entry)
+    assert kept[4] == list(range(chain, n)) and kept[1] == list(range(1 + chain, n + 1))
+    assert kept[:1] + kept[2:4] == entry[:1] + entry[2:4]
+    query = torch.randn(n + 1, h, d)
+    output = torch.zeros(n + 1, h, d)
+    scale = d ** -0.5
+    attention.recompute_forest_outputs(attention.ForestBatch.build([entry], max_nodes=64), query, cache,
+                                       brow[None], scale, output)
+
+    def causal(q):  # attention of node q's query over every position up to its own, as a causal layer computes it
+        slots = torch.tensor(kv.slots_of(brow, list(range(ctx + q + 1)), bs))
+        kk = k_plane[slots // bs, slots % bs].repeat_interleave(h // kvh, 1)
+        vv = v_plane[slots // bs, slots % bs].repeat_interleave(h // kvh, 1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", query[1 + q], kk) * scale, -1)
+        return torch.einsum("hl,lhd->hd", p, vv)
+
+    for q in range(chain):
+        torch.testing.assert_close(output[1 + q], causal(q), atol=1e-5, rtol=1e-5)
+    if chain < n:  # off the chain, causal attention would see a node that is not an ancestor
+        assert not torch.allclose(output[1 + chain], causal(chain), atol=1e-3, rtol=1e-3)
+    if chain == n:
+        assert attention.ForestBatch.build([kept], max_nodes=64) is None  # a chain needs no forest batch at all
 
 
 def _state(width, temperature=0.0, seed=3):

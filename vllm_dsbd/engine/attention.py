@@ -91,6 +91,25 @@ class ForestBatch:
         return cache[device]
 
 
+def drop_chain_queries(entry: tuple[int, list[int], int, list[int], list[int]]):
+    """``entry`` (a :meth:`ForestBatch.build` entry) without the query tokens that causal attention already gets right.
+
+    Only for entries whose query token for node q sits at causal position ``ctx + q`` (the nodes' K/V at cache
+    positions ``ctx + j`` and the request's query tokens the last of its sequence, in node order): the target pass of
+    plain requests and the drafter's passes. Causal attention of such a token sees the context and nodes 0..q, which
+    are q's ancestors-or-self exactly when nodes 0..q form one chain hanging off the context (``parents[j] == j - 1``):
+    every node of a width-1 forest, and the first node of any forest. Those tokens keep the outputs of the layer's
+    own attention (the same attention over the same keys; the recompute would only change rounding)."""
+    req_row, rows, ctx, parents, nodes = entry
+    chain = 0
+    while chain < len(parents) and parents[chain] == chain - 1:
+        chain += 1
+    keep = [k for k, q in enumerate(nodes) if q >= chain]
+    if len(keep) == len(nodes):
+        return entry
+    return req_row, [rows[k] for k in keep], ctx, parents, [nodes[k] for k in keep]
+
+
 @functools.lru_cache(maxsize=4096)
 def _ancestor_bits(parents: tuple[int, ...], max_nodes: int) -> torch.Tensor:
     """``ancestor_bitmask`` of one forest's parent list, memoised: forests of one engine repeat a few shapes (read

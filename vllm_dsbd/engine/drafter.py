@@ -36,7 +36,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
-from .attention import ForestBatch, forest_scope
+from .attention import ForestBatch, drop_chain_queries, forest_scope
 from .sampler import _params
 from .state import PendingForest, RequestState
 
@@ -236,8 +236,8 @@ class DSBDDrafter(DraftModelProposer):
             comp_l = comp.tolist()
             for k, i in enumerate(sub.tolist()):
                 q = int(qlens[k])
-                entries.append((k, list(range(t, t + q)), int(root_pos[i]) + 1, parents[i][pv[i]].tolist(),
-                                comp_l[t : t + q]))
+                entries.append(drop_chain_queries((k, list(range(t, t + q)), int(root_pos[i]) + 1,
+                                                   parents[i][pv[i]].tolist(), comp_l[t : t + q])))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
             lg = self._forward(t_np[ri, si], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),

@@ -77,7 +77,8 @@ class DSBDRunnerMixin:
         self._dsbd_relayout_pending: dict[str, list[int]] = {}
         # load-aware speculation (load.py): tokens per step before drafts shrink; None: pinned. "auto" is measured by
         # the worker after vLLM's warm-up (load_probe.py), which sets it
-        self.dsbd_budget: int | None = cfg.verify_budget if cfg.load_aware and cfg.verify_budget != AUTO_BUDGET else None
+        given = cfg.load_aware and cfg.verify_budget != AUTO_BUDGET
+        self.dsbd_budget: int | None = cfg.verify_budget if given else None
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
@@ -170,7 +171,8 @@ class DSBDRunnerMixin:
                 base = int(qsl[i]) + ns - n
                 node_rows.extend(range(base, base + n))
                 node_pos.extend([pf.root_pos + d for d in pf.depths[:n]])
-                entries.append((i, list(range(base, base + n)), L, pf.parents[:n], list(range(n))))
+                entries.append(attention.drop_chain_queries((i, list(range(base, base + n)), L, pf.parents[:n],
+                                                                list(range(n)))))
             elif n:
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
