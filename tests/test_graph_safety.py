@@ -57,9 +57,11 @@ def graph_log():
     log.setLevel(old_level)
 
 
-def build(pair, method=None, mode: CUDAGraphMode | None = None):
+def build(pair, method=None, mode: CUDAGraphMode | None = None, full: bool | None = None):
     target, draft = pair
     spec = None if method is None else {"method": method, "model": draft, "num_speculative_tokens": 2}
+    if full is not None:
+        spec["full_cuda_graphs"] = full
     cc = {} if mode is None else {"cudagraph_mode": mode.name}
     return EngineArgs(model=target, dtype="float32", max_model_len=256, speculative_config=spec,
                       compilation_config=cc).create_engine_config()
@@ -152,3 +154,49 @@ def test_dsbd_worker_refuses_a_full_graph_config_before_building_its_runner(pair
     worker = types.SimpleNamespace(vllm_config=config, use_v2_model_runner=False)
     with pytest.raises(RuntimeError, match=f"cudagraph_mode {mode.name} would replay CUDA graphs over forest"):
         DSBDCPUWorker.init_device(worker)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# full_cuda_graphs: full graphs kept for passes without forest attention (the runner excludes FULL from the others)
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("gpu_like")
+@pytest.mark.parametrize("mode", [None, *FULL_MODES], ids=lambda m: "default" if m is None else m.name)
+def test_full_cuda_graphs_keep_full_graphs_through_the_config_path(pair, mode):
+    """On the CPU platform's compile (attention not split out), the full modes stay except FULL_AND_PIECEWISE, whose
+    piecewise graphs would contain attention: it becomes FULL_DECODE_ONLY (its other passes run eagerly)."""
+    config = build(pair, "dsbd", mode, full=True)
+    expected = mode or CUDAGraphMode.FULL_AND_PIECEWISE
+    if expected == CUDAGraphMode.FULL_AND_PIECEWISE:
+        expected = CUDAGraphMode.FULL_DECODE_ONLY
+    assert config.compilation_config.cudagraph_mode == expected
+    assert config.additional_config["dsbd"]["full_cuda_graphs"] is True
+    graphs.check(config)
+    off = build(pair, "dsbd", mode, full=False)  # the default, spelled out
+    assert off.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+
+
+@pytest.mark.parametrize("mode", [*FULL_MODES, CUDAGraphMode.PIECEWISE], ids=lambda m: m.name)
+def test_full_cuda_graphs_with_attention_split_out_keep_every_mode(pair, mode):
+    config = gpu_resolved(build(pair, "dsbd", full=True), mode, split_attention=True)
+    assert graphs.enforce(config) is None
+    assert config.compilation_config.cudagraph_mode == mode
+    graphs.check(config)
+
+
+@pytest.mark.parametrize("mode,expected", [(CUDAGraphMode.FULL, CUDAGraphMode.FULL),
+                                           (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_DECODE_ONLY),
+                                           (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY),
+                                           (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE)], ids=lambda m: m.name)
+def test_full_cuda_graphs_with_attention_inside_the_pieces(pair, mode, expected):
+    config = gpu_resolved(build(pair, "dsbd", full=True), mode, split_attention=False)
+    if expected != mode:
+        with pytest.raises(RuntimeError, match=f"cudagraph_mode {mode.name} would replay"):
+            graphs.check(config)
+    assert graphs.enforce(config) == (None if expected == mode else (mode, expected))
+    assert config.compilation_config.cudagraph_mode == expected
+    graphs.check(config)
+
+
+def test_full_cuda_graphs_must_be_a_bool(pair):
+    with pytest.raises(ValueError, match="'full_cuda_graphs' must be true or false"):
+        build(pair, "dsbd", full="yes")

@@ -34,7 +34,8 @@ from vllm_dsbd import patches  # noqa: E402
 from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
-ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget"]
+ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
+           "full_cuda_graphs"]
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +289,7 @@ def test_engine_args_dsbd(pair):
     assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
-        "draft": True, "verify_budget": "auto",
+        "draft": True, "verify_budget": "auto", "full_cuda_graphs": False,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -336,11 +337,12 @@ def test_knobs_from_additional_config(pair):
         ({"min_width": 3, "width": 2}, r"'min_width' must be <= 'width' \(2\), got 3"),
         ({"dynamic_width": "yes"}, r"'dynamic_width' must be true or false"),
         ({"verify_budget": 0}, r"'verify_budget' must be 'auto' \(measured at start-up\), an integer >= 1"),
+        ({"full_cuda_graphs": 1}, r"'full_cuda_graphs' must be true or false, got 1"),
         ({"verify_budget": "off"}, r"'verify_budget' must be 'auto'.*or null \(pinned.*got 'off'"),
         ({"verify_budget": 64, "mode": "single"}, r"'verify_budget' = 64 with mode='single'.*pinned"),
     ],
     ids=["typo", "width0", "width-float", "tau1.5", "tau0", "mode-beam", "mode-full", "min>width", "dyn-str",
-         "budget0", "budget-str", "budget-single"],
+         "budget0", "full-graphs-int", "budget-str", "budget-single"],
 )
 @pytest.mark.parametrize("where", ["speculative_config", "additional_config"])
 def test_bad_knobs_fail_at_startup(pair, knobs, match, where):

@@ -73,6 +73,10 @@ class DSBDConfig:
             request's full step; an integer >= 1: that budget; None: pinned, every request drafts the configured
             width and depth whatever the load. Mode "single" is always pinned (its output law depends on the width
             and depth), as is an engine without a draft model (nothing to shrink); an integer there is refused.
+        full_cuda_graphs: let vLLM's full CUDA graphs (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) replay the target
+            passes that need no forest attention: steps whose forests are all chains (width 1) with no beam request's
+            trie or forest. Other passes run piecewise (attention outside the graphs) or eagerly (``engine/graphs.py``).
+            Off by default: not yet checked on a GPU (``tests/test_engine_full_graphs_gpu.py``).
     """
 
     width: int = 2
@@ -83,6 +87,7 @@ class DSBDConfig:
     mode: str = "sample"
     draft: bool = True
     verify_budget: int | str | None = AUTO_BUDGET
+    full_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, bool):
@@ -108,8 +113,9 @@ class DSBDConfig:
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
             raise ValueError(f"DSBD config: 'width_threshold' must be a number in (0, 1], got {tau!r}")
         object.__setattr__(self, "width_threshold", float(tau))
-        if not isinstance(self.dynamic_width, bool):
-            raise ValueError(f"DSBD config: 'dynamic_width' must be true or false, got {self.dynamic_width!r}")
+        for key in ("dynamic_width", "full_cuda_graphs"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"DSBD config: {key!r} must be true or false, got {getattr(self, key)!r}")
         if self.mode == "full":
             raise ValueError(
                 "DSBD config: 'mode'='full' (full-width mode: W live beams across iterations) is not available in "

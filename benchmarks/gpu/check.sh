@@ -14,7 +14,7 @@ fi
 # -P: do not put the repository root on sys.path (our kernels folder must import as dsbd_kernels only)
 PYTEST=(python -P -m pytest -q -p no:cacheprovider -rfE)
 
-STEPS=${DSBD_GPU_STEPS:-kernel_tests bench_kernels bench_verify engine_tests}  # a subset may be chosen
+STEPS=${DSBD_GPU_STEPS:-kernel_tests bench_kernels bench_verify engine_tests full_graphs}  # a subset may be chosen
 step() {  # step NAME SECONDS CMD...: runs CMD with a time limit, logs to $OUT/NAME.log, one summary line
   local name=$1 limit=$2 t0 rc
   shift 2
@@ -37,9 +37,11 @@ step bench_kernels 120 python benchmarks/bench_kernels.py --quick --csv "$OUT/be
 step bench_verify 90 python benchmarks/bench_verify.py --quick --out "$OUT/verify"
 step engine_tests "${DSBD_ENGINE_TEST_S:-300}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \
   tests/test_engine_sampling.py tests/test_engine_batch.py tests/test_engine_device_resident.py tests/test_engine_chain.py
+# full CUDA graphs over passes without forest attention (setting full_cuda_graphs): tokens equal to eager
+step full_graphs "${DSBD_FULL_GRAPHS_S:-400}" "${PYTEST[@]}" -s tests/test_engine_full_graphs_gpu.py
 
 for f in bench_kernels bench_verify; do [[ -f $OUT/$f.log ]] && { echo "== $f (last lines)"; tail -25 "$OUT/$f.log"; }; done
-for f in kernel_tests engine_tests; do
+for f in kernel_tests engine_tests full_graphs; do
   [[ -f $OUT/$f.log ]] && { echo "== $f (failures)"; grep -E "^(FAILED|ERROR) |^E  +[A-Za-z]*Error" "$OUT/$f.log" | head -15 | cut -c1-300; }
 done
 echo "== summary"

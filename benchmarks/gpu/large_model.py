@@ -16,6 +16,8 @@ size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in
   dsbd         DSBD plain requests at each width of ``--widths`` and each rate; DSBD beam requests (beam search
                W = ``--beam-width``, T = 0, forests of depth ``--depth`` verified at the set rate) and in-engine beam
                search without drafts (depth 0) at ``--beam-batches``
+  dsbd_chain   a width-1 DSBD engine with ``full_cuda_graphs`` (every forest a chain: its decode passes have no
+               forest attention and replay vLLM's full graphs): plain requests at each rate
 CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
 ``--eager``. Rows are printed (``row: {...}``) and appended to ``rows.jsonl`` as they finish, so a run cut by a time
 limit keeps what it measured. Printed last: tokens/s, target passes per token, each row's speed relative to plain
@@ -282,6 +284,25 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
         shutdown(llm)
 
 
+def dsbd_chain_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
+    import vllm
+
+    args = bench.args
+    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": 1,
+            "full_cuda_graphs": True}
+    llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
+    set_acceptance.install(args.rates[0])
+    try:
+        for rate in args.rates:
+            set_acceptance.set_rate(rate)
+            for b in args.batches:
+                bench.run(llm, "DSBD W=1 engine, full graphs (set rate)", b, lambda g: new_tokens(llm.generate(
+                    g, params(args, len(g)), use_tqdm=False)), counter="vllm:dsbd_target_passes", width=1, rate=rate)
+    finally:
+        set_acceptance.uninstall()
+        shutdown(llm)
+
+
 def report(rows: list[dict], args, target_shape: dict) -> str:
     import torch
 
@@ -337,7 +358,7 @@ def main() -> int:
     args.batches, args.beam_batches, args.widths = ints(args.batches), ints(args.beam_batches), ints(args.widths)
     args.rates = [float(r) for r in args.rates.split(",")]
     engines = [] if args.report else [e for e in args.engines.split(",") if e]
-    if unknown := set(engines) - {"plain", "draft_model", "dsbd"}:
+    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_chain"}:
         ap.error(f"unknown engines {sorted(unknown)}")
 
     import torch
@@ -356,7 +377,8 @@ def main() -> int:
     kw = engine_kwargs(args)
     steps = {"plain": lambda: plain_rows(bench, target, kw),
              "draft_model": lambda: draft_model_rows(bench, target, draft, kw),
-             "dsbd": lambda: dsbd_rows(bench, target, draft, kw)}
+             "dsbd": lambda: dsbd_rows(bench, target, draft, kw),
+             "dsbd_chain": lambda: dsbd_chain_rows(bench, target, draft, kw)}
     for e in engines:
         t0 = time.perf_counter()
         steps[e]()

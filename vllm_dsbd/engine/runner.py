@@ -213,6 +213,18 @@ class DSBDRunnerMixin:
         return (i, rows, P, beam.node_parents()[: nodes[-1] + 1], nodes)
 
     # 3. the target pass under forest attention
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        """vLLM's choice of CUDA-graph mode for the pass, with FULL excluded when the pass has forest attention (it
+        runs in Python inside the attention layers, which a full graph would skip): vLLM's own exclusion for cascade
+        attention, ``invalid_modes={FULL}`` in its dispatch. Passes without it (every forest a chain, no beam trie)
+        are plain spec-decode passes; with ``full_cuda_graphs`` they may replay a full graph (``graphs.py``)."""
+        if self._dsbd_forest is not None:
+            if len(args) > 4:  # passed by position (vLLM 0.26 passes it by name)
+                args = (*args[:4], True, *args[5:])
+            else:
+                kwargs["use_cascade_attn"] = True
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
     def _model_forward(self, *args, **kwargs):
         with attention.forest_scope(self._dsbd_forest):
             return super()._model_forward(*args, **kwargs)

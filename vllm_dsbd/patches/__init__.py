@@ -105,8 +105,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    What: a "dsbd" config (a) never has a CUDA graph with attention inside: ``compilation_config.cudagraph_mode``
    FULL / FULL_DECODE_ONLY / FULL_AND_PIECEWISE becomes PIECEWISE where the graphs are split at the attention ops
    (``CompilationConfig.is_attention_compiled_piecewise()``, or ``VLLM_USE_BREAKABLE_CUDAGRAPH``), else NONE, logged
-   at INFO (``engine/graphs.py``); (b) refuses ``logits_processors`` and a ``--reasoning-config`` with thinking
-   delimiters (thinking budgets) with a ValueError naming the setting (``engine/support.py``).
+   at INFO (``engine/graphs.py``); with the DSBD setting ``full_cuda_graphs`` the full modes stay (FULL_AND_PIECEWISE
+   becomes FULL_DECODE_ONLY where its pieces would contain attention) and the DSBD runner excludes FULL from every
+   pass that has forest attention (``runner._determine_batch_execution_and_padding``); (b) refuses
+   ``logits_processors`` and a ``--reasoning-config`` with thinking delimiters (thinking budgets) with a ValueError
+   naming the setting (``engine/support.py``).
    Why: (a) GPU platforms default to FULL_AND_PIECEWISE (config/vllm.py:267, :290); a full graph is replayed for
    uniform decode batches (every request 1 + ``num_speculative_tokens`` tokens: each DSBD decode batch) and skips the
    forest recompute that runs in Python inside ``impl.forward`` (the ``unified_attention_with_output`` custom op,
@@ -119,7 +122,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    the mode again before building its runner. The GPU runner only lowers the mode later
    (``resolve_cudagraph_mode_and_sizes``, compilation.py:1353-1457); drafter graphs are PIECEWISE or NONE in vLLM
    (llm_base_proposer.py:411-426) and the DSBD drafter runs its passes with no runtime graph mode.
-   When it can go: (a) when forest attention is captured correctly in full graphs (its metadata in static buffers),
+   When it can go: (a) when forest attention is captured correctly in full graphs (its metadata in static buffers;
+   today only passes without it, chains, may replay full graphs, and only with ``full_cuda_graphs``),
    or vLLM lets a speculative method declare its CUDA-graph support; (b) with 1, if the registry lets a method say
    which sampler features it applies.
 

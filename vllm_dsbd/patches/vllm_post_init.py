@@ -9,7 +9,8 @@ original has run, the wrapper, for "dsbd" configs only:
 1. ``engine.support.check_engine_config``: refuses engine-level logits processors and an explicit thinking-budget
    reasoning config (ValueError naming the setting); see that module;
 2. ``engine.graphs.enforce``: FULL, FULL_DECODE_ONLY and FULL_AND_PIECEWISE (and PIECEWISE whose graphs would contain
-   attention) become PIECEWISE where the graphs are split at the attention ops, else NONE, logged at INFO.
+   attention) become PIECEWISE where the graphs are split at the attention ops, else NONE, logged at INFO; with the
+   DSBD setting ``full_cuda_graphs`` full modes stay for the passes without forest attention (see that module).
 
 Every config goes through here (``EngineArgs.create_engine_config`` for ``LLM``/``vllm serve``/``AsyncEngineArgs``, a
 ``VllmConfig`` built directly, ``dataclasses.replace`` copies); a config unpickled in an engine-core or worker process

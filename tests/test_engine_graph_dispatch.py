@@ -1,0 +1,75 @@
+"""The DSBD runner never lets a pass with forest attention replay a full CUDA graph, and a pass whose forests are all
+chains has no forest attention at all, real vLLM 0.26.0 on CPU (``runner._determine_batch_execution_and_padding``,
+``engine/graphs.py``, setting ``full_cuda_graphs``).
+
+vLLM's runner picks each pass's CUDA-graph mode through ``cudagraph_dispatcher.dispatch`` after the DSBD runner has
+planned the pass (and built its forest batch). The CPU platform has no graphs, so every dispatch answers NONE; what
+this checks is what the DSBD runner asks: FULL excluded (``invalid_modes={FULL}``, vLLM's own exclusion for cascade
+attention) exactly when the pass has a forest batch. One engine of width 2 (tiny random Llama pair, depth 3, pinned
+speculation) serves width-1 requests (chains: no forest batch in any pass, drafts still accepted), then width-2
+requests (forests: a forest batch, and FULL excluded, in their decode passes).
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
+
+from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [42, 43]]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def runs():
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS), disable_log_stats=False,
+                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
+                                       "width": 2, "verify_budget": None})
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    dispatcher = runner.cudagraph_dispatcher
+    dispatch = dispatcher.dispatch
+    calls: list[tuple[bool, object]] = []  # (the pass has a forest batch, invalid_modes asked)
+
+    def spy(*args, **kwargs):
+        calls.append((runner._dsbd_forest is not None, kwargs.get("invalid_modes")))
+        return dispatch(*args, **kwargs)
+
+    out = {}
+    try:
+        dispatcher.dispatch = spy
+        for width in (1, 2):
+            before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
+            start = len(calls)
+            sp = vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                     extra_args={"dsbd_width": width})
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+            out[width] = (calls[start:], metric(llm, "vllm:spec_decode_num_accepted_tokens") - before)
+    finally:
+        dispatcher.dispatch = dispatch
+        shutdown(llm)
+    return out
+
+
+def test_full_graphs_are_excluded_exactly_for_passes_with_forest_attention(runs):
+    for width, (calls, _) in runs.items():
+        assert calls, width
+        for has_forest, invalid in calls:
+            assert invalid == ({CUDAGraphMode.FULL} if has_forest else None), (width, has_forest, invalid)
+
+
+def test_chains_need_no_forest_attention(runs):
+    calls, accepted = runs[1]
+    assert not any(has_forest for has_forest, _ in calls)
+    assert accepted >= len(PROMPTS)  # drafts were verified in those passes, and accepted
+
+
+def test_forests_of_width_two_do(runs):
+    calls, accepted = runs[2]
+    assert sum(has_forest for has_forest, _ in calls) >= MAX_TOKENS // 4
+    assert accepted >= len(PROMPTS)
