@@ -19,6 +19,7 @@ import logging
 import os
 import pathlib
 import platform
+import re
 import statistics
 import sys
 import time
@@ -43,7 +44,8 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
         # batch 32 on CPU, and the rows would stop measuring the forest path)
         spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": config["depth"],
                 "width": config["width"], "verify_budget": None}
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+    beam = config.get("beam", 0)
+    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512 if beam else 256, seed=0,
                    max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * 64),
                    enable_prefix_caching=False, speculative_config=spec)
     try:
@@ -54,6 +56,13 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
             _timer(runner.drafter.model, draft_t)
         engine = llm.llm_engine
         sp = vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        if beam:  # one engine request per beam search (the plugin's route for LLM.beam_search), T = 0
+            from vllm.sampling_params import BeamSearchParams
+
+            from vllm_dsbd.patches.beam_search_route import beam_request_params
+
+            sp = beam_request_params(BeamSearchParams(beam_width=beam, max_tokens=max_tokens, ignore_eos=True),
+                                     None, prompt_len, 512, config["width"])
         for i in range(batch):
             prompt = [(7 * i + j) % 300 + 5 for j in range(prompt_len)]
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
@@ -82,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "results" / "step_overhead"))
+    ap.add_argument("--configs", default=None, help="regular expression over the row names (default: all)")
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.batches) or args.max_tokens < 4:
         ap.error("--batches must be >= 1 and --max-tokens >= 4")
@@ -101,7 +111,10 @@ def main(argv=None) -> int:
                                     draft_layers=2)
     configs = [{"name": "plain vLLM", "width": 0, "depth": 0},
                {"name": "DSBD W=1 d=3", "width": 1, "depth": 3},
-               {"name": "DSBD W=2 d=3", "width": 2, "depth": 3}]
+               {"name": "DSBD W=2 d=3", "width": 2, "depth": 3},
+               {"name": "DSBD beam search W=4 d=3", "width": 4, "depth": 3, "beam": 4}]
+    if args.configs:
+        configs = [c for c in configs if re.search(args.configs, c["name"])]
     rows = []
     jobs = [(c, b) for c in configs for b in args.batches]
     for c, b in tqdm(jobs, desc="engines", file=sys.stderr):

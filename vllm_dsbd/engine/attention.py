@@ -18,7 +18,6 @@ a compact copy of the blocks the forest requests use (the CPU cache layout is no
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -62,21 +61,25 @@ class ForestBatch:
         entries = [e for e in entries if e[1]]
         if not entries:
             return None
-        rows, cu, ctx, flen, masks = [], [0], [], [], []
-        for req_row, token_rows, ctx_len, parents, query_nodes in entries:
-            m = _ancestor_bits(tuple(parents), max_nodes)
-            masks.append(m[torch.tensor(query_nodes, dtype=torch.int64)])
+        rows, cu, ctx, flen, parents, query = [], [0], [], [], [], []
+        for req_row, token_rows, ctx_len, forest_parents, query_nodes in entries:
+            query.extend(len(parents) + q for q in query_nodes)  # the node's row among all entries' nodes
+            parents.extend(forest_parents)
             rows.extend(token_rows)
             cu.append(cu[-1] + len(token_rows))
             ctx.append(ctx_len)
-            flen.append(len(parents))
+            flen.append(len(forest_parents))
+        # every entry's forest in one call (the masks of all nodes, then the query nodes' rows): per-entry calls
+        # cost ~0.3 ms each on a CPU, and beam requests' tries rarely repeat a shape
+        cu_nodes = torch.tensor([0, *flen], dtype=torch.int64).cumsum(0)
+        mask = ancestor_bitmask(torch.tensor(parents, dtype=torch.int64), cu_nodes, max_nodes=max_nodes)
         return ForestBatch(
             token_index=torch.tensor(rows, dtype=torch.int64),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
             req_rows=torch.tensor([e[0] for e in entries], dtype=torch.int64),
             context_lens=torch.tensor(ctx, dtype=torch.int32),
             forest_lens=torch.tensor(flen, dtype=torch.int32),
-            ancestor_mask=torch.cat(masks, 0),
+            ancestor_mask=mask[torch.tensor(query, dtype=torch.int64)],
         )
 
     def to(self, device: torch.device) -> "ForestBatch":
@@ -108,13 +111,6 @@ def drop_chain_queries(entry: tuple[int, list[int], int, list[int], list[int]]):
     if len(keep) == len(nodes):
         return entry
     return req_row, [rows[k] for k in keep], ctx, parents, [nodes[k] for k in keep]
-
-
-@functools.lru_cache(maxsize=4096)
-def _ancestor_bits(parents: tuple[int, ...], max_nodes: int) -> torch.Tensor:
-    """``ancestor_bitmask`` of one forest's parent list, memoised: forests of one engine repeat a few shapes (read
-    only: callers index it, which copies)."""
-    return ancestor_bitmask(torch.tensor(parents, dtype=torch.int64), max_nodes=max_nodes)
 
 
 _ACTIVE = threading.local()
