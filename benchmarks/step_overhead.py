@@ -7,9 +7,11 @@ engine's own work (scheduling, input preparation, drafting and verification book
 batch size B, B requests with the same 4-token prompt length are added at once; the first step (the prefill) and the
 last are left out, so every measured step decodes all B requests. Forward time is measured with forward hooks on
 the target and the draft model (CPU: no asynchronous execution to account for); each column is the median over the
-measured steps, and the non-model time is the median of each step's (step - target forward - draft forward). Rows: plain vLLM (no speculation,
-the floor of vLLM's own per-step work) and DSBD at width 1 and 2, depth 3, default mode. Issue 15's CPU goal reads
-this table: DSBD's non-model time at batch 32 <= 3x that at batch 1, and 5x below today's at batch 32.
+measured steps, and the non-model time is the median of each step's (step - target forward - draft forward).
+Rows: plain vLLM (no speculation, the floor of vLLM's own per-step work), DSBD at width 1 and 2, depth 3, default
+mode, and DSBD beam search (W = 4, T = 0, depth 3; one engine request per beam search); ``--configs`` picks rows by
+a regular expression. Issue 15's CPU goal reads this table: DSBD's non-model time at batch 32 <= 3x that at
+batch 1, and 5x below today's at batch 32.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
         spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": config["depth"],
                 "width": config["width"], "verify_budget": None}
     beam = config.get("beam", 0)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512 if beam else 256, seed=0,
+    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512 if beam else 256,
+                   seed=0,
                    max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch * 64),
                    enable_prefix_caching=False, speculative_config=spec)
     try:
