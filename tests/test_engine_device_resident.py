@@ -172,6 +172,16 @@ def test_syncs_per_call_do_not_grow_with_the_batch(runs):
             assert sum(m.syncs.values()) <= 2 * max(one), (kind, m.syncs.most_common())
 
 
+def test_drafting_syncs_once_per_depth(runs):
+    """The drafter reads nothing from the device but its one host copy per depth (each depth's draws): the core's
+    branches on the requests' settings read host values (``BatchParams.facts``)."""
+    calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] if k == "propose"]
+    assert calls
+    for m in calls:
+        assert set(m.syncs) == {next(iter(m.syncs))} and next(iter(m.syncs)).startswith("engine/drafter.py"), m.syncs
+        assert sum(m.syncs.values()) <= DEPTH, m.syncs
+
+
 def test_observing_changes_nothing(runs):
     for name in ("one", "many", "greedy", "beams"):
         assert runs[name] == runs["plain"][name]

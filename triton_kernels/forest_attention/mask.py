@@ -58,17 +58,17 @@ def ancestor_bitmask(
     require(parents.dim() == 1, f"parents must be 1-D, got shape {tuple(parents.shape)}")
     require(not parents.is_floating_point(), f"parents must be an integer tensor, got {parents.dtype}")
     n = parents.numel()
-    device = parents.device
     max_nodes = n if max_nodes is None else max_nodes
     num_words = num_mask_words(max_nodes)
-    idx = torch.arange(n, device=device, dtype=torch.int64)
     parents = parents.to(torch.int64)
+    # every tensor derives from ``parents`` (no device argument): the mask is built wherever the parents are
+    idx = torch.ones_like(parents).cumsum(0) - 1
     if cu_nodes is None:
         start = torch.zeros_like(idx)
         size = torch.full_like(idx, n)
     else:
         require(cu_nodes.dim() == 1 and cu_nodes.numel() >= 1, "cu_nodes must be 1-D [num_reqs + 1]")
-        cu = cu_nodes.to(device=device, dtype=torch.int64)
+        cu = cu_nodes.to(parents)
         req = torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)
         start = cu[req]
         size = cu[req + 1] - start
@@ -79,7 +79,7 @@ def ancestor_bitmask(
         require(bool(((parents >= -1) & (parents < size)).all()), "parents must be -1 or a local index in the forest")
     has_parent = parents >= 0
     jump = torch.where(has_parent, parents + start, -1)  # [n] global index of the 2**k-th ancestor
-    mask = torch.zeros(n, num_words, dtype=torch.int64, device=device)
+    mask = parents.new_zeros(n, num_words)
     mask.scatter_(1, (local // WORD_BITS)[:, None], _bit_values(local % WORD_BITS)[:, None])
     for _ in range(max(0, math.ceil(math.log2(max(max_nodes, 1))))):
         has = jump >= 0

@@ -67,7 +67,8 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     V = logits.shape[1]
     dev = logits.device
     det = params.deterministic
-    greedy = bool(det.any())  # deterministic rows need their beam's score (and the general joint's masks)
+    facts = params.facts  # host values (no read of a device tensor)
+    greedy = facts.any_deterministic  # deterministic rows need their beam's score (and the general joint's masks)
     if greedy:
         sampling = ~det
         temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
@@ -75,7 +76,7 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     else:  # the same tensors' values
         temp, top_k, top_p = params.temperature, params.top_k, params.top_p
     temp = temp[:, None, None]
-    truncated = bool((top_k > 0).any() | (top_p < 1.0).any())
+    truncated = facts.top_k_max > 0 or facts.any_top_p  # over the sampling rows: top_k, top_p above
     layers = torch.arange(L, device=dev)
     in_depth = layers[None, :] <= params.depth[:, None]  # [R, L] layer d is processed (if alive)
     has_draft = torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None])
@@ -99,7 +100,7 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
         # joint.joint_logprobs of every row with its one live beam (score s: s - s = 0 on the joint)
         joint = torch.log_softmax(logits[src[:, d]].float()[:, None] / temp, dim=-1).reshape(R, V) + 0.0
         if truncated:
-            joint = _top_k_top_p(joint, top_k, top_p)
+            joint = _top_k_top_p(joint, top_k, top_p, facts.top_k_max, facts.any_top_p)
         norm = torch.logsumexp(joint, dim=-1, keepdim=True)
         if greedy:
             logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)

@@ -43,25 +43,32 @@ def joint_logprobs(logits: torch.Tensor, scores: torch.Tensor, live: torch.Tenso
     shift = torch.where(torch.isfinite(top), top, 0.0)  # keeps the normalisation accurate for long sequences
     joint = torch.where(live[:, :, None], (s - shift)[:, :, None] + lp, NEG_INF).reshape(R, S * V)
     sampling = ~params.deterministic
-    joint = _top_k_top_p(joint, torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0))
+    facts = params.facts
+    joint = _top_k_top_p(joint, torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0),
+                         facts.top_k_max, facts.any_top_p)
     score = joint + shift
     norm = torch.logsumexp(joint, dim=-1, keepdim=True)
     norm = torch.where(sampling[:, None] & torch.isfinite(norm), norm, -shift)
     return joint - norm, score
 
 
-def _top_k_top_p(joint: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p(joint: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, top_k_max: int | None = None,
+                 any_top_p: bool | None = None) -> torch.Tensor:
     """Masks [R, J] log-weights to the top-k entries, then to the smallest top set holding mass >= top_p.
 
-    Ties at a threshold are all kept. Rows with top_k = 0 / top_p = 1 are untouched. Sorts only when needed."""
+    Ties at a threshold are all kept. Rows with top_k = 0 / top_p = 1 are untouched. Sorts only when needed.
+    ``top_k_max`` (= max of top_k) and ``any_top_p`` (= any top_p < 1), when given, are those values known on the
+    host: the branches then read no tensor (no host synchronisation on a device)."""
     use_k = top_k > 0
-    if bool(use_k.any()):
-        kmax = int(top_k.max())
+    if top_k_max is None:
+        top_k_max = int(top_k.max()) if bool(use_k.any()) else 0
+    if top_k_max > 0:
+        kmax = top_k_max
         vals = torch.topk(joint, min(kmax, joint.shape[1]), dim=-1).values  # [R, kmax]
         kth = vals.gather(1, (top_k.clamp(1, vals.shape[1]) - 1)[:, None])
         joint = torch.where(use_k[:, None] & (joint < kth), NEG_INF, joint)
     use_p = top_p < 1.0
-    if bool(use_p.any()):
+    if any_top_p if any_top_p is not None else bool(use_p.any()):
         srt = torch.sort(joint, dim=-1, descending=True).values  # [R, J]
         probs = torch.softmax(srt, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each sorted entry

@@ -7,6 +7,35 @@ import torch
 
 
 @dataclass(frozen=True)
+class HostFacts:
+    """What the core's control flow reads from a batch's settings, as host values. Reading a device tensor's value
+    waits for the device (a host synchronisation), so :class:`BatchParams` computes these once, on the host before
+    the settings move to the device (:meth:`BatchParams.to`), and carries them."""
+
+    width_max: int  # the most draws per step of any request
+    any_deterministic: bool
+    all_deterministic: bool
+    top_k_max: int  # the largest top-k among sampling requests (0: none uses top-k)
+    any_top_p: bool  # some sampling request uses top-p
+    any_eos_rule: bool  # some deterministic full-width request has an EOS (beam_step's EOS rule applies)
+
+    @staticmethod
+    def of(p: "BatchParams") -> "HostFacts":
+        """From the tensors (one host copy if they are on a device)."""
+        if not p.num_requests:
+            return HostFacts(0, False, True, 0, False, False)
+        det = p.deterministic
+        samp = ~det
+        parts = torch.stack([p.width.max(), det.any(), det.all(), torch.where(samp, p.top_k, 0).max(),
+                             (samp & (p.top_p < 1.0)).any(), (det & (p.eos >= 0) & ~p.single).any()])
+        w, a, al, k, tp, e = parts.tolist()
+        return HostFacts(int(w), bool(a), bool(al), int(k), bool(tp), bool(e))
+
+
+_FACT_FIELDS = {"temperature", "top_k", "top_p", "width", "eos", "single"}
+
+
+@dataclass(frozen=True)
 class BatchParams:
     """Settings of R requests. All tensors are [R] on one device.
 
@@ -57,13 +86,33 @@ class BatchParams:
     def layer_width(self) -> torch.Tensor:  # [R] int64: the most outputs of a verified layer, min(W, max_k)
         return torch.where(self.max_k > 0, torch.minimum(self.width, self.max_k), self.width)
 
+    @property
+    def facts(self) -> HostFacts:
+        """:class:`HostFacts` of these settings: carried from the host (see :meth:`to`), else computed once (one host
+        copy when the tensors are on a device)."""
+        facts = self.__dict__.get("_facts")
+        if facts is None:
+            facts = HostFacts.of(self)
+            object.__setattr__(self, "_facts", facts)
+        return facts
+
+    def _carry(self, new: "BatchParams") -> "BatchParams":
+        if "_facts" in self.__dict__:
+            object.__setattr__(new, "_facts", self.__dict__["_facts"])
+        return new
+
     def select(self, rows: torch.Tensor) -> "BatchParams":
         """The params of a subset of requests (rows: index or bool mask)."""
         return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
     def with_(self, **kw) -> "BatchParams":
-        return replace(self, **kw)
+        new = replace(self, **kw)
+        return new if _FACT_FIELDS & kw.keys() else self._carry(new)
 
     def to(self, device) -> "BatchParams":
-        """The same params on ``device`` (tensors already there are kept as they are)."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        """The same params on ``device`` (tensors already there are kept as they are), with their :attr:`facts`
+        computed before they leave the host."""
+        if self.temperature.device.type == "cpu":
+            self.facts  # noqa: B018  (computed on the host, carried)
+        new = replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        return self._carry(new)

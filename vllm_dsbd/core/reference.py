@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -212,8 +212,8 @@ def _dsbd_iteration(target, draft, act, params):
         par_scores, par_live = st.score, st.valid & not_eos
     forest = Forest.from_steps(steps, params.depth, S)
     # 2. one target pass over roots and every forest node
-    keys = [(i, 0, b) for i, b in roots] + [(i, d + 1, j) for d in range(G) for i, j in
-                                             zip(*[t.tolist() for t in torch.nonzero(forest.valid[:, d], as_tuple=True)])]
+    nodes = [zip(*[t.tolist() for t in torch.nonzero(forest.valid[:, d], as_tuple=True)]) for d in range(G)]
+    keys = [(i, 0, b) for i, b in roots] + [(i, d + 1, j) for d in range(G) for i, j in nodes[d]]
     logits, calls = _evaluate(target, [seqs[k] for k in keys])
     tl = torch.zeros(R, G + 1, S, logits.shape[1])
     for (i, d, s), row in zip(keys, logits):

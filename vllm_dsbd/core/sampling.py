@@ -60,7 +60,8 @@ def beam_step(logits: torch.Tensor, scores: torch.Tensor, live: torch.Tensor, pa
         stream:   which random stream (target baseline or draft).
     """
     R, S, V = logits.shape
-    wm = int(params.width.max())
+    facts = params.facts  # host values: no read of a device tensor
+    wm = facts.width_max
     joint, score = joint_logprobs(logits, scores, live, params)
     det = params.deterministic
     # vLLM's beam-search EOS rule applies to full-width deterministic rows; single-beam rows treat EOS like any
@@ -70,7 +71,7 @@ def beam_step(logits: torch.Tensor, scores: torch.Tensor, live: torch.Tensor, pa
     eos_done = torch.zeros(R, S, dtype=torch.bool, device=logits.device)
     eos_score = torch.full((R, S), NEG_INF, device=logits.device)
     keys = joint
-    if bool((det & has_eos).any()):
+    if facts.any_eos_rule:  # some row of det & has_eos
         lp = next_token_logprobs(logits, params)  # [R, S, V]
         lp_eos = lp.gather(2, eos_col[:, None, None].expand(R, S, 1)).squeeze(2)
         rank = (lp > lp_eos[:, :, None]).sum(-1)  # tokens strictly better than EOS
@@ -79,7 +80,7 @@ def beam_step(logits: torch.Tensor, scores: torch.Tensor, live: torch.Tensor, pa
         cols = (torch.arange(S, device=logits.device) * V)[None, :] + eos_col[:, None]  # [R, S]
         masked = joint.scatter(1, cols, NEG_INF)
         keys = torch.where((det & has_eos)[:, None], masked, joint)
-    if bool((~det).any()):
+    if not facts.all_deterministic:
         g = rng.gumbel(rng.request_key(params.seed, position, stream), S * V)
         keys = torch.where(det[:, None], keys, keys + g)
     vals, idx = torch.topk(keys, min(wm, S * V), dim=-1)

@@ -154,7 +154,7 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
     R, L, S, V = target_logits.shape
     G = L - 1
     dev = target_logits.device
-    wm = int(params.width.max())
+    wm = params.facts.width_max
     kw = params.layer_width  # [R] the most outputs per layer (W, or 1 for exact target sampling)
     det = params.deterministic
     min_w = torch.minimum(params.min_width, kw)  # the dynamic width's floor
