@@ -13,7 +13,10 @@ logits tagged). Checked:
   a call makes at most twice the synchronisations of a call at batch 1 (data-dependent branches taken more often);
   the counts and lines are printed;
 * beam requests (``LLM.beam_search``, width-2 engine): their logits rows of a step come to the host in one copy;
-* the outputs are those of the same engine without the simulated device (it observes, it changes nothing).
+* the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
+* width 1 with the static chain path (``core/chain_static.py``, what the sampler runs on a GPU, forced here): each
+  verification makes one host synchronisation (its results' copy), drafting one per depth, and the outputs equal
+  the CPU's row-subset chain path's.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]
 class Observer:
     """Runs the drafter's and the sampler's entry points under a SimulatedDevice, one per call, and keeps them."""
 
-    def __init__(self):
+    def __init__(self, chain_static: bool | None = None):
+        self.chain_static = chain_static
         self.calls: list[tuple[str, int, sim_device.SimulatedDevice]] = []
         self.forest_tensors: list[bool] = []
         self.active = False
@@ -48,14 +52,14 @@ class Observer:
 
         def verify(logits, rows, cfg):
             if not obs.active:
-                return orig_verify(logits, rows, cfg)
+                return orig_verify(logits, rows, cfg)  # the reference runs: the CPU's default path
             for r in rows:
                 if r.forest is not None:
                     f = r.forest.forest
                     obs.forest_tensors.append(all(sim_device.on_device(t) for t in (f.valid, f.q_joint, f.parent)))
             mode = sim_device.SimulatedDevice()
             with mode:
-                out = orig_verify(sim_device.tag(logits), rows, cfg)
+                out = orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.chain_static)
             obs.calls.append(("verify", len(rows), mode))
             return out
 
@@ -97,9 +101,9 @@ class Observer:
         monkeypatch.setattr(drafter.DSBDDrafter, "_forward", forward)
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["width2", "width1"])
+@pytest.fixture(scope="module", params=[(2, None), (1, None), (1, True)], ids=["width2", "width1", "width1-static"])
 def runs(request):
-    width = request.param
+    width, chain_static = request.param
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
@@ -107,7 +111,7 @@ def runs(request):
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                        "width": width, "verify_budget": None})
     mp = pytest.MonkeyPatch()
-    obs = Observer()
+    obs = Observer(chain_static)
     obs.install(mp)
 
     def gen(prompts, temperature, eos_stop):
@@ -136,6 +140,7 @@ def runs(request):
         out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
         out["beams_calls"] = obs.calls[n0:]
         out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
+        out["static"] = chain_static
         return out
     finally:
         mp.undo()
@@ -182,12 +187,22 @@ def test_drafting_syncs_once_per_depth(runs):
         assert sum(m.syncs.values()) <= DEPTH, m.syncs
 
 
+@pytest.mark.parametrize("runs", [(1, True)], indirect=True, ids=["width1-static"])
+def test_static_chain_verification_syncs_once(runs):
+    assert runs["static"]
+    calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] + runs["greedy_calls"] if k == "verify"]
+    assert calls
+    for m in calls:
+        assert sum(m.syncs.values()) == 1 and next(iter(m.syncs)).startswith("engine/sampler.py"), m.syncs
+
+
 def test_observing_changes_nothing(runs):
     for name in ("one", "many", "greedy", "beams"):
         assert runs[name] == runs["plain"][name]
 
 
-@pytest.mark.parametrize("runs", [2], indirect=True, ids=["width2"])  # beam search W = 2 needs an engine width >= 2
+# beam search W = 2 needs an engine width >= 2
+@pytest.mark.parametrize("runs", [(2, None)], indirect=True, ids=["width2"])
 def test_beam_requests_logits_come_over_in_one_copy(runs):
     """Beam requests keep their beam steps on the host; their logits rows of a step come over in one copy (not one or
     two per request), without mixing device and host tensors."""

@@ -4,7 +4,8 @@ peaked and flat targets, drafts from a noisy draft and drafts equal to the targe
 truncated forests, temperatures (0 included), top-k / top-p, EOS hit at every depth, and drafts whose Q has more mass
 than P everywhere (``verify_layer``'s fallback to P, where a residual draw can land on the draft and pass). The test
 also checks that the cases exercised what they are meant to (accepts, rejects, full passes, EOS ends, fallbacks, the
-fast path itself)."""
+fast path itself). The static chain path (``core/chain_static.py``: every row and layer under masks, no host
+synchronisation; what a GPU runs) is compared on the same steps and must answer them all itself."""
 from __future__ import annotations
 
 import random
@@ -36,9 +37,10 @@ def _random_req(rnd: random.Random, G: int, V: int) -> Req:
 
 @pytest.fixture
 def fast_calls(monkeypatch):
-    """Counts the chain core's calls and the calls it answered (None: it declined, the general path decided)."""
+    """Counts the chain cores' calls and the calls they answered (None, or a declined row: the general path
+    decided)."""
     calls = Counter()
-    core = sampler.verify_chains
+    core, static = sampler.verify_chains, sampler.verify_chains_static
 
     def spy(*args):
         out = core(*args)
@@ -46,16 +48,25 @@ def fast_calls(monkeypatch):
         calls["answered"] += out is not None
         return out
 
+    def spy_static(*args):
+        out = static(*args)
+        calls["static called"] += 1
+        calls["static answered"] += not bool(out.declined.any())
+        return out
+
     monkeypatch.setattr(sampler, "verify_chains", spy)
+    monkeypatch.setattr(sampler, "verify_chains_static", spy_static)
     return calls
 
 
 def _compare(logits, plans, cfg, seen: Counter):
-    fast = sampler.verify(logits, plans, cfg)
+    fast = sampler.verify(logits, plans, cfg, chain_static=False)
+    static = sampler.verify(logits, plans, cfg, chain_static=True)
     general = sampler.verify(logits, plans, cfg, chain_fast_path=False)
-    assert len(fast) == len(general)
-    for i, (a, b) in enumerate(zip(fast, general)):
+    assert len(fast) == len(static) == len(general)
+    for i, (a, c, b) in enumerate(zip(fast, static, general)):
         assert (a.tokens, a.path, a.passed, a.widths, a.rows) == (b.tokens, b.path, b.passed, b.widths, b.rows), i
+        assert (c.tokens, c.path, c.passed, c.widths, c.rows) == (b.tokens, b.path, b.passed, b.widths, b.rows), i
         depth = plans[i].forest.forest.depth.item() if plans[i].forest is not None else 0
         seen["rows"] += 1
         seen["depth 0"] += depth == 0
@@ -80,6 +91,7 @@ def test_chain_fast_path_equals_general_path(G, V, fast_calls):
         _compare(logits, plans, cfg, seen)
     # the fast path ran on every step, and the cases covered what they are meant to
     assert fast_calls["called"] == fast_calls["answered"] == steps
+    assert fast_calls["static called"] == fast_calls["static answered"] == steps
     for what in ("depth 0", "rejected", "full passes", "eos ends", "eos on a passed node", "greedy rows",
                  "truncated"):
         assert seen[what] >= 3 or (what == "truncated" and G == 1), (what, seen)  # G = 1: nothing to cut
@@ -97,6 +109,7 @@ def test_chain_fast_path_uniform_steps(fast_calls):
         logits, plans, cfg = build_step(reqs, G, V, seed=step)
         _compare(logits, plans, cfg, seen)
     assert fast_calls["called"] == fast_calls["answered"] == 5
+    assert fast_calls["static called"] == fast_calls["static answered"] == 5
     assert seen["full passes"] and seen["rejected"], seen
 
 
@@ -109,7 +122,7 @@ def test_double_q_fallback_passes_by_a_draw(fast_calls):
         reqs = [Req(depth=3, drafts="double_q", peak=8.0) for _ in range(8)]
         logits, plans, cfg = build_step(reqs, 3, 30, seed=step)
         _compare(logits, plans, cfg, seen)
-        for plan, res in zip(plans, sampler.verify(logits, plans, cfg)):
+        for plan, res in zip(plans, sampler.verify(logits, plans, cfg, chain_static=False)):
             # the first layer's coin: accepted iff u * 2 P(z) < P(z), i.e. u < 1/2; a pass with u clearly above
             # means the draw from P landed on the draft
             st = plan.state
@@ -117,6 +130,7 @@ def test_double_q_fallback_passes_by_a_draw(fast_calls):
             u = float(rng.uniform(key, torch.zeros(1, dtype=torch.int64)))
             landed += u > 0.51 and res.passed > 0
     assert fast_calls["answered"] == fast_calls["called"] == 40
+    assert fast_calls["static answered"] == fast_calls["static called"] == 20
     assert landed > 0 and seen["rejected"] > 0, (landed, seen)
 
 
@@ -128,12 +142,15 @@ def test_nan_logits_decline_to_the_general_path(fast_calls):
     with pytest.raises(AssertionError):
         sampler.verify(logits, plans, cfg, chain_fast_path=False)
     with pytest.raises(AssertionError):
-        sampler.verify(logits, plans, cfg)
+        sampler.verify(logits, plans, cfg, chain_static=False)
+    with pytest.raises(AssertionError):
+        sampler.verify(logits, plans, cfg, chain_static=True)
     assert fast_calls["called"] == 1 and fast_calls["answered"] == 0
+    assert fast_calls["static called"] == 1 and fast_calls["static answered"] == 0
 
 
 def test_other_configs_take_the_general_path(fast_calls):
     logits, plans, _ = build_step([Req(depth=2)], 2, 20, seed=2)
     sampler.verify(logits, plans, DSBDConfig(width=1, depth=2, mode="single"))
     sampler.verify(logits, plans, DSBDConfig(width=1, depth=2), chain_fast_path=False)
-    assert fast_calls["called"] == 0
+    assert fast_calls["called"] == fast_calls["static called"] == 0

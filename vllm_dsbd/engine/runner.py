@@ -164,8 +164,9 @@ class DSBDRunnerMixin:
             n = len(sched)
             if n and pf is not None and pf.root_pos == L - 1 and pf.tokens[:n] == list(sched):
                 cut = pf.uncut if pf.uncut is not None and n >= len(pf.tokens) else sampler.truncate(pf.forest, L, n)
-                row.forest = PendingForest(forest=cut, tokens=pf.tokens[:n],
-                                           parents=pf.parents[:n], depths=pf.depths[:n], root_pos=pf.root_pos)
+                # depth: the deepest scheduled node's, what truncate's (or the drafter's uncut) depth tensor holds
+                row.forest = PendingForest(forest=cut, tokens=pf.tokens[:n], parents=pf.parents[:n],
+                                           depths=pf.depths[:n], root_pos=pf.root_pos, depth=max(pf.depths[:n]))
                 row.num_nodes = n
                 row.drafted_depth = pf.depth if pf.depth is not None else int(pf.forest.depth[0])
                 base = int(qsl[i]) + ns - n

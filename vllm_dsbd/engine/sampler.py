@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.core.chain import verify_chains
+from vllm_dsbd.core.chain import ChainResult, verify_chains
+from vllm_dsbd.core.chain_static import verify_chains_static
 from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.outputs import iteration_outputs
@@ -85,7 +86,7 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
-           chain_fast_path: bool = True) -> list[RowResult]:
+           chain_fast_path: bool = True, chain_static: bool | None = None) -> list[RowResult]:
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
 
     Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
@@ -94,7 +95,9 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
 
     At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` gives the same results as
     the general path (``tests/test_verify_chain.py`` compares them) for a fraction of its cost;
-    ``chain_fast_path=False`` always takes the general path."""
+    ``chain_fast_path=False`` always takes the general path. On a device (not the CPU), or with ``chain_static``,
+    the chain path is ``core.chain_static.verify_chains_static``: the same decisions with no host synchronisation
+    but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device
@@ -105,13 +108,14 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
                     score=torch.cat([f.score for f in forests]).to(dev),
                     q_joint=torch.cat([f.q_joint for f in forests]).to(dev),
                     depth=torch.cat([f.depth for f in forests]).to(device=dev, dtype=torch.int64))
-    depth = forest.depth.tolist()
+    depth = _depths(rows, forest)
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
     params = _params([r.state for r in rows], depth, cfg).to(dev)
     if (chain_fast_path and W == 1 and cfg.mode == "sample" and forest.max_depth == G
             and forest.q_joint.shape[-1] == V):
-        out = _verify_chains(logits, rows, forest, compact, params, ctx, depth)
+        static = dev.type != "cpu" if chain_static is None else chain_static
+        out = _verify_chains(logits, rows, forest, compact, params, ctx, depth, static)
         if out is not None:
             return out
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
@@ -163,23 +167,37 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     return out
 
 
+def _depths(rows: list[RowPlan], forest: Forest) -> list[int]:
+    """Each request's forest depth: the host value the runner gives (``PendingForest.depth``, 0 without a forest),
+    else read from the forest (one synchronisation on a device)."""
+    known = [0 if r.forest is None else r.forest.depth for r in rows]
+    return forest.depth.tolist() if None in known else known
+
+
 def _verify_chains(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
-                   params: BatchParams, ctx: torch.Tensor, depth: list[int]) -> list[RowResult] | None:
-    """Width 1: every forest is a chain (node d at slot 0 of depth d); its logits row follows the root's by
-    ``1 + compact index``. None: the chain core declined (the general path then decides, and reports)."""
+                   params: BatchParams, ctx: torch.Tensor, depth: list[int], static: bool) -> list[RowResult] | None:
+    """Width 1: every forest is a chain (node d at slot 0 of depth d, compact index d - 1); its logits row follows
+    the root's by ``1 + compact index``. None: the chain core declined (the general path then decides, and reports).
+    The accepted nodes' tokens are the forest's host token list (a chain's compact order is its depth order)."""
     G = forest.max_depth
     valid = forest.valid[:, :, 0]
     comp = compact[:, :, 0]
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=logits.device)
     src = first[:, None].repeat(1, G + 1)
     src[:, 1:] += torch.where(valid, 1 + comp, 0)
-    res = verify_chains(logits, src, forest.token[:, :, 0], valid, forest.q_joint, params, ctx)
-    if res is None:
-        return None
-    host = torch.cat([forest.token[:, :, 0], comp], 1).cpu()  # one copy: the chains' tokens and compact indices
-    tok_l, comp_l = host[:, :G].tolist(), host[:, G:].tolist()
-    return [RowResult(tokens=tok_l[i][:k] + [res.token[i]], path=comp_l[i][:k], passed=res.passed[i],
-                      widths=[1] * min(k + 1, depth[i])) for i, k in enumerate(res.last)]
+    if static:
+        t = verify_chains_static(logits, src, forest.token[:, :, 0], valid, forest.q_joint, params, ctx)
+        last, passed, token, declined = torch.stack([t.last, t.passed, t.token, t.declined.long()]).tolist()
+        if any(declined):
+            return None
+        res = ChainResult(last=last, passed=passed, token=token)
+    else:
+        res = verify_chains(logits, src, forest.token[:, :, 0], valid, forest.q_joint, params, ctx)
+        if res is None:
+            return None
+    return [RowResult(tokens=(row.forest.tokens[:k] if k else []) + [res.token[i]], path=list(range(k)),
+                      passed=res.passed[i], widths=[1] * min(k + 1, depth[i]))
+            for i, (row, k) in enumerate(zip(rows, res.last))]
 
 
 def sampled_token_ids(results: list[RowResult], num_reqs: int) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Chain verification with static shapes and no host synchronisation: ``chain.verify_chains``'s decisions, computed on
+every row and every layer with masks instead of row subsets and early exits.
+
+``chain.verify_chains`` steps through the layers on the rows still verifying (``nonzero`` subsets, ``bool(any())``
+branches): each branch and each data-dependent shape makes the host wait for a GPU. Here every layer runs on all R
+rows, whether or not a row still verifies, and what a row does not need is masked away; the results stay on the
+device, with a flag for the rows the chain core would decline (NaN logits). The caller reads them in one copy. Fixed
+shapes and no reads on the host also make the computation capturable in a CUDA graph (not done yet).
+
+Why the decisions are the chain core's (``tests/test_verify_chain.py`` compares both with the general path):
+- the joint, its normaliser, P and Q are the same operations on the same rows (the chain core already computes the
+  joint on every row); exp, log, the uniforms and the Gumbel keys are element-wise and exact per entry, argmax and
+  top-1 are exact;
+- a residual draw is made on every row and every layer, with the key of its (request, layer), and used where the chain
+  core makes it: a row that rejects its draft, or has none. Drawing now or after the loop gives the same token (the
+  same T row and key). A residual draw lands on the rejected draft only where the residual has no mass there, which
+  is when the chain core draws at once and lets the draw pass the layer; elsewhere the draft's residual is exactly 0
+  (log 0 = -inf) and the draw cannot be it. So ``passes = accepted | (draw == draft)`` is the chain core's rule;
+- the only operations whose rounding can depend on the number of rows are the residual's row sum and the check that
+  T has mass (sums over V). On one thread, and on any number of threads for two or more rows, a CPU row sum does not
+  depend on the other rows (measured; a lone row on two threads can differ in the last bit); a 1-ulp difference of a
+  normaliser moves a decision only when a Gumbel race is tied within that ulp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import rng
+from .joint import _top_k_top_p
+from .params import BatchParams
+from .verify import _TINY
+
+
+@dataclass
+class ChainTensors:
+    """Per request, on the logits' device: what ``chain.ChainResult`` holds, plus whether the chain core declines."""
+
+    last: torch.Tensor  # [R] int64 index of the last processed layer
+    passed: torch.Tensor  # [R] int64 layers passed
+    token: torch.Tensor  # [R] int64 the last processed layer's output token
+    declined: torch.Tensor  # [R] bool a processed row without finite target log-probabilities
+
+
+def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, valid: torch.Tensor,
+                         q_joint: torch.Tensor, params: BatchParams, context_len: torch.Tensor) -> ChainTensors:
+    """``chain.verify_chains`` (same arguments) without reading a tensor on the host; the rows it would decline are
+    flagged (``declined.any()``: the general path must decide the step). ``src`` must hold a valid row of ``logits``
+    everywhere (any row where the node is not valid): every layer reads every row."""
+    R, L = src.shape
+    G = L - 1
+    V = logits.shape[1]
+    dev = logits.device
+    det = params.deterministic
+    facts = params.facts
+    greedy = facts.any_deterministic
+    sampling = ~det
+    if greedy:
+        temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
+        top_k, top_p = torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0)
+    else:
+        temp, top_k, top_p = params.temperature, params.top_k, params.top_p
+    temp = temp[:, None, None]
+    truncated = facts.top_k_max > 0 or facts.any_top_p
+    layers = torch.arange(L, device=dev)
+    in_depth = layers[None, :] <= params.depth[:, None]
+    has_draft = torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None])
+    z_all = torch.nn.functional.pad(token, (0, 1))
+    eos = torch.where(params.eos >= 0, params.eos, -1)
+    base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)  # [R, L]
+    coin = rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base))
+    residual_key = rng.stream_key(base, rng.Stream.RESIDUAL)
+    cols = torch.arange(V, device=dev)[None, :]
+    s = torch.zeros(R, 1, device=dev)
+    alive = torch.ones(R, dtype=torch.bool, device=dev)
+    passed = torch.zeros(R, dtype=torch.int64, device=dev)
+    last = torch.zeros(R, dtype=torch.int64, device=dev)
+    final = torch.zeros(R, dtype=torch.int64, device=dev)
+    declined = torch.zeros(R, dtype=torch.bool, device=dev)
+    for d in range(L):
+        rows = alive & in_depth[:, d]
+        joint = torch.log_softmax(logits[src[:, d]].float()[:, None] / temp, dim=-1).reshape(R, V) + 0.0
+        if truncated:
+            joint = _top_k_top_p(joint, top_k, top_p, facts.top_k_max, facts.any_top_p)
+        norm = torch.logsumexp(joint, dim=-1, keepdim=True)
+        if greedy:
+            logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
+        else:
+            logp = joint - norm
+        z, dval = z_all[:, d], has_draft[:, d] & alive
+        zi = z[:, None]
+        p = torch.exp(logp)
+        if d < G:
+            q = torch.exp(q_joint[:, d])
+            hit = (coin[:, d, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)
+            acc = dval & hit
+            res = (p - q).clamp(min=0.0)
+            tot = res.sum(1, keepdim=True)
+            tr = torch.where(tot > _TINY, res / tot, p)
+            tn = torch.where((dval & ~hit)[:, None], tr, p)  # rejected: the residual; no draft: P
+        else:
+            acc = torch.zeros_like(dval)
+            tn = p
+        samp = rows & sampling
+        declined |= samp & ~acc & torch.isnan(tn).any(1)  # the chain core's decline: a row that draws, NaN in T
+        tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, p)  # no mass left: P
+        g = rng.uniform(residual_key[:, d, None], cols).log_().neg_().log_().neg_()  # rng.gumbel's steps
+        y = torch.argmax(torch.log(tn) + g, dim=-1)
+        out = torch.where(acc, z, y)
+        passes = acc | (y == z)
+        if greedy:
+            vals, idx = torch.topk(logp, 1, dim=-1)
+            drow = rows & det
+            declined |= drow & ~torch.isfinite(vals[:, 0])
+            out = torch.where(det, idx[:, 0], out)
+            passes = torch.where(det, idx[:, 0] == z, passes)
+        ok = dval & passes
+        passed += ok
+        last = torch.where(rows, d, last)
+        final = torch.where(rows, out, final)
+        if greedy:
+            s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
+        alive = ok & (out != eos)
+    return ChainTensors(last=last, passed=passed, token=final, declined=declined)
