@@ -8,7 +8,9 @@ top-k / top-p, greedy requests and requests that may stop at EOS, generated twic
 ``sampler.verify(..., chain_fast_path=False)`` for every step. Outputs are compared token for token, and the fast path
 must have answered every verification step of the first run. A width-1 forest is a chain, which the layers' own
 causal attention already computes right (``attention.drop_chain_queries``): no pass of either run recomputes forest
-attention, and the drafts are still accepted (vLLM's spec-decode counters).
+attention, and the drafts are still accepted (vLLM's spec-decode counters). A third run drafts with the general depth
+loop instead of the width-1 chain drafter (``DSBDDrafter._draft_chains``, one host copy for all depths): the same
+tokens and the same accepted-draft count.
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import functools
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.engine import attention, sampler  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
-DEPTH, MAX_TOKENS = 3, 24
+DEPTH, MAX_TOKENS, EOS = 3, 24, 166
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
 
 
@@ -32,14 +34,16 @@ def _params():
         out.append(vllm.SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=i % 2 == 0))
         out.append(vllm.SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=200 + i, max_tokens=MAX_TOKENS,
                                        ignore_eos=True))
-        out.append(vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        out.append(vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=i % 2 == 1))
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
+    # EOS = a token this random model draws often (166 repeats in its greedy outputs), so that drafts end at EOS
+    target = with_eos(target, tmp_path_factory.mktemp("eos") / "target", EOS)
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
                    enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 3, disable_log_stats=False,
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
@@ -67,26 +71,38 @@ def runs():
         general = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
         general_calls = calls["called"] - fast_calls["called"]
         accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        sampler.verify = verify
+        drafter = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+        drafter.chain_drafting = False
+        loop = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
+        loop_accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted
     finally:
         sampler.verify_chains, sampler.verify, attention.recompute_forest_outputs = core, verify, recompute
         shutdown(llm)
-    return fast, general, fast_calls, general_calls, calls["recomputed"], accepted
+    return fast, general, fast_calls, general_calls, calls["recomputed"], accepted, loop, loop_accepted
 
 
 def test_width_one_engine_same_tokens_with_and_without_the_fast_path(runs):
-    fast, general, fast_calls, general_calls, _, _ = runs
+    fast, general, fast_calls, general_calls, *_ = runs
     assert fast == general
     assert all(len(t) > 0 for t in fast)
     assert len({tuple(t) for t in fast}) > len(PROMPTS)  # the seeds and settings give different samples
 
 
 def test_the_fast_path_ran(runs):
-    _, _, fast_calls, general_calls, _, _ = runs
+    _, _, fast_calls, general_calls, *_ = runs
     assert fast_calls["called"] >= MAX_TOKENS // (DEPTH + 1) and fast_calls["answered"] == fast_calls["called"]
     assert general_calls == 0
 
 
 def test_chains_keep_the_layers_causal_attention(runs):
-    *_, recomputed, accepted = runs
+    *_, recomputed, accepted, _, _ = runs
     assert recomputed == 0
     assert accepted >= 2 * len(PROMPTS)  # the drafts the causal attention verified were accepted
+
+
+def test_chain_drafter_drafts_what_the_depth_loop_drafts(runs):
+    fast, *_, accepted, loop, loop_accepted = runs
+    assert loop == fast
+    assert any(t[-1] == EOS and len(t) < MAX_TOKENS for t in fast)  # EOS ended some requests (and drafted chains)
+    assert loop_accepted * 2 == accepted  # the first two runs drafted the same as this one, each

@@ -178,13 +178,14 @@ def test_syncs_per_call_do_not_grow_with_the_batch(runs):
 
 
 def test_drafting_syncs_once_per_depth(runs):
-    """The drafter reads nothing from the device but its one host copy per depth (each depth's draws): the core's
-    branches on the requests' settings read host values (``BatchParams.facts``)."""
+    """The drafter reads nothing from the device but its one host copy per depth (each depth's draws), and at width 1
+    one copy in all (``DSBDDrafter._draft_chains``): the core's branches on the requests' settings read host values
+    (``BatchParams.facts``)."""
     calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] if k == "propose"]
     assert calls
     for m in calls:
         assert set(m.syncs) == {next(iter(m.syncs))} and next(iter(m.syncs)).startswith("engine/drafter.py"), m.syncs
-        assert sum(m.syncs.values()) <= DEPTH, m.syncs
+        assert sum(m.syncs.values()) <= (1 if runs["width"] == 1 else DEPTH), m.syncs
 
 
 @pytest.mark.parametrize("runs", [(1, True)], indirect=True, ids=["width1-static"])

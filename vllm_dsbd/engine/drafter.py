@@ -98,6 +98,7 @@ class DSBDDrafter(DraftModelProposer):
         self.cfg = cfg
         self.runner = runner
         self.forward_passes = 0  # statistics
+        self.chain_drafting = True  # width 1: ``_draft_chains`` (False: the general loop; tests compare the two)
 
     # ------------------------------------------------------------------------------------------------------------
     def _block_table(self):
@@ -132,7 +133,10 @@ class DSBDDrafter(DraftModelProposer):
             md = group.get_metadata_builder().build_for_drafting(common_attn_metadata=cad, draft_index=draft_index)
             for name in group.layer_names:
                 per_layer[name] = md
-        ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int32)).to(dev)
+        if isinstance(input_ids, torch.Tensor):  # token ids already on the device (the chain drafter's draws)
+            ids = input_ids.to(torch.int32)
+        else:
+            ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int32)).to(dev)
         with set_forward_context(per_layer, self.vllm_config, num_tokens=T,
                                  slot_mapping={n: slot_t for n in self._draft_attn_layer_names}), forest_scope(forest):
             hidden = self.model(input_ids=ids, positions=pos, inputs_embeds=None)
@@ -191,7 +195,10 @@ class DSBDDrafter(DraftModelProposer):
         eos = (params.eos >= 0)[:, None]
         live_np = np.ones((R, W), dtype=bool)  # host copy of the last step's continuing draws (read from depth 2 on)
         steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
-        for d in range(1, G + 1):
+        if W == 1 and self.chain_drafting:  # chains: the same draws, and one host copy for all depths
+            steps, valid_np, parent_np, token_np, depth_np, depth = self._draft_chains(
+                full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows)
+        for d in range(1, 1 if steps else G + 1):
             live = live & (depth >= d)[:, None]
             # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does: ``live``
             # came from the last step's draws, whose host copy says which requests still have a live beam
@@ -273,6 +280,42 @@ class DSBDDrafter(DraftModelProposer):
                                      depths=fdepth[v].tolist(), root_pos=j.root_pos, uncut=uncut,
                                      depth=int(depth_np[i])))
         return out
+
+    def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows):
+        """``propose_forests``'s depth loop at width 1, with no read on the host until the end: each depth's draw and
+        the next pass's token ids stay on the device, and the passes are planned from the requested depths. A request
+        whose chain ends (an EOS draw) has its depth cut on the device, as the loop does; its later passes still run
+        (their draws are masked: no live beam), where the loop would skip them. The same draws, bit for bit: a masked
+        row's logits never reach a live joint. Returns (steps, valid, parent, token slots per depth as numpy [R, 1],
+        the final depths in numpy and on the device)."""
+        dev = self.device
+        G = int(depth_np.max())
+        eos = (params.eos >= 0)[:, None]
+        steps, cont = [], None
+        for d in range(1, G + 1):
+            live = live & (depth >= d)[:, None]
+            if d > 1:  # a request whose chain ended stops its forest at depth d - 1 (the loop's ``ended``)
+                depth = torch.where(~cont.any(1) & (depth >= d), d - 1, depth)
+            st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            st.valid &= (depth >= d)[:, None]
+            steps.append(st)
+            cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
+            scores, live = st.score, cont
+            sub = np.nonzero(depth_np > d)[0]  # planned deeper: pass d over their depth-d node
+            if not sub.size:
+                continue
+            node_pos = root_pos[sub] + d  # a chain's node d sits at position root + d (no forest batch: causal)
+            sub_t = torch.from_numpy(sub)
+            lg = self._forward(st.token[sub_t.to(dev), 0], node_pos, _slots(brow_np, sub, node_pos, bs, owned),
+                               np.ones(sub.size, dtype=np.int64), node_pos + 1, block_rows[sub_t], np.arange(sub.size),
+                               None, d)
+            full = torch.zeros_like(full)
+            full[sub_t.to(dev), 0] = lg
+        host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
+        host = host.cpu().numpy()  # the one copy
+        per = [host[:, 3 * k : 3 * k + 3] for k in range(len(steps))]
+        return (steps, [p[:, :1].astype(bool) for p in per], [p[:, 1:2] for p in per], [p[:, 2:3] for p in per],
+                host[:, -1].copy(), depth)
 
 
 def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:
