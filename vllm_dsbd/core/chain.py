@@ -32,7 +32,7 @@ import torch
 
 from . import rng
 from .joint import _top_k_top_p
-from .params import BatchParams
+from .params import BatchParams, HostFacts
 from .verify import _TINY
 
 
@@ -64,49 +64,17 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     """
     R, L = src.shape
     G = L - 1
-    V = logits.shape[1]
     dev = logits.device
-    det = params.deterministic
-    facts = params.facts  # host values (no read of a device tensor)
-    greedy = facts.any_deterministic  # deterministic rows need their beam's score (and the general joint's masks)
-    if greedy:
-        sampling = ~det
-        temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
-        top_k, top_p = torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0)
-    else:  # the same tensors' values
-        temp, top_k, top_p = params.temperature, params.top_k, params.top_p
-    temp = temp[:, None, None]
-    truncated = facts.top_k_max > 0 or facts.any_top_p  # over the sampling rows: top_k, top_p above
-    layers = torch.arange(L, device=dev)
-    in_depth = layers[None, :] <= params.depth[:, None]  # [R, L] layer d is processed (if alive)
-    has_draft = torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None])
-    z_all = torch.nn.functional.pad(token, (0, 1))
-    eos = torch.where(params.eos >= 0, params.eos, -1)  # never equal to a token when there is none
-    # keys and acceptance coins of every layer at once (integer hashing and exact float steps: the bits of the
-    # per-layer calls of verify_layer on any subset of rows)
-    base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)  # [R, L]
-    coin = rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base))  # draft j = 0 of each layer
-    # score of each live beam: deterministic rows rank by it (sampling rows: P ignores it)
-    s = torch.zeros(R, 1, device=dev)
-    alive = torch.ones(R, dtype=torch.bool, device=dev)
-    passed = torch.zeros(R, dtype=torch.int64, device=dev)
-    last = torch.zeros(R, dtype=torch.int64, device=dev)
-    final = torch.zeros(R, dtype=torch.int64, device=dev)
+    c = _Setup.of(params, token, valid, context_len, L)
+    det, sampling, greedy, base, coin = c.det, c.sampling, c.greedy, c.base, c.coin
+    st = _Progress.start(R, dev)
     later = []  # (layer, rows, T) of the draws made after the loop
     for d in range(L):
-        rows = alive & in_depth[:, d]
+        rows = st.alive & c.in_depth[:, d]
         if not bool(rows.any()):
             break
-        # joint.joint_logprobs of every row with its one live beam (score s: s - s = 0 on the joint)
-        joint = torch.log_softmax(logits[src[:, d]].float()[:, None] / temp, dim=-1).reshape(R, V) + 0.0
-        if truncated:
-            joint = _top_k_top_p(joint, top_k, top_p, facts.top_k_max, facts.any_top_p)
-        norm = torch.logsumexp(joint, dim=-1, keepdim=True)
-        if greedy:
-            logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
-        else:  # the same on every row with a finite norm (the others are NaN either way: declined below)
-            logp = joint - norm
-        z, dval = z_all[:, d], has_draft[:, d] & alive
+        logp = c.logp(logits[src[:, d]], st.s)
+        z, dval = c.z_all[:, d], c.has_draft[:, d] & st.alive
         out = z.clone()
         samp = rows & sampling if greedy else rows
         passes = None
@@ -139,19 +107,95 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
                     return None
                 out[drow] = idx[:, 0]
                 passes[drow] = idx[:, 0] == z[drow]
-        ok = dval & passes
-        passed += ok
-        last = torch.where(rows, d, last)
-        final = torch.where(rows, out, final)
-        if greedy:
-            s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
-        alive = ok & (out != eos)
+        st.advance(c, d, rows, dval & passes, out, logp)
     if later:
         at = torch.cat([a for _, a, _ in later])
         lay = torch.cat([torch.full_like(a, d) for d, a, _ in later])
-        final[at] = torch.cat(_draw([t for _, _, t in later], rng.stream_key(base[at, lay], rng.Stream.RESIDUAL)))
-    last_l, passed_l, token_l = torch.stack([last, passed, final]).tolist()  # one copy to the host
+        st.final[at] = torch.cat(_draw([t for _, _, t in later], rng.stream_key(base[at, lay], rng.Stream.RESIDUAL)))
+    last_l, passed_l, token_l = torch.stack([st.last, st.passed, st.final]).tolist()  # one copy to the host
     return ChainResult(last=last_l, passed=passed_l, token=token_l)
+
+
+@dataclass
+class _Setup:
+    """What both chain paths (this module's and ``chain_static``'s) prepare once per call."""
+
+    greedy: bool  # some row is deterministic: those rows need their beam's score (and the general joint's masks)
+    truncated: bool  # some sampling row uses top-k or top-p
+    facts: HostFacts
+    det: torch.Tensor  # [R] bool
+    sampling: torch.Tensor  # [R] bool
+    temp: torch.Tensor  # [R, 1, 1] (1 on deterministic rows)
+    top_k: torch.Tensor  # [R] (0 on deterministic rows)
+    top_p: torch.Tensor  # [R] (1 on deterministic rows)
+    in_depth: torch.Tensor  # [R, L] layer d is processed (if alive)
+    has_draft: torch.Tensor  # [R, L] layer d has a draft
+    z_all: torch.Tensor  # [R, L] the draft token of layer d (0 on the bonus layer)
+    eos: torch.Tensor  # [R] the EOS id, -1 (never a token) when there is none
+    base: torch.Tensor  # [R, L] the key base of layer d's random streams
+    coin: torch.Tensor  # [R, L] the acceptance uniform of layer d's draft
+
+    @staticmethod
+    def of(params: BatchParams, token: torch.Tensor, valid: torch.Tensor, context_len: torch.Tensor,
+           L: int) -> "_Setup":
+        det, facts = params.deterministic, params.facts  # facts: host values (no read of a device tensor)
+        sampling = ~det
+        if facts.any_deterministic:
+            temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
+            top_k, top_p = torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0)
+        else:  # the same tensors' values
+            temp, top_k, top_p = params.temperature, params.top_k, params.top_p
+        layers = torch.arange(L, device=token.device)
+        # keys and acceptance coins of every layer at once (integer hashing and exact float steps: the bits of the
+        # per-layer calls of verify_layer on any subset of rows)
+        base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)
+        return _Setup(
+            greedy=facts.any_deterministic, truncated=facts.top_k_max > 0 or facts.any_top_p, facts=facts, det=det,
+            sampling=sampling, temp=temp[:, None, None], top_k=top_k, top_p=top_p,
+            in_depth=layers[None, :] <= params.depth[:, None],
+            has_draft=torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None]),
+            z_all=torch.nn.functional.pad(token, (0, 1)), eos=torch.where(params.eos >= 0, params.eos, -1),
+            base=base, coin=rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base)))
+
+    def logp(self, rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``joint.joint_logprobs`` of every row with its one live beam (score s: s - s = 0 on the joint), from the
+        layer's logits rows [R, V]."""
+        R, V = rows.shape
+        joint = torch.log_softmax(rows.float()[:, None] / self.temp, dim=-1).reshape(R, V) + 0.0
+        if self.truncated:
+            joint = _top_k_top_p(joint, self.top_k, self.top_p, self.facts.top_k_max, self.facts.any_top_p)
+        norm = torch.logsumexp(joint, dim=-1, keepdim=True)
+        if self.greedy:
+            return joint - torch.where(self.sampling[:, None] & torch.isfinite(norm), norm, -s)
+        return joint - norm  # the same on every row with a finite norm (the others are NaN either way: declined)
+
+
+@dataclass
+class _Progress:
+    """Per request, layer after layer: the beam's score (deterministic rows), whether it still verifies, layers
+    passed, the last processed layer and its output."""
+
+    s: torch.Tensor
+    alive: torch.Tensor
+    passed: torch.Tensor
+    last: torch.Tensor
+    final: torch.Tensor
+
+    @staticmethod
+    def start(R: int, dev) -> "_Progress":
+        i64 = dict(dtype=torch.int64, device=dev)
+        return _Progress(s=torch.zeros(R, 1, device=dev), alive=torch.ones(R, dtype=torch.bool, device=dev),
+                         passed=torch.zeros(R, **i64), last=torch.zeros(R, **i64), final=torch.zeros(R, **i64))
+
+    def advance(self, c: _Setup, d: int, rows: torch.Tensor, ok: torch.Tensor, out: torch.Tensor,
+                logp: torch.Tensor) -> None:
+        """Layer d processed ``rows``; ``ok``: they passed it (their output is their draft), ``out``: the output."""
+        self.passed += ok
+        self.last = torch.where(rows, d, self.last)
+        self.final = torch.where(rows, out, self.final)
+        if c.greedy:
+            self.s = torch.where(ok[:, None], logp.gather(1, out[:, None]), self.s)
+        self.alive = ok & (out != c.eos)
 
 
 def _layer(logp: torch.Tensor, z: torch.Tensor, dval: torch.Tensor, coin: torch.Tensor, logq: torch.Tensor | None,

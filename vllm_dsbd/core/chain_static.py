@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rng
-from .joint import _top_k_top_p
+from .chain import _Progress, _Setup
 from .params import BatchParams
 from .verify import _TINY
 
@@ -52,48 +52,20 @@ def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.T
     G = L - 1
     V = logits.shape[1]
     dev = logits.device
-    det = params.deterministic
-    facts = params.facts
-    greedy = facts.any_deterministic
-    sampling = ~det
-    if greedy:
-        temp = torch.where(det, torch.ones_like(params.temperature), params.temperature)
-        top_k, top_p = torch.where(sampling, params.top_k, 0), torch.where(sampling, params.top_p, 1.0)
-    else:
-        temp, top_k, top_p = params.temperature, params.top_k, params.top_p
-    temp = temp[:, None, None]
-    truncated = facts.top_k_max > 0 or facts.any_top_p
-    layers = torch.arange(L, device=dev)
-    in_depth = layers[None, :] <= params.depth[:, None]
-    has_draft = torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None])
-    z_all = torch.nn.functional.pad(token, (0, 1))
-    eos = torch.where(params.eos >= 0, params.eos, -1)
-    base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)  # [R, L]
-    coin = rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base))
-    residual_key = rng.stream_key(base, rng.Stream.RESIDUAL)
+    c = _Setup.of(params, token, valid, context_len, L)
+    residual_key = rng.stream_key(c.base, rng.Stream.RESIDUAL)
     cols = torch.arange(V, device=dev)[None, :]
-    s = torch.zeros(R, 1, device=dev)
-    alive = torch.ones(R, dtype=torch.bool, device=dev)
-    passed = torch.zeros(R, dtype=torch.int64, device=dev)
-    last = torch.zeros(R, dtype=torch.int64, device=dev)
-    final = torch.zeros(R, dtype=torch.int64, device=dev)
+    st = _Progress.start(R, dev)
     declined = torch.zeros(R, dtype=torch.bool, device=dev)
     for d in range(L):
-        rows = alive & in_depth[:, d]
-        joint = torch.log_softmax(logits[src[:, d]].float()[:, None] / temp, dim=-1).reshape(R, V) + 0.0
-        if truncated:
-            joint = _top_k_top_p(joint, top_k, top_p, facts.top_k_max, facts.any_top_p)
-        norm = torch.logsumexp(joint, dim=-1, keepdim=True)
-        if greedy:
-            logp = joint - torch.where(sampling[:, None] & torch.isfinite(norm), norm, -s)
-        else:
-            logp = joint - norm
-        z, dval = z_all[:, d], has_draft[:, d] & alive
+        rows = st.alive & c.in_depth[:, d]
+        logp = c.logp(logits[src[:, d]], st.s)
+        z, dval = c.z_all[:, d], c.has_draft[:, d] & st.alive
         zi = z[:, None]
         p = torch.exp(logp)
         if d < G:
             q = torch.exp(q_joint[:, d])
-            hit = (coin[:, d, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)
+            hit = (c.coin[:, d, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)
             acc = dval & hit
             res = (p - q).clamp(min=0.0)
             tot = res.sum(1, keepdim=True)
@@ -102,24 +74,17 @@ def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.T
         else:
             acc = torch.zeros_like(dval)
             tn = p
-        samp = rows & sampling
+        samp = rows & c.sampling
         declined |= samp & ~acc & torch.isnan(tn).any(1)  # the chain core's decline: a row that draws, NaN in T
         tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, p)  # no mass left: P
         g = rng.uniform(residual_key[:, d, None], cols).log_().neg_().log_().neg_()  # rng.gumbel's steps
         y = torch.argmax(torch.log(tn) + g, dim=-1)
         out = torch.where(acc, z, y)
         passes = acc | (y == z)
-        if greedy:
+        if c.greedy:
             vals, idx = torch.topk(logp, 1, dim=-1)
-            drow = rows & det
-            declined |= drow & ~torch.isfinite(vals[:, 0])
-            out = torch.where(det, idx[:, 0], out)
-            passes = torch.where(det, idx[:, 0] == z, passes)
-        ok = dval & passes
-        passed += ok
-        last = torch.where(rows, d, last)
-        final = torch.where(rows, out, final)
-        if greedy:
-            s = torch.where(ok[:, None], logp.gather(1, out[:, None]), s)
-        alive = ok & (out != eos)
-    return ChainTensors(last=last, passed=passed, token=final, declined=declined)
+            declined |= rows & c.det & ~torch.isfinite(vals[:, 0])
+            out = torch.where(c.det, idx[:, 0], out)
+            passes = torch.where(c.det, idx[:, 0] == z, passes)
+        st.advance(c, d, rows, dval & passes, out, logp)
+    return ChainTensors(last=st.last, passed=st.passed, token=st.final, declined=declined)
