@@ -90,8 +90,9 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
 
     Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
-    the core verifies all requests at once; what the results need comes to the host in one copy at the end (plus one
-    to read the forests' depths and one for the nodes' rows, both small).
+    the core verifies all requests at once; what the results need comes to the host in one copy at the end. The
+    forests' depths are the runner's host ints (``PendingForest.depth``; read from the tensors when not given). The
+    general path also synchronises at the core's data-dependent branches (``core/verify.py``).
 
     At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` gives the same results as
     the general path (``tests/test_verify_chain.py`` compares them) for a fraction of its cost;
