@@ -151,7 +151,8 @@ class DSBDDrafter(DraftModelProposer):
 
         The draft logits, the beam steps and the forest (its draft joints included) stay on the draft model's device;
         what the next pass's inputs need (each depth's draws: valid, parent and token slots, [R, W] each, and the
-        requests' depths) comes to the host in one copy per depth. Token ids, positions and slots of every pass are
+        requests' depths) comes to the host in one copy per depth (width 1: one copy for all depths,
+        :meth:`_draft_chains`). Token ids, positions and slots of every pass are
         built with numpy over the whole batch (no per-request tensor ops); the per-request loops left only slice
         Python lists."""
         if not jobs:
