@@ -2,7 +2,6 @@
 seeded runs repeat; bad arguments raise ValueError naming the argument."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -197,3 +196,37 @@ def test_mixed_batch_equals_requests_alone():
         assert together[i].stats.widths == alone.stats.widths
         assert together[i].stats.layers_passed == alone.stats.layers_passed
     assert sum(o.stats.layers_passed for o in together) > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_facts_are_the_settings_values(seed):
+    """``BatchParams.facts`` (the core's branches read them instead of device tensors) equal the values the tensors
+    give, for random mixes of deterministic and sampling rows; ``with_`` keeps them unless it changes a setting they
+    read, ``to`` keeps them, ``select`` recomputes them for the subset."""
+    g = torch.Generator().manual_seed(seed)
+    R = int(torch.randint(1, 9, (1,), generator=g))
+    temp = torch.where(torch.rand(R, generator=g) < 0.4, 0.0, torch.rand(R, generator=g) + 0.1)
+    top_k = torch.where(torch.rand(R, generator=g) < 0.5, 0, torch.randint(1, 50, (R,), generator=g))
+    top_p = torch.where(torch.rand(R, generator=g) < 0.5, 1.0, torch.rand(R, generator=g))
+    width = torch.randint(1, 5, (R,), generator=g)
+    eos = torch.where(torch.rand(R, generator=g) < 0.5, -1, 7)
+    single = torch.rand(R, generator=g) < 0.5
+    p = BatchParams.make(R, temperature=temp, top_k=top_k, top_p=top_p, width=width, eos=eos, single=single)
+
+    def expected(q):
+        det = q.temperature == 0
+        return (int(q.width.max()), bool(det.any()), bool(det.all()),
+                int(torch.where(~det, q.top_k, 0).max()), bool((~det & (q.top_p < 1)).any()),
+                bool((det & (q.eos >= 0) & ~q.single).any()))
+
+    f = p.facts
+    assert (f.width_max, f.any_deterministic, f.all_deterministic, f.top_k_max, f.any_top_p,
+            f.any_eos_rule) == expected(p)
+    assert p.with_(depth=torch.ones(R, dtype=torch.int64)).facts is f  # carried: depth is not read
+    assert p.to("cpu").facts is f
+    wider = p.with_(width=width + 3)
+    assert wider.facts.width_max == int(width.max()) + 3  # recomputed: width is read
+    sub = p.select(torch.arange(R) % 2 == 0)
+    sf = sub.facts
+    assert (sf.width_max, sf.any_deterministic, sf.all_deterministic, sf.top_k_max, sf.any_top_p,
+            sf.any_eos_rule) == expected(sub)
