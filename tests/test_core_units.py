@@ -2,7 +2,6 @@
 seeded runs repeat; bad arguments raise ValueError naming the argument."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
