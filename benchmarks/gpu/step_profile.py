@@ -4,8 +4,11 @@ flow on CPU as a smoke test, without the synchronisation count).
 The models of ``large_model.py`` (random-weight Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped draft, bf16, CUDA
 graphs as vLLM and the plugin set them unless ``--eager``), B requests decoding together (``--batches``), DSBD at a
 set acceptance rate (``set_acceptance.py``) and vLLM's draft_model at the same rate (its synthetic rejection sampler)
-for comparison, plus plain vLLM. For each engine and batch size, after the prefill and two warm-up steps, three runs
-of ``--steps`` engine steps each:
+for comparison, plus plain vLLM. Engine ``dsbd`` has width ``max(--widths)`` (its width-1 rows are width-1 requests in
+that engine: the general verification path); engine ``dsbd_chain`` is a width-1 engine with ``full_cuda_graphs``
+(chain drafting with one host copy, the static chain verification, full graphs over its decode passes). An engine
+that fails is reported and the others still run. For each engine and batch size, after the prefill and two warm-up
+steps, three runs of ``--steps`` engine steps each:
 
 1. **step time**: ``LLMEngine.step`` wall time, nothing added (median);
 2. **breakdown**: the runner's phases timed with ``torch.cuda.synchronize()`` around each (median per step):
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -131,7 +136,7 @@ def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
     phases = getattr(runner, "_dsbd_step_phases", None) or Phases(runner, cuda)
     runner._dsbd_step_phases = phases
     need = 3 + 3 * args.steps + 8
-    per_token = max(1, 1 + args.depth) if extra_args is not None or name.startswith("vLLM draft") else 1
+    per_token = 1 if name == "plain vLLM" else 1 + args.depth  # speculative rows emit up to 1 + depth a step
     sp = vllm.SamplingParams(temperature=1.0, max_tokens=need * per_token, ignore_eos=True, detokenize=False,
                              extra_args=extra_args)
     for i in range(batch):
@@ -163,7 +168,7 @@ def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--engines", default="plain,draft_model,dsbd")
+    ap.add_argument("--engines", default="plain,draft_model,dsbd,dsbd_chain")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--widths", default="1,4", help="DSBD widths (per request)")
     ap.add_argument("--rate", type=float, default=0.8)
@@ -182,6 +187,7 @@ def main() -> int:
 
     if args.tiny:
         torch.set_num_threads(1)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else each CPU engine asks for most of the memory
     dtype = "float32" if args.tiny else "bfloat16"
     target, draft, _ = lm.model_folders(Path(args.work), args.tiny)
     kw = dict(dtype=dtype, enforce_eager=args.eager or args.tiny, load_format="dummy", seed=0,
@@ -199,16 +205,28 @@ def main() -> int:
             spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
                     "width": max(widths), "dynamic_width": False}
             runs = [(f"DSBD W={w} d={args.depth}", {"dsbd_width": w}) for w in widths]
-        llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
-        if name == "dsbd":
+        elif name == "dsbd_chain":
+            spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": 1,
+                    "full_cuda_graphs": True}
+            runs = [(f"DSBD W=1 engine d={args.depth}, full graphs", None)]
+        try:
+            llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
+        except Exception as e:  # noqa: BLE001  (one engine's failure is a finding; the others still run)
+            print(f"engine {name} failed to start: {type(e).__name__}: {e}", flush=True)
+            continue
+        if name.startswith("dsbd"):
             set_acceptance.install(args.rate)
         try:
             for label, extra in runs:
                 for b in batches:
                     rows.append(measure(args, label, llm, b, extra))
+        except Exception as e:  # noqa: BLE001
+            print(f"engine {name} failed: {type(e).__name__}: {e}", flush=True)
         finally:
             set_acceptance.uninstall()
             lm.shutdown(llm)
+            del llm  # the engine's memory is freed before the next engine starts
+            gc.collect()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [f"{device}; {'tiny' if args.tiny else 'Llama-3.1-8B / 3.2-1B shapes'}, random weights, {dtype}, "
              f"{'eager' if kw['enforce_eager'] else 'CUDA graphs on'}; speculation at a set acceptance rate "
