@@ -7,7 +7,9 @@ planned the pass (and built its forest batch). The CPU platform has no graphs, s
 this checks is what the DSBD runner asks: FULL excluded (``invalid_modes={FULL}``, vLLM's own exclusion for cascade
 attention) exactly when the pass has a forest batch. One engine of width 2 (tiny random Llama pair, depth 3, pinned
 speculation) serves width-1 requests (chains: no forest batch in any pass, drafts still accepted), then width-2
-requests (forests: a forest batch, and FULL excluded, in their decode passes).
+requests (forests: a forest batch, and FULL excluded, in their decode passes). Width-1 requests of a wider engine
+are drafted by the chain drafter too (``DSBDDrafter._draft_chains``, one host copy for all depths): seeded T = 1
+requests give the tokens of the general depth loop.
 """
 from __future__ import annotations
 
@@ -41,7 +43,26 @@ def runs():
         return dispatch(*args, **kwargs)
 
     out = {}
+    drafter = runner.drafter
+    chains = drafter._draft_chains
+    chain_calls = []
+
+    def count_chains(*args, **kwargs):
+        chain_calls.append(1)
+        return chains(*args, **kwargs)
+
     try:
+        drafter._draft_chains = count_chains
+        seeded = [vllm.SamplingParams(temperature=1.0, seed=10 + k, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                      extra_args={"dsbd_width": 1}) for k in range(len(PROMPTS))]
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        sampled = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded, use_tqdm=False)]
+        out["chain_calls"] = len(chain_calls)
+        drafter.chain_drafting = False
+        out["sampled"] = (sampled, [list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded,
+                                                                                       use_tqdm=False)])
+        out["loop_chain_calls"] = len(chain_calls) - out["chain_calls"]
+        drafter.chain_drafting = True
         dispatcher.dispatch = spy
         for width in (1, 2):
             before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
@@ -52,12 +73,14 @@ def runs():
             out[width] = (calls[start:], metric(llm, "vllm:spec_decode_num_accepted_tokens") - before)
     finally:
         dispatcher.dispatch = dispatch
+        drafter._draft_chains = chains
         shutdown(llm)
     return out
 
 
 def test_full_graphs_are_excluded_exactly_for_passes_with_forest_attention(runs):
-    for width, (calls, _) in runs.items():
+    for width in (1, 2):
+        calls, _ = runs[width]
         assert calls, width
         for has_forest, invalid in calls:
             assert invalid == ({CUDAGraphMode.FULL} if has_forest else None), (width, has_forest, invalid)
@@ -73,3 +96,10 @@ def test_forests_of_width_two_do(runs):
     calls, accepted = runs[2]
     assert sum(has_forest for has_forest, _ in calls) >= MAX_TOKENS // 4
     assert accepted >= len(PROMPTS)
+
+
+def test_width_one_requests_of_a_wider_engine_are_drafted_as_chains(runs):
+    chained, loop = runs["sampled"]
+    assert runs["chain_calls"] >= MAX_TOKENS // 4 and runs["loop_chain_calls"] == 0
+    assert chained == loop
+    assert len({tuple(t) for t in chained}) == len(PROMPTS)

@@ -98,7 +98,8 @@ class DSBDDrafter(DraftModelProposer):
         self.cfg = cfg
         self.runner = runner
         self.forward_passes = 0  # statistics
-        self.chain_drafting = True  # width 1: ``_draft_chains`` (False: the general loop; tests compare the two)
+        # every request of a call at width 1: ``_draft_chains`` (False: the general loop; tests compare the two)
+        self.chain_drafting = True
 
     # ------------------------------------------------------------------------------------------------------------
     def _block_table(self):
@@ -196,7 +197,7 @@ class DSBDDrafter(DraftModelProposer):
         eos = (params.eos >= 0)[:, None]
         live_np = np.ones((R, W), dtype=bool)  # host copy of the last step's continuing draws (read from depth 2 on)
         steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
-        if W == 1 and self.chain_drafting:  # chains: the same draws, and one host copy for all depths
+        if params.facts.width_max == 1 and self.chain_drafting:  # chains: the same draws, one host copy in all
             steps, valid_np, parent_np, token_np, depth_np, depth = self._draft_chains(
                 full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows)
         for d in range(1, 1 if steps else G + 1):
@@ -287,10 +288,11 @@ class DSBDDrafter(DraftModelProposer):
         the next pass's token ids stay on the device, and the passes are planned from the requested depths. A request
         whose chain ends (an EOS draw) has its depth cut on the device, as the loop does; its later passes still run
         (their draws are masked: no live beam), where the loop would skip them. The same draws, bit for bit: a masked
-        row's logits never reach a live joint. Returns (steps, valid, parent, token slots per depth as numpy [R, 1],
-        the final depths in numpy and on the device)."""
+        row's logits never reach a live joint. Every request has width 1; the engine may be wider (W slots, slot 0
+        used, as the loop lays them out). Returns (steps, valid, parent, token slots per depth as numpy [R, W], the
+        final depths in numpy and on the device)."""
         dev = self.device
-        G = int(depth_np.max())
+        G, W = int(depth_np.max()), full.shape[1]
         eos = (params.eos >= 0)[:, None]
         steps, cont = [], None
         for d in range(1, G + 1):
@@ -301,7 +303,8 @@ class DSBDDrafter(DraftModelProposer):
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
             cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
-            scores, live = st.score, cont
+            scores = torch.nn.functional.pad(st.score, (0, W - 1), value=NEG_INF)
+            live = torch.nn.functional.pad(cont, (0, W - 1), value=False)
             sub = np.nonzero(depth_np > d)[0]  # planned deeper: pass d over their depth-d node
             if not sub.size:
                 continue
@@ -315,7 +318,8 @@ class DSBDDrafter(DraftModelProposer):
         host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
         host = host.cpu().numpy()  # the one copy
         per = [host[:, 3 * k : 3 * k + 3] for k in range(len(steps))]
-        return (steps, [p[:, :1].astype(bool) for p in per], [p[:, 1:2] for p in per], [p[:, 2:3] for p in per],
+        return (steps, [_pad_cols(p[:, :1].astype(bool), W, False) for p in per],
+                [_pad_cols(p[:, 1:2], W, 0) for p in per], [_pad_cols(p[:, 2:3], W, 0) for p in per],
                 host[:, -1].copy(), depth)
 
 
