@@ -197,10 +197,11 @@ class DSBDDrafter(DraftModelProposer):
         eos = (params.eos >= 0)[:, None]
         live_np = np.ones((R, W), dtype=bool)  # host copy of the last step's continuing draws (read from depth 2 on)
         steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
-        if params.facts.width_max == 1 and self.chain_drafting:  # chains: the same draws, one host copy in all
+        chains = params.facts.width_max == 1 and self.chain_drafting
+        if chains:  # every request at width 1: the same draws, one host copy in all
             steps, valid_np, parent_np, token_np, depth_np, depth = self._draft_chains(
                 full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows)
-        for d in range(1, 1 if steps else G + 1):
+        for d in range(1, 1 if chains else G + 1):  # the general depth loop (skipped for chains)
             live = live & (depth >= d)[:, None]
             # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does: ``live``
             # came from the last step's draws, whose host copy says which requests still have a live beam

@@ -219,11 +219,8 @@ class DSBDRunnerMixin:
         runs in Python inside the attention layers, which a full graph would skip): vLLM's own exclusion for cascade
         attention, ``invalid_modes={FULL}`` in its dispatch. Passes without it (every forest a chain, no beam trie)
         are plain spec-decode passes; with ``full_cuda_graphs`` they may replay a full graph (``graphs.py``)."""
-        if self._dsbd_forest is not None:
-            if len(args) > 4:  # passed by position (vLLM 0.26 passes it by name)
-                args = (*args[:4], True, *args[5:])
-            else:
-                kwargs["use_cascade_attn"] = True
+        if self._dsbd_forest is not None:  # vLLM 0.26's callers pass it by name
+            kwargs["use_cascade_attn"] = True
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
 
     def _model_forward(self, *args, **kwargs):
@@ -548,4 +545,3 @@ def _beam_logits_on_host(logits: torch.Tensor, plan: list, discard) -> dict[int,
         out[k] = host[at : at + m]
         at += m
     return out
-
