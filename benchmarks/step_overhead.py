@@ -9,9 +9,9 @@ last are left out, so every measured step decodes all B requests. Forward time i
 the target and the draft model (CPU: no asynchronous execution to account for); each column is the median over the
 measured steps, and the non-model time is the median of each step's (step - target forward - draft forward).
 Rows: plain vLLM (no speculation, the floor of vLLM's own per-step work), DSBD at width 1 and 2, depth 3, default
-mode, and DSBD beam search (W = 4, T = 0, depth 3; one engine request per beam search); ``--configs`` picks rows by
-a regular expression. Issue 15's CPU goal reads this table: DSBD's non-model time at batch 32 <= 3x that at
-batch 1, and 5x below today's at batch 32.
+mode, DSBD beam search (W = 4, T = 0, depth 3; one engine request per beam search) and beam sampling (the same at
+T = 1); ``--configs`` picks rows by a regular expression. Issue 15's CPU goal reads this table: DSBD's non-model
+time at batch 32 <= 3x that at batch 1, and 5x below today's at batch 32.
 """
 from __future__ import annotations
 
@@ -59,13 +59,14 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
             _timer(runner.drafter.model, draft_t)
         engine = llm.llm_engine
         sp = vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
-        if beam:  # one engine request per beam search (the plugin's route for LLM.beam_search), T = 0
+        if beam:  # one engine request per beam search (the plugin's route for LLM.beam_search), T = 0 or 1
             from vllm.sampling_params import BeamSearchParams
 
             from vllm_dsbd.patches.beam_search_route import beam_request_params
 
-            sp = beam_request_params(BeamSearchParams(beam_width=beam, max_tokens=max_tokens, ignore_eos=True),
-                                     None, prompt_len, 512, config["width"])
+            bp = BeamSearchParams(beam_width=beam, max_tokens=max_tokens, ignore_eos=True,
+                                  temperature=config.get("temperature", 0.0))
+            sp = beam_request_params(bp, None, prompt_len, 512, config["width"])
         for i in range(batch):
             prompt = [(7 * i + j) % 300 + 5 for j in range(prompt_len)]
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
     configs = [{"name": "plain vLLM", "width": 0, "depth": 0},
                {"name": "DSBD W=1 d=3", "width": 1, "depth": 3},
                {"name": "DSBD W=2 d=3", "width": 2, "depth": 3},
-               {"name": "DSBD beam search W=4 d=3", "width": 4, "depth": 3, "beam": 4}]
+               {"name": "DSBD beam search W=4 d=3", "width": 4, "depth": 3, "beam": 4},
+               {"name": "DSBD beam sampling W=4 d=3 T=1", "width": 4, "depth": 3, "beam": 4, "temperature": 1.0}]
     if args.configs:
         configs = [c for c in configs if re.search(args.configs, c["name"])]
     rows = []

@@ -1,6 +1,7 @@
 """Planted wrong variants of the core's verification layer, for the power checks of the statistical tests.
 
-Each variant is a test-local copy of ``vllm_dsbd.core.verify.verify_layer`` built from its current source with a
+Each variant is a test-local copy of ``vllm_dsbd.core.verify.verify_layer`` (or, ``static=True``, of
+``vllm_dsbd.core.verify_static.verify_layer_static``, the layer beam requests run) built from its current source with a
 textual change (the copy is compiled in a copy of the module's namespace; the core is not modified). A test installs
 it with ``monkeypatch.setattr(verify_mod, "verify_layer", planted_verify_layer(variant))``: ``verify_forest`` looks the
 name up in its module, so every decoder above it then runs the wrong rule. If the core's source no longer holds a
@@ -12,6 +13,7 @@ import inspect
 import textwrap
 
 import vllm_dsbd.core.verify as verify_mod
+import vllm_dsbd.core.verify_static as static_mod
 
 VARIANTS = {
     # The with-replacement acceptance rule: draft j's law is taken to be Q itself instead of Q_j (Q with the earlier
@@ -26,14 +28,26 @@ VARIANTS = {
         ("t[ri] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t[ri])", "t[ri] = t[ri]"),
     ],
 }
+# the same variants of the static layer (its lines compute on every row under masks)
+STATIC_VARIANTS = {
+    "with_replacement": [
+        ("denom = (1.0 - q_cum).clamp(min=_TINY).float()", "denom = torch.ones_like(q_cum).float()"),
+        ("qj = torch.where(drawn, 0.0, q) / denom[:, None]", "qj = q"),
+    ],
+    "dropped_residual": [
+        ("t = torch.where(rej[:, None], torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t), t)", "t = t"),
+    ],
+}
 
 
-def planted_verify_layer(variant: str):
-    """A copy of the core's ``verify_layer`` with the variant's lines changed."""
-    src = textwrap.dedent(inspect.getsource(verify_mod.verify_layer))
-    for old, new in VARIANTS[variant]:
-        assert src.count(old) == 1, f"planted variant {variant!r}: the core's verify_layer no longer has {old!r}"
+def planted_verify_layer(variant: str, static: bool = False):
+    """A copy of the core's ``verify_layer`` (``static``: ``verify_layer_static``) with the variant's lines
+    changed."""
+    mod, name = (static_mod, "verify_layer_static") if static else (verify_mod, "verify_layer")
+    src = textwrap.dedent(inspect.getsource(getattr(mod, name)))
+    for old, new in (STATIC_VARIANTS if static else VARIANTS)[variant]:
+        assert src.count(old) == 1, f"planted variant {variant!r}: the core's {name} no longer has {old!r}"
         src = src.replace(old, new)
-    namespace = dict(vars(verify_mod))
-    exec(compile(src, f"<planted verify_layer: {variant}>", "exec"), namespace)
-    return namespace["verify_layer"]
+    namespace = dict(vars(mod))
+    exec(compile(src, f"<planted {name}: {variant}>", "exec"), namespace)
+    return namespace[name]

@@ -55,6 +55,7 @@ class SimulatedDevice(TorchFunctionMode):
         super().__init__()
         self.mismatches: list[str] = []
         self.syncs = collections.Counter()  # source line -> count
+        self.host_copies: list[tuple[str, tuple[int, ...]]] = []  # (source line, shape) of device tensors read
         self._paused = False
 
     @contextlib.contextmanager
@@ -82,6 +83,8 @@ class SimulatedDevice(TorchFunctionMode):
         dev_in = [x for x in flat if on_device(x)]
         if dev_in and name in _SYNC:
             self.syncs[self._where()] += 1
+            if name in _TO_HOST and isinstance(args[0], torch.Tensor):
+                self.host_copies.append((self._where(), tuple(args[0].shape)))
         if dev_in and name not in _TO_HOST:
             if name in _INDEXING:  # the indexed tensor and (setitem) the value: host index tensors are allowed
                 checked = [args[0]] + ([args[2]] if name == "__setitem__" and len(args) > 2 else [])

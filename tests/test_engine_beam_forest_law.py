@@ -6,7 +6,8 @@ ignored) on the tiny random Llama pair of ``test_engine_beam_law.py`` (the draft
 its logits sharpened x 3),
 2,000 requests with seeds 0..1999. After the prompt's step (no forest: the draft has not run yet) the target pass
 verifies a forest of 2 draft nodes (depth 1: one step is left after it, the bonus layer), drawn by the draft's beam
-sampling: recursive rejection sampling without replacement (``core.verify_layer``) emits 2 pairs, and when both are
+sampling: recursive rejection sampling without replacement (``core.verify_layer``'s rule, as beam requests run it:
+``core.verify_static.verify_layer_static``) emits 2 pairs, and when both are
 forest nodes the last step runs on their logits in the same pass.
 Outcome = the set of the 2 final beams. Oracle: ``beam_oracle.beam_sampling_law``, the exact law by enumeration from
 the definition (plain Python floats over the Hugging Face model; no code shared with ``vllm_dsbd.core``).
@@ -87,12 +88,12 @@ def runs(tmp_path_factory):
                                        "width": WIDTH})
     try:
         exact = _run(llm)
-        real = beams_mod.verify_layer
-        beams_mod.verify_layer = planted_verify_layer("with_replacement")
+        real = beams_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)
+        beams_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)
         try:
             planted = _run(llm)
         finally:
-            beams_mod.verify_layer = real
+            beams_mod.verify_layer_static = real
     finally:
         shutdown(llm)
     law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)

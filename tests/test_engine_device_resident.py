@@ -3,8 +3,9 @@
 A real vLLM 0.26.0 engine (tiny Llama pair, width 2 and width 1 (the sampler's chain fast path), depth 3, pinned draft
 shape, temperature 1 and 0, EOS as an ordinary token and as a stop) runs with the simulated device active inside the
 drafter's ``propose_forests`` (the draft model's forward itself runs unobserved; its logits are tagged as device
-tensors), inside the sampler's ``verify`` and inside the runner's gathering of beam requests' logits (the target's
-logits tagged). Checked:
+tensors), inside the sampler's ``verify``, and for beam requests (``LLM.beam_search`` at T = 0 and seeded beam
+sampling at T = 1 through ``extra_args["dsbd_beam"]``) inside the runner's gathering of their rows, their beam steps
+and the beam drafter (the target's logits tagged). Checked:
 
 * no operation mixes a device tensor with a host tensor (each would raise on CUDA);
 * the forests handed from the drafter to the sampler are device tensors, and so is the draft joint;
@@ -12,11 +13,13 @@ logits tagged). Checked:
   (depth + 1) x width (<= 8) times in a call (once per layer and draft at most: a read per request would make 16), and
   a call makes at most twice the synchronisations of a call at batch 1 (data-dependent branches taken more often);
   the counts and lines are printed;
-* beam requests (``LLM.beam_search``, width-2 engine): their logits rows of a step come to the host in one copy;
+* beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
+  beam steps or in the draft's; at T = 0 a step's beam steps of all requests read the device once (their rows' best
+  tokens) and the drafter once per depth;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
-* width 1 with the static chain path (``core/chain_static.py``, what the sampler runs on a GPU, forced here): each
-  verification makes one host synchronisation (its results' copy), drafting one per depth, and the outputs equal
-  the CPU's row-subset chain path's.
+* the static paths (what the sampler runs on a GPU, forced here): width 1 the chain path (``core/chain_static.py``),
+  width 2 the forest path (``core/verify_static.py``): each verification makes one host synchronisation (its
+  results' copy), and the outputs equal the CPU's row-subset paths'.
 """
 from __future__ import annotations
 
@@ -37,11 +40,12 @@ PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]
 class Observer:
     """Runs the drafter's and the sampler's entry points under a SimulatedDevice, one per call, and keeps them."""
 
-    def __init__(self, chain_static: bool | None = None):
-        self.chain_static = chain_static
+    def __init__(self, static: bool | None = None):
+        self.static = static
         self.calls: list[tuple[str, int, sim_device.SimulatedDevice]] = []
         self.forest_tensors: list[bool] = []
         self.active = False
+        self.beam_mode = None  # the current step's mode of the beam requests' part
 
     def install(self, monkeypatch):
         from vllm_dsbd.engine import drafter, sampler
@@ -59,7 +63,7 @@ class Observer:
                     obs.forest_tensors.append(all(sim_device.on_device(t) for t in (f.valid, f.q_joint, f.parent)))
             mode = sim_device.SimulatedDevice()
             with mode:
-                out = orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.chain_static)
+                out = orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.static, forest_static=obs.static)
             obs.calls.append(("verify", len(rows), mode))
             return out
 
@@ -83,27 +87,52 @@ class Observer:
 
         from vllm_dsbd.engine import runner as runner_mod
 
-        orig_beam_rows = runner_mod._beam_logits_on_host
+        orig_beam_rows, orig_beam_step = runner_mod._beam_rows, runner_mod.DSBDRunnerMixin._beam_step
+        orig_propose_beams = runner_mod.propose_beam_forests
 
-        def beam_rows(logits, plan, discard):
+        def beam_rows(logits, plan, discard):  # a step's beam requests: their rows, then their beam steps (below)
             if not obs.active:
                 return orig_beam_rows(logits, plan, discard)
             mode = sim_device.SimulatedDevice()
             with mode:
                 out = orig_beam_rows(sim_device.tag(logits), plan, discard)
+            obs.beam_mode = mode
             if out:
-                obs.calls.append(("beam_rows", len(out), mode))
+                obs.calls.append(("beam_step", len(out), mode))
             return out
 
-        monkeypatch.setattr(runner_mod, "_beam_logits_on_host", beam_rows)
+        def beam_step(self, *args):
+            mode = obs.beam_mode if obs.active else None
+            if mode is None:
+                return orig_beam_step(self, *args)
+            with mode:
+                return orig_beam_step(self, *args)
+
+        def propose_beams(drafter_, jobs):
+            if not obs.active or not jobs:
+                return orig_propose_beams(drafter_, jobs)
+            mode = sim_device.SimulatedDevice()
+            drafter_._sim_mode = mode
+            try:
+                with mode:
+                    out = orig_propose_beams(drafter_, jobs)
+            finally:
+                drafter_._sim_mode = None
+            obs.calls.append(("propose_beams", len(jobs), mode))
+            return out
+
+        monkeypatch.setattr(runner_mod, "_beam_rows", beam_rows)
+        monkeypatch.setattr(runner_mod.DSBDRunnerMixin, "_beam_step", beam_step)
+        monkeypatch.setattr(runner_mod, "propose_beam_forests", propose_beams)
         monkeypatch.setattr(sampler, "verify", verify)
         monkeypatch.setattr(drafter.DSBDDrafter, "propose_forests", propose)
         monkeypatch.setattr(drafter.DSBDDrafter, "_forward", forward)
 
 
-@pytest.fixture(scope="module", params=[(2, None), (1, None), (1, True)], ids=["width2", "width1", "width1-static"])
+@pytest.fixture(scope="module", params=[(2, None), (1, None), (1, True), (2, True)],
+                ids=["width2", "width1", "width1-static", "width2-static"])
 def runs(request):
-    width, chain_static = request.param
+    width, static = request.param
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
@@ -111,7 +140,7 @@ def runs(request):
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                        "width": width, "verify_budget": None})
     mp = pytest.MonkeyPatch()
-    obs = Observer(chain_static)
+    obs = Observer(static)
     obs.install(mp)
 
     def gen(prompts, temperature, eos_stop):
@@ -120,16 +149,24 @@ def runs(request):
         return [list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
 
-    def beams(prompts):  # beam requests: their logits rows come to the host in one copy per step
+    def beams(prompts):  # beam search (T = 0)
         from vllm.sampling_params import BeamSearchParams
 
         outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=2, max_tokens=6))
         return [[list(s.tokens) for s in o.sequences] for o in outs]
 
+    def sampled_beams(prompts):  # seeded beam sampling (T = 1), fixed and dynamic width
+        sp = [vllm.SamplingParams(temperature=1.0, seed=k, max_tokens=6 * 3 + 2, ignore_eos=True, detokenize=False,
+                                  extra_args={"dsbd_beam": {"width": 2, "max_tokens": 6, "dynamic_width": k % 2 == 1}})
+              for k in range(len(prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [[(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
+
     cases = [("one", PROMPTS[:1], 1.0, False), ("many", PROMPTS, 1.0, False), ("greedy", PROMPTS[:4], 0.0, True)]
     try:
         plain = {name: gen(p, t, e) for name, p, t, e in cases}
         plain["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
+        plain["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
         obs.active = True
         out = {}
         for name, p, t, e in cases:
@@ -139,8 +176,11 @@ def runs(request):
         n0 = len(obs.calls)
         out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
         out["beams_calls"] = obs.calls[n0:]
+        n0 = len(obs.calls)
+        out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
+        out["sampled_beams_calls"] = obs.calls[n0:]
         out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
-        out["static"] = chain_static
+        out["static"] = static
         return out
     finally:
         mp.undo()
@@ -188,8 +228,11 @@ def test_drafting_syncs_once_per_depth(runs):
         assert sum(m.syncs.values()) <= (1 if runs["width"] == 1 else DEPTH), m.syncs
 
 
-@pytest.mark.parametrize("runs", [(1, True)], indirect=True, ids=["width1-static"])
-def test_static_chain_verification_syncs_once(runs):
+@pytest.mark.parametrize("runs", [(1, True), (2, True)], indirect=True, ids=["width1-static", "width2-static"])
+def test_static_verification_syncs_once(runs):
+    """The static paths (what a GPU runs: ``core/chain_static.py`` at width 1, ``core/verify_static.py`` at width
+    2; forced here) read the device once per verification (the results' copy), and their outputs equal the CPU's
+    row-subset paths' (``test_observing_changes_nothing`` on this engine)."""
     assert runs["static"]
     calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] + runs["greedy_calls"] if k == "verify"]
     assert calls
@@ -198,16 +241,34 @@ def test_static_chain_verification_syncs_once(runs):
 
 
 def test_observing_changes_nothing(runs):
-    for name in ("one", "many", "greedy", "beams"):
+    for name in ("one", "many", "greedy", "beams", "sampled_beams"):
         assert runs[name] == runs["plain"][name]
 
 
-# beam search W = 2 needs an engine width >= 2
+# beam requests of width 2 need an engine width >= 2
 @pytest.mark.parametrize("runs", [(2, None)], indirect=True, ids=["width2"])
-def test_beam_requests_logits_come_over_in_one_copy(runs):
-    """Beam requests keep their beam steps on the host; their logits rows of a step come over in one copy (not one or
-    two per request), without mixing device and host tensors."""
-    calls = [(n, m) for k, n, m in runs["beams_calls"] if k == "beam_rows"]
-    assert calls and max(n for n, _ in calls) == 4  # the 4 beam requests together in a step
-    for n, m in calls:
-        assert m.mismatches == [] and sum(m.syncs.values()) == 1, (n, m.syncs, m.mismatches[:3])
+def test_beam_requests_stay_on_the_device(runs):
+    """Beam requests' target beam steps and draft beam steps run on the device: no operation mixes device and host
+    tensors, and nothing the size of a vocabulary row comes to the host (what does: the rows' best tokens at T = 0,
+    each layer's outputs at T > 0, each depth's draft pairs). At T = 0 a step's beam steps read the device once for
+    all requests and the drafter once per depth."""
+    V = 400
+    for name in ("beams_calls", "sampled_beams_calls"):
+        calls = runs[name]
+        kinds = collections.Counter(k for k, _, _ in calls)
+        assert kinds["beam_step"] and kinds["propose_beams"], kinds
+        assert max(n for k, n, _ in calls if k == "beam_step") == 4  # the 4 beam requests together in a step
+        for k, n, m in calls:
+            assert m.mismatches == [], (name, k, m.mismatches[:3])
+            wide = [(w, shape) for w, shape in m.host_copies if shape and shape[-1] >= V]
+            assert wide == [], (name, k, wide[:3])
+        steps = [sum(m.syncs.values()) for k, _, m in calls if k == "beam_step"]
+        drafts = [sum(m.syncs.values()) for k, _, m in calls if k == "propose_beams"]
+        print(f"{name}: syncs per step of the beam requests {min(steps)}..{max(steps)}, per drafting call "
+              f"{min(drafts)}..{max(drafts)}; lines: "
+              f"{sum((m.syncs for k, _, m in calls), collections.Counter()).most_common(6)}")
+        if name == "beams_calls":
+            assert set(steps) == {1}, steps
+            assert all(0 < s <= DEPTH for s in drafts), drafts
+            lines = {line for _, _, m in calls for line in m.syncs}
+            assert all(line.startswith(("engine/beams.py", "engine/beam_drafter.py")) for line in lines), lines

@@ -16,7 +16,7 @@ def test_step_overhead_smoke(tmp_path):
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    names = ("plain vLLM", "DSBD W=1 d=3", "DSBD W=2 d=3", "DSBD beam search W=4 d=3")
+    names = ("plain vLLM", "DSBD W=1 d=3", "DSBD W=2 d=3", "DSBD beam search W=4 d=3", "DSBD beam sampling W=4 d=3 T=1")
     assert {(r["config"], r["batch"]) for r in rows} == {(c, b) for c in names for b in (1, 2)}
     for r in rows:
         assert r["steps"] >= 1 and r["step_ms"] > 0 and r["target_fwd_ms"] > 0

@@ -105,8 +105,13 @@ class BatchParams:
         """The params of a subset of requests (rows: index or bool mask)."""
         return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
-    def with_(self, **kw) -> "BatchParams":
+    def with_(self, facts: HostFacts | None = None, **kw) -> "BatchParams":
+        """The params with some settings replaced; their :attr:`facts` carried when no setting they read changes, or
+        ``facts`` when the caller knows the new ones (no read of the tensors)."""
         new = replace(self, **kw)
+        if facts is not None:
+            object.__setattr__(new, "_facts", facts)
+            return new
         return new if _FACT_FIELDS & kw.keys() else self._carry(new)
 
     def to(self, device) -> "BatchParams":

@@ -44,10 +44,14 @@ def acceptance_count_law(p: torch.Tensor, q: torch.Tensor, m: int) -> torch.Tens
 
 
 def choose_width(p: torch.Tensor, q: torch.Tensor, num_drafts: torch.Tensor, width: torch.Tensor,
-                 min_width: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+                 min_width: torch.Tensor, tau: torch.Tensor, max_drafts: int | None = None) -> torch.Tensor:
     """K_d per request. p, q: [R, J] target joint and draft joint restricted to valid parents; num_drafts, width,
-    min_width: [R] int64; tau: [R] float32. Returns [R] int64 in [min_width, width] (and <= support of p)."""
-    m = int(num_drafts.max()) if num_drafts.numel() else 0
+    min_width: [R] int64; tau: [R] float32; ``max_drafts``: max(num_drafts) when the caller knows it on the host (no
+    read of the tensor). Returns [R] int64 in [min_width, width] (and <= support of p)."""
+    if max_drafts is not None:
+        m = max_drafts
+    else:
+        m = int(num_drafts.max()) if num_drafts.numel() else 0
     if m == 0:
         k = torch.zeros_like(width)
     else:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 import torch
 
@@ -30,7 +32,7 @@ from vllm_dsbd.core import rng
 from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch
-from .beams import BeamForest
+from .beams import BeamForest, beam_params
 from .kv import slots_of
 from .state import RequestState
 
@@ -55,30 +57,53 @@ def catch_up_start(st: RequestState) -> int:
     return beam.base + beam.first_without_draft()
 
 
-def _sampled_pairs(beam, logits: torch.Tensor, scores: list[float], live: list[bool], d: int):
-    """The draft's beam-sampling step at temperature T > 0 (``core.beam_step``, the request's temperature, top-k and
-    top-p on the joint, keyed by its seed, the depth-d tokens' position and ``Stream.DRAFT_DRAW``): W (beam, token)
-    pairs drawn without replacement from the draft joint Q, in draw order. EOS is an ordinary draw (a drafted EOS is
-    not continued). Returns ([(beam, token, draft score)], log Q [S * V] float32)."""
-    params = beam.batch_params()
-    pos = torch.tensor([beam.prompt_len + beam.steps + d - 1], dtype=torch.int64)
-    st = beam_step(logits.float()[None], torch.tensor([scores], dtype=torch.float32),
-                   torch.tensor([live], dtype=torch.bool), params, pos, rng.Stream.DRAFT_DRAW)
-    pairs = [(int(st.parent[0, j]), int(st.token[0, j]), float(st.score[0, j]))
-             for j in range(st.valid.shape[1]) if bool(st.valid[0, j])]
-    return pairs, st.joint[0]
+def _joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' beam rows side by side: ``[R, S, V]`` (S = the most beams of a request; a request's missing
+    rows are zero logits) and their scores ``[R, S]`` (-inf on the missing rows), on the logits' device."""
+    dev, V = logits[0].device, logits[0].shape[-1]
+    S = max(lg.shape[0] for lg in logits)
+    at = torch.tensor([r * S + b for r, sc in enumerate(scores) for b in range(len(sc))], dtype=torch.int64,
+                      device=dev)
+    rows = torch.zeros(len(logits) * S, V, dtype=dtype, device=dev).index_copy_(0, at, torch.cat(logits).to(dtype))
+    sc = torch.tensor([s + [-math.inf] * (S - len(s)) for s in scores], dtype=dtype, device=dev)
+    return rows.reshape(len(logits), S, V), sc
 
 
-def _top_pairs(logits: torch.Tensor, scores: list[float], width: int, eos: int | None):
-    """The draft's beam step at temperature 0: the ``width`` best (beam, token) pairs by cumulative score
-    (float64, as the target's beam search sums them), EOS excluded. Returns [(beam, token, score)]."""
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    joint = lp + torch.tensor(scores, dtype=torch.float64)[:, None]
-    if eos is not None:
-        joint[:, eos] = -torch.inf
-    vals, idx = torch.topk(joint.flatten(), min(width, joint.numel()))
-    V = logits.shape[-1]
-    return [(i // V, i % V, v) for i, v in zip(idx.tolist(), vals.tolist()) if v > -torch.inf]
+def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]],
+                   d: int) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
+    """The draft's beam-sampling step at temperature T > 0 of several beam requests at once (``core.beam_step``, each
+    request's temperature, top-k and top-p on its joint, keyed by its seed, the depth-d tokens' position and
+    ``Stream.DRAFT_DRAW``): W (beam, token) pairs drawn without replacement from each draft joint Q, in draw order,
+    on the logits' device, read in one copy. EOS is an ordinary draw (a drafted EOS is not continued). Returns
+    (per request [(beam, token, draft score)], log Q [R, S * V] float32: row r is request r's joint, -inf past its
+    beams)."""
+    dev = logits[0].device
+    rows, sc = _joint_rows(logits, scores, torch.float32)
+    S = rows.shape[1]
+    lv = torch.tensor([m + [False] * (S - len(m)) for m in live], dtype=torch.bool, device=dev)
+    pos = torch.tensor([b.prompt_len + b.steps + d - 1 for b in beams], dtype=torch.int64, device=dev)
+    st = beam_step(rows, sc, lv, beam_params(beams, dev), pos, rng.Stream.DRAFT_DRAW)
+    par, tok, score, ok = torch.stack([st.parent.double(), st.token.double(), st.score.double(),
+                                       st.valid.double()]).tolist()  # one copy
+    pairs = [[(int(p), int(t), s) for p, t, s, o in zip(*row) if o] for row in zip(par, tok, score, ok)]
+    return pairs, st.joint
+
+
+def _top_pairs(logits: list[torch.Tensor], scores: list[list[float]], widths: list[int],
+               eos: list[int | None]) -> list[list[tuple[int, int, float]]]:
+    """The draft's beam step at temperature 0 of several beam requests at once: each request's ``width`` best
+    (beam, token) pairs by cumulative score (float64, as the target's beam search sums them), EOS excluded, on the
+    logits' device, read in one copy. Returns per request [(beam, token, score)]."""
+    V = logits[0].shape[-1]
+    rows, sc = _joint_rows(logits, scores, torch.float64)
+    joint = torch.log_softmax(rows, dim=-1) + sc[:, :, None]  # missing rows: -inf
+    ban = torch.tensor([[r, e] for r, e in enumerate(eos) if e is not None], dtype=torch.int64, device=rows.device)
+    if ban.numel():
+        joint[ban[:, 0], :, ban[:, 1]] = -torch.inf
+    vals, idx = torch.topk(joint.flatten(1), min(max(widths), joint.shape[1] * V))
+    vals_l, idx_l = torch.stack([vals, idx.double()]).tolist()  # one copy (ids are exact in float64)
+    return [[(int(i) // V, int(i) % V, v) for i, v in zip(idx_l[r][:w], vals_l[r][:w]) if v > -torch.inf]
+            for r, w in enumerate(widths)]
 
 
 @torch.inference_mode()
@@ -109,8 +134,9 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         sample += [t0 + B + b.node - job.start for b in beam.live]
         t0 += len(s)
     fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
-    # beam requests keep their tries and forests on the host (per-request Python work): the draft logits come over
-    logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0).cpu()
+    # the draft logits stay on the device: each depth's beam step runs there for all requests at once, and what the
+    # tries and forests (host lists) need comes over in one copy per depth
+    logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
     leaf_logits, at = [], 0
     for job in jobs:
         beam = job.state.beam
@@ -128,20 +154,18 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
                  for b in job.state.beam.live] for job in jobs]
     for d in range(1, max(j.depth for j in jobs) + 1):
         layer_of = {}
-        for k, job in enumerate(jobs):
+        go = [k for k, job in enumerate(jobs) if d <= job.depth and job.max_nodes > len(forests[k].tokens)
+              and any(c for *_, c in beams_of[k])]
+        pairs_of = _depth_pairs([jobs[k].state.beam for k in go], [leaf_logits[k] for k in go],
+                                [beams_of[k] for k in go], d)
+        for k, (pairs, q) in zip(go, pairs_of):
+            job = jobs[k]
             beam, f = job.state.beam, forests[k]
-            cap = job.max_nodes - len(f.tokens)
-            if d > job.depth or cap <= 0 or not any(c for *_, c in beams_of[k]):
-                continue
+            pairs = pairs[: job.max_nodes - len(f.tokens)]
+            if q is not None:
+                f.q.append(q)
             p = beam.params
             eos = None if p.ignore_eos else p.eos_token_id
-            scores = [sc for _, sc, _ in beams_of[k]]
-            if beam.temperature <= 0.0:
-                pairs = _top_pairs(leaf_logits[k], scores, p.width, eos)[:cap]
-            else:
-                pairs, q = _sampled_pairs(beam, leaf_logits[k], scores, [c for *_, c in beams_of[k]], d)
-                pairs = pairs[:cap]
-                f.q.append(q)
             n = len(beam.tokens)
             layer = []
             for b, t, sc in pairs:
@@ -176,7 +200,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         sub = list(layer_of)
         fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
         logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
-                                  list(range(t0)), fb, d).cpu()
+                                  list(range(t0)), fb, d)
         at = 0
         for k in sub:
             m = len(layer_of[k])
@@ -184,3 +208,26 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
             at += m
     for job, f in zip(jobs, forests):
         job.state.beam.forest = f if f.tokens else None
+
+
+def _depth_pairs(beams: list, logits: list[torch.Tensor], beams_of: list[list[tuple[int, float, bool]]],
+                 d: int) -> list[tuple[list[tuple[int, int, float]], torch.Tensor | None]]:
+    """Depth d's draft beam step of the given requests (their current draft beams ``(node, score, continues)`` and
+    those beams' draft logits rows): T = 0 requests together (``_top_pairs``), T > 0 requests together
+    (``_sampled_pairs``). Per request: (its pairs in draw / rank order, its log Q [S * V] at T > 0, else None)."""
+    out: list = [None] * len(beams)
+    det = [i for i, b in enumerate(beams) if b.temperature <= 0.0]
+    samp = [i for i, b in enumerate(beams) if b.temperature > 0.0]
+    scores = [[sc for _, sc, _ in bo] for bo in beams_of]
+    if det:
+        eos = [None if beams[i].params.ignore_eos else beams[i].params.eos_token_id for i in det]
+        tops = _top_pairs([logits[i] for i in det], [scores[i] for i in det],
+                          [beams[i].params.width for i in det], eos)
+        for i, pairs in zip(det, tops):
+            out[i] = (pairs, None)
+    if samp:
+        pairs, q = _sampled_pairs([beams[i] for i in samp], [logits[i] for i in samp], [scores[i] for i in samp],
+                                  [[c for *_, c in beams_of[i]] for i in samp], d)
+        for r, i in enumerate(samp):
+            out[i] = (pairs[r], q[r])
+    return out

@@ -25,9 +25,10 @@ One beam step, when the logits of every leaf are in (:meth:`BeamRequest.step`):
   draft only decides how many steps one target pass makes: every step is the target's own, so the beams are vLLM's.
 * T > 0: target beam sampling: ``W`` (beam, token) pairs drawn without replacement from the joint
   (``core.beam_step``); a drawn pair ending in EOS finishes. With a forest (drawn by the draft's beam sampling, its
-  joint Q kept per depth), each layer is DSBD's exact verification (``core.verify_layer``: recursive rejection
-  sampling without replacement, so the W outputs are W draws without replacement from the target joint): while the
-  new beams are all forest nodes the next layer runs on their logits. The beams' law is target beam sampling
+  joint Q kept per depth), each layer is DSBD's exact verification (``core.verify_layer``'s decisions, computed on
+  the device without host reads by ``core.verify_static``: recursive rejection sampling without replacement, so the
+  W outputs are W draws without replacement from the target joint): while the new beams are all forest nodes the
+  next layer runs on their logits. The beams' law is target beam sampling
   whatever the draft (with ``dynamic_width`` the paper's rule picks each drafted layer's width from P and Q).
 
 Then the nodes the new beams hang from (leaves and passed forest nodes) are kept and moved down in slot order to
@@ -66,7 +67,7 @@ from vllm_dsbd.core import rng
 from vllm_dsbd.core.joint import joint_logprobs
 from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sampling import beam_step
-from vllm_dsbd.core.verify import verify_layer
+from vllm_dsbd.core.verify_static import verify_layer_static
 from vllm_dsbd.core.width import choose_width
 
 from vllm_dsbd.config import BEAM_KEY  # SamplingParams.extra_args[BEAM_KEY]: the beam request's settings (a dict)
@@ -166,6 +167,47 @@ class StepResult:
 
 
 @dataclass
+class TopRows:
+    """What a deterministic beam step (T = 0) reads of logits rows: each row's ``2W`` best tokens and their
+    log-probabilities (float32 ``log_softmax`` of the logits, then ``topk``: vLLM's beam search gets the same from its
+    sampler), as host lists. The runner computes them on the logits' device for every such request of a step and
+    copies them over at once (:func:`top_rows`), so no logits row leaves the device."""
+
+    vals: list[list[float]]
+    idx: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.vals)
+
+    def __getitem__(self, rows: slice) -> "TopRows":
+        return TopRows(self.vals[rows], self.idx[rows])
+
+    def pick(self, rows: list[int]) -> "TopRows":
+        return TopRows([self.vals[r] for r in rows], [self.idx[r] for r in rows])
+
+    @staticmethod
+    def cat(parts: list["TopRows"]) -> "TopRows":
+        return TopRows([v for p in parts for v in p.vals], [i for p in parts for i in p.idx])
+
+
+def top_rows(logits: torch.Tensor, ks: list[int], counts: list[int]) -> list[TopRows]:
+    """The :class:`TopRows` of consecutive groups of logits rows ([sum counts, V], on any device): group g has
+    ``counts[g]`` rows and keeps its rows' ``ks[g]`` best tokens. One ``log_softmax`` and one ``topk`` for all rows
+    (both exact per row: a row's results do not depend on the other rows), one copy to the host."""
+    V = logits.shape[-1]
+    kk = min(max(ks, default=1), V)
+    vals, idx = torch.topk(torch.log_softmax(logits.float(), dim=-1), kk, dim=-1)
+    host = torch.stack([vals.double(), idx.double()]).cpu()  # float32 values and token ids are exact in float64
+    v_l, i_l = host[0].tolist(), host[1].long().tolist()
+    out, at = [], 0
+    for k, n in zip(ks, counts):
+        k = min(k, V)
+        out.append(TopRows([r[:k] for r in v_l[at : at + n]], [r[:k] for r in i_l[at : at + n]]))
+        at += n
+    return out
+
+
+@dataclass
 class BeamForest:
     """A draft forest hanging off the live beams, stored after the trie: node c at slot ``base + len(trie) + c``, in
     depth-major order (``beam_drafter``). Its nodes are numbered after the trie's (``len(trie) + c``)."""
@@ -176,8 +218,9 @@ class BeamForest:
     drafted: list[bool]  # the draft model's K/V of the node are in its slot (the draft ran on it)
     layers: list[int] = field(default_factory=list)  # forest depth of the node (1 = child of a live beam)
     slots: list[int] = field(default_factory=list)  # the parent's index among the beams its depth was drawn from
-    # T > 0: per forest depth, log Q over (parent index, token) ([S * V] float32, S = beams drawn from): the draft
-    # joint that depth's nodes were drawn from without replacement, in node order (= draw order)
+    # T > 0: per forest depth, log Q over (parent index, token) ([S * V] float32 on the draft logits' device, S = beams
+    # drawn from, or more with -inf past them): the draft joint that depth's nodes were drawn from without
+    # replacement, in node order (= draw order)
     q: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -218,7 +261,9 @@ class BeamRequest:
         self.live: list[_Live] = [_Live(-1, 0.0, 0.0)]
         self.finished: list[Finished] = []
         self.steps = 0
-        self.leaf_logits: list[torch.Tensor] = []  # logits of the leaves computed so far this step
+        # what the beam step reads of the leaves computed so far this step: T = 0 their TopRows, T > 0 their logits
+        # rows (on the logits' device)
+        self.leaf_rows: list = []
         # leaves that are in vLLM's token list (leaf fixed - 1 is its last token): their slots cannot move
         self.fixed = 1
         self.peak_blocks = 0  # the most KV blocks the request owned at a step (the runner's count, for metrics)
@@ -259,11 +304,23 @@ class BeamRequest:
         self.has_draft = [False] * len(self.tokens)
 
     # the step ------------------------------------------------------------------------------------------------
-    def partial(self, logits: torch.Tensor) -> StepResult | None:
-        """Records the logits of the next computed leaves ([m, V]); returns the row that moves on to the leaves
-        still missing, or None when every leaf is now in (call :meth:`step`)."""
-        self.leaf_logits.extend(logits.float().cpu().unbind(0))
-        m = len(self.leaf_logits)
+    def rows_of(self, logits: torch.Tensor | TopRows) -> torch.Tensor | TopRows:
+        """What a beam step reads of logits rows ([m, V], any device): T = 0 their :class:`TopRows` (the ``2W`` best
+        tokens; given as such by the runner, computed here otherwise), T > 0 the float32 rows themselves."""
+        if isinstance(logits, TopRows):
+            return logits
+        if self.temperature <= 0.0:
+            return top_rows(logits, [2 * self.params.width], [logits.shape[0]])[0]
+        return logits.float()
+
+    def partial(self, logits: torch.Tensor | TopRows) -> StepResult | None:
+        """Records the next computed leaves (their logits rows [m, V] on any device, or their :class:`TopRows` at
+        T = 0); returns the row that moves on to the leaves still missing, or None when every leaf is now in (call
+        :meth:`step`)."""
+        rows = self.rows_of(logits)
+        if len(rows):
+            self.leaf_rows.append(rows)
+        m = sum(len(r) for r in self.leaf_rows)
         if m >= self.num_leaves:
             return None
         self.forest = None  # not every leaf was scheduled, so neither was the forest after them
@@ -275,34 +332,37 @@ class BeamRequest:
         self.fixed = m + 1
         return StepResult(row=row, next_drafts=nxt[1:])
 
-    def step(self, eos_score_token: int | None, forest_logits: torch.Tensor | None = None) -> StepResult:
-        """One beam step over the collected leaf logits, then (T = 0, a forest verified) more steps while the
-        target's new beams are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V], the
-        first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS id vLLM's length penalty looks at
-        (the tokenizer's, even when EOS is ignored)."""
-        logits = torch.stack(self.leaf_logits)  # [Wl, V]
-        self.leaf_logits = []
+    def step(self, eos_score_token: int | None, forest_logits: torch.Tensor | TopRows | None = None) -> StepResult:
+        """One beam step over the collected leaves, then (a forest verified) more steps while the target's new beams
+        are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V] on any device, or their
+        :class:`TopRows` at T = 0; the first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS
+        id vLLM's length penalty looks at (the tokenizer's, even when EOS is ignored). At T > 0 the arithmetic runs
+        on the logits' device; what the trie needs comes to the host once per layer."""
+        parts, self.leaf_rows = self.leaf_rows, []
+        logits = TopRows.cat(parts) if self.temperature <= 0.0 else torch.cat(parts)  # [Wl, V] or Wl rows
         forest, self.forest = self.forest, None
         self._eos_score = eos_score_token
         self._start = self.live[0].node  # leaf 0's node: the trie before it never moves
         p = self.params
         eos = None if p.ignore_eos else p.eos_token_id
-        if forest is None or forest_logits is None or not forest_logits.shape[0]:
+        if forest is None or forest_logits is None or not len(forest_logits):
             forest = None
+        else:
+            forest_logits = self.rows_of(forest_logits)
         nodes = passed = 0
         widths: list[int] = []
         if self.temperature <= 0.0:
-            cands = self._search(torch.log_softmax(logits.float(), dim=-1), eos)
+            cands = self._search(logits, eos)
             self.steps += 1
             if forest is not None:
-                cands, passed = self._verify_layers(cands, forest, forest_logits.float().cpu(), eos)
+                cands, passed = self._verify_layers(cands, forest, forest_logits, eos)
         elif forest is not None:
-            cands, passed, widths = self._sample_layers(logits.float(), forest, forest_logits.float().cpu(), eos)
+            cands, passed, widths = self._sample_layers(logits, forest, forest_logits, eos)
         else:
-            cands = self._sample(logits, torch.log_softmax(logits.float(), dim=-1), eos)
+            cands = self._sample(logits, eos)
             self.steps += 1
         if forest is not None:
-            nodes = forest_logits.shape[0]
+            nodes = len(forest_logits)
             self._backoff = 0 if passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
             self.draft_skip = self._backoff
         out = self._apply(cands)
@@ -320,11 +380,11 @@ class BeamRequest:
         self.has_draft += forest.drafted[:F]
         return n0
 
-    def _verify_layers(self, cands, forest: BeamForest, logits: torch.Tensor, eos: int | None):
+    def _verify_layers(self, cands, forest: BeamForest, top: TopRows, eos: int | None):
         """T = 0: while the target's W new beams are all nodes of the forest, they become the live beams (their
-        logits are known) and the target's next beam step runs on them. Returns the last candidates and the layers
-        passed."""
-        F = logits.shape[0]
+        logits' best tokens are known) and the target's next beam step runs on them. Returns the last candidates
+        and the layers passed."""
+        F = len(top)
         n0 = self._graft(forest, F)
         index = {(forest.parents[c], forest.tokens[c]): n0 + c for c in range(F)}
         passed = 0
@@ -335,14 +395,14 @@ class BeamRequest:
             for nd, (_, _, _, v, _) in zip(nodes, cands):
                 self.logprobs[nd] = v
             self.live = [_Live(nd, cum, ss) for nd, (_, _, cum, _, ss) in zip(nodes, cands)]
-            lp = torch.log_softmax(logits[torch.tensor(nodes) - n0], dim=-1)
-            cands = self._search(lp, eos)
+            cands = self._search(top.pick([nd - n0 for nd in nodes]), eos)
             self.steps += 1
             passed += 1
         return cands, passed
 
     def _sample_layers(self, logits: torch.Tensor, forest: BeamForest, flogits: torch.Tensor, eos: int | None):
-        """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1, ``core.verify_layer``). Layer
+        """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1, ``core.verify_layer``'s
+        decisions without host reads: ``core.verify_static``), on the logits' device, one host copy per layer. Layer
         d's target joint P (over the current beams) and the draft joint Q its depth-d nodes were drawn from give K
         outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so
         each layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits
@@ -351,7 +411,7 @@ class BeamRequest:
         layers)."""
         F = flogits.shape[0]
         n0 = self._graft(forest, F)
-        params = self.batch_params()
+        params = self.batch_params(logits.device)
         par_logits, layer, passed, widths = logits, 1, 0, []
         while True:
             drafts = [c for c in range(F) if forest.layers[c] == layer]  # in draw order
@@ -370,63 +430,68 @@ class BeamRequest:
                 self.logprobs[nd] = v
                 live[slot_of[nd]] = _Live(nd, cum, ss)
             self.live = live
-            par_logits = flogits[torch.tensor(drafts)]
+            par_logits = flogits[torch.tensor(drafts, device=flogits.device)]
             layer += 1
 
     def _sample_layer(self, logits: torch.Tensor, forest: BeamForest, drafts: list[int], n0: int,
                       params: BatchParams, eos: int | None):
-        """One verified layer over the beams ``self.live`` (dead slots: score -inf). Returns (candidates, their forest
-        node numbers or None, K)."""
+        """One verified layer over the beams ``self.live`` (dead slots: score -inf), on the logits' device. Returns
+        (candidates, their forest node numbers or None, K)."""
         S, V = logits.shape
-        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32)
+        dev = logits.device
+        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32, device=dev)
         logp, jscore = joint_logprobs(logits[None], scores, torch.isfinite(scores), params)
         J = S * V
         k = torch.clamp(torch.isfinite(logp).sum(1), max=self.params.width)
         if drafts:
-            didx = torch.tensor([[forest.slots[c] * V + forest.tokens[c] for c in drafts]], dtype=torch.int64)
+            didx = torch.tensor([[forest.slots[c] * V + forest.tokens[c] for c in drafts]], dtype=torch.int64,
+                                device=dev)
             logq = forest.q[forest.layers[drafts[0]] - 1][None].float()
             logq = torch.nn.functional.pad(logq, (0, J - logq.shape[1]), value=-math.inf)[:, :J]
             if self.params.dynamic_width:
                 par_ok = torch.isfinite(logp).reshape(1, S, V).any(2)
                 q_valid = (torch.exp(logq).reshape(1, S, V) * par_ok[:, :, None]).reshape(1, J)
-                k = choose_width(torch.exp(logp), q_valid, torch.tensor([len(drafts)]), params.width,
-                                 params.min_width, params.tau)
+                k = choose_width(torch.exp(logp), q_valid, torch.tensor([len(drafts)], device=dev), params.width,
+                                 params.min_width, params.tau, max_drafts=len(drafts))
         else:
-            didx = torch.zeros(1, 1, dtype=torch.int64)
+            didx = torch.zeros(1, 1, dtype=torch.int64, device=dev)
             logq = torch.full_like(logp, -math.inf)
         dval = torch.ones_like(didx, dtype=torch.bool) if drafts else torch.zeros_like(didx, dtype=torch.bool)
-        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64)
-        out, ok = verify_layer(logp, didx, dval, logq, k, params.seed, pos)
-        lp = torch.log_softmax(logits, dim=-1)
-        node_of = {int(j): n0 + c for j, c in zip(didx[0].tolist(), drafts)}
+        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64, device=dev)
+        out, ok = verify_layer_static(logp, didx, dval, logq, k, params.seed, pos, self.params.width)
+        node_of = {forest.slots[c] * V + forest.tokens[c]: n0 + c for c in drafts}
+        j = out[0].clamp(min=0)
+        outs, kk = _outputs(logits, j, ok[0], jscore[0].gather(0, j), k)
         cands, nodes = [], []
-        for j in out[0][ok[0]].tolist():
+        for j, v, sc in outs:
             b, t = divmod(j, V)
-            if (c := self._pair(b, t, float(lp[b, t]), float(jscore[0, j]), eos)) is not None:
+            if (c := self._pair(b, t, v, sc, eos)) is not None:
                 cands.append(c)
                 nodes.append(node_of.get(j))
-        return cands, nodes, int(k[0])
+        return cands, nodes, kk
 
-    def _search(self, lp: torch.Tensor, eos: int | None) -> list[tuple[int, int, float, float, float]]:
+    def _search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width
-        vals, idx = torch.topk(lp, min(2 * W, lp.shape[-1]), dim=-1)
         cands = []
         for b, beam in enumerate(self.live):
-            for v, t in zip(vals[b].tolist(), idx[b].tolist()):
+            for v, t in zip(top.vals[b], top.idx[b]):
                 if (c := self._pair(b, t, v, beam.score + v, eos)) is not None:
                     cands.append(c)
         cands = sorted(cands, key=lambda c: c[2], reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
 
-    def _sample(self, logits: torch.Tensor, lp: torch.Tensor, eos: int | None):
-        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32)
-        live = torch.ones(1, logits.shape[0], dtype=torch.bool)
-        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64)
-        st = beam_step(logits[None], scores, live, self.batch_params(), pos, rng.Stream.TARGET_DRAW)
+    def _sample(self, logits: torch.Tensor, eos: int | None):
+        """T > 0 without a forest: target beam sampling's step (``core.beam_step``), on the logits' device."""
+        dev = logits.device
+        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32, device=dev)
+        live = torch.ones(1, logits.shape[0], dtype=torch.bool, device=dev)
+        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64, device=dev)
+        st = beam_step(logits[None], scores, live, self.batch_params(dev), pos, rng.Stream.TARGET_DRAW)
+        V = logits.shape[-1]
         cands = []
-        for j in torch.nonzero(st.valid[0]).flatten().tolist():
-            b, t = int(st.parent[0, j]), int(st.token[0, j])
-            if (c := self._pair(b, t, float(lp[b, t]), float(st.score[0, j]), eos)) is not None:
+        for j, v, sc in _outputs(logits, st.parent[0] * V + st.token[0], st.valid[0], st.score[0])[0]:
+            b, t = divmod(j, V)
+            if (c := self._pair(b, t, v, sc, eos)) is not None:
                 cands.append(c)
         return cands
 
@@ -439,13 +504,10 @@ class BeamRequest:
             return None
         return (b, t, beam.score + v, v, sample_score)
 
-    def batch_params(self) -> BatchParams:
-        """The request's settings as the core takes them (one row): its temperature, top-k / top-p on the joint,
-        width, seed and the dynamic-width rule; EOS is handled here, not in the core (``eos=-1``)."""
-        W = self.params.width
-        return BatchParams.make(1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, width=W,
-                                seed=self.seed, eos=-1, min_width=min(self.min_width, W), tau=self.tau,
-                                dynamic=self.params.dynamic_width)
+    def batch_params(self, device=None) -> BatchParams:
+        """The request's settings as the core takes them (one row, on ``device``): its temperature, top-k / top-p on
+        the joint, width, seed and the dynamic-width rule; EOS is handled here, not in the core (``eos=-1``)."""
+        return beam_params([self], device)
 
     def _apply(self, cands) -> StepResult:
         """Keeps the nodes the new beams hang from, compacted after the fixed leaves, appends the new leaves, and
@@ -610,3 +672,31 @@ class BeamRequest:
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
                             "finish_reason": f.finish_reason} for f in self.best()],
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
+
+
+def beam_params(beams: list[BeamRequest], device=None) -> BatchParams:
+    """The settings of beam requests as the core takes them (one row each, on ``device``; their host facts computed
+    before they move): temperature, top-k / top-p on the joint, width, seed and the dynamic-width rule; EOS is
+    handled by the requests, not in the core (``eos=-1``)."""
+    ws = [b.params.width for b in beams]
+    p = BatchParams.make(len(beams), temperature=[b.temperature for b in beams], top_k=[b.top_k for b in beams],
+                         top_p=[b.top_p for b in beams], width=ws, seed=[b.seed for b in beams], eos=-1,
+                         min_width=[min(b.min_width, w) for b, w in zip(beams, ws)], tau=[b.tau for b in beams],
+                         dynamic=[b.params.dynamic_width for b in beams])
+    return p if device is None else p.to(device)
+
+
+def _outputs(logits: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, score: torch.Tensor,
+             k: torch.Tensor | None = None) -> tuple[list[tuple[int, float, float]], int | None]:
+    """A layer's valid outputs, read in one copy to the host: (joint index ``b * V + t``, the raw log-probability of
+    t after beam b, the output's score) for each, in output order, and K (``k`` [1]) when given. ``logits`` [S, V]
+    (float32) on any device; ``idx``, ``ok``, ``score`` [K] the outputs' joint indices (valid where ``ok``), whether
+    they exist, their scores."""
+    j = idx.clamp(min=0)
+    lp = torch.log_softmax(logits, dim=-1).flatten().gather(0, j)
+    parts = [j.double(), ok.double(), lp.double(), score.double()]  # float32 values and ids are exact in float64
+    if k is not None:
+        parts.append(k.double().expand(j.shape[0]))
+    host = torch.stack(parts).tolist()  # K >= 1 columns: the layer and beam_step return at least one
+    outs = [(int(a), v, sc) for a, o, v, sc in zip(*host[:4]) if o]
+    return outs, (int(host[4][0]) if k is not None else None)

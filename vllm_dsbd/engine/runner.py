@@ -41,6 +41,7 @@ from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
 from . import attention, kv, load, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
+from .beams import top_rows
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
@@ -300,7 +301,7 @@ class DSBDRunnerMixin:
                 results[k] = res
             self._commit_kv(plan, results)  # beam rows have no forest: skipped
         beam_moves = []
-        beam_rows = _beam_logits_on_host(logits, plan, discard)
+        beam_rows = _beam_rows(logits, plan, discard)
         for k, row in enumerate(plan):
             if row.state.beam is not None:
                 results[k] = self._beam_step(beam_rows.get(k), k, row, bool(discard[k]), beam_moves)
@@ -316,7 +317,7 @@ class DSBDRunnerMixin:
 
     def _beam_step(self, rows, i: int, row, skip: bool, moves: list) -> sampler.RowResult:
         """A beam request's part of the step: collect its leaves' logits, step the beams once every leaf is in.
-        ``rows``: its logits rows on the host (leaves, then forest nodes; ``_beam_logits_on_host``)."""
+        ``rows``: what its beam step reads of its logits rows (leaves, then forest nodes; ``_beam_rows``)."""
         beam = row.state.beam
         if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
             return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
@@ -530,18 +531,28 @@ def gpu_runner_class() -> type:
     return DSBDGPUModelRunner
 
 
-def _beam_logits_on_host(logits: torch.Tensor, plan: list, discard) -> dict[int, torch.Tensor]:
-    """The logits rows of every beam request of the step that samples (its leaves, then its forest nodes), gathered on
-    the logits' device and copied to the host at once (float32): one transfer per step instead of two per request.
-    Beam requests keep their tries and beam steps on the host (``beams.BeamRequest``). Plan index -> its rows."""
+def _beam_rows(logits: torch.Tensor, plan: list, discard) -> dict:
+    """What the beam step of every beam request of the step that samples reads of its logits rows (its leaves, then
+    its forest nodes), gathered on the logits' device in one index: T > 0 the float32 rows, which stay there (the
+    beam step runs on them there); T = 0 their ``beams.TopRows`` (each row's ``2W`` best tokens and log-probabilities),
+    computed there for all such requests at once and copied to the host in one transfer. No logits row leaves the
+    device. Plan index -> its rows."""
     ks = [k for k, r in enumerate(plan) if r.state.beam is not None and not discard[k]]
     if not ks:
         return {}
     spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]
-    idx = torch.tensor([a + j for a, m in spans for j in range(m)], dtype=torch.int64)
-    host = logits[idx.to(logits.device)].float().cpu()
-    out, at = {}, 0
+    idx = torch.tensor([a + j for a, m in spans for j in range(m)], dtype=torch.int64, device=logits.device)
+    rows = logits[idx].float()
+    out, at, det = {}, 0, []
     for k, (_, m) in zip(ks, spans):
-        out[k] = host[at : at + m]
+        beam = plan[k].state.beam
+        if beam.temperature <= 0.0:
+            det.append((k, at, m, 2 * beam.params.width))
+        else:
+            out[k] = rows[at : at + m]
         at += m
+    if det:
+        sel = torch.cat([torch.arange(a, a + m) for _, a, m, _ in det]).to(logits.device)
+        tops = top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det])
+        out.update({k: t for (k, *_), t in zip(det, tops)})
     return out

@@ -29,6 +29,7 @@ from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.outputs import iteration_outputs
 from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.verify import verify_forest
+from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .state import PendingForest, RequestState
 
@@ -86,7 +87,8 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
-           chain_fast_path: bool = True, chain_static: bool | None = None) -> list[RowResult]:
+           chain_fast_path: bool = True, chain_static: bool | None = None,
+           forest_static: bool | None = None) -> list[RowResult]:
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
 
     Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
@@ -98,7 +100,10 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     the general path (``tests/test_verify_chain.py`` compares them) for a fraction of its cost;
     ``chain_fast_path=False`` always takes the general path. On a device (not the CPU), or with ``chain_static``,
     the chain path is ``core.chain_static.verify_chains_static``: the same decisions with no host synchronisation
-    but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper)."""
+    but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper).
+    Likewise at any width in mode "sample" on a device, or with ``forest_static``, the general path is
+    ``core.verify_static.verify_forest_static``: ``verify_forest``'s decisions with no host synchronisation but the
+    results' one copy."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device
@@ -123,6 +128,10 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     tl = torch.zeros(R, G + 1, W, V, device=dev)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
     tl[:, 0, 0] = logits[first].float()
+    if (dev.type != "cpu" if forest_static is None else forest_static) and cfg.mode == "sample":
+        out = _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first)
+        if out is not None:
+            return out
     sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
     if sel[0].numel():
         src = first[sel[0]] + 1 + compact[sel]
@@ -165,6 +174,40 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
         assert len(tokens) == last + 1 and all(c >= 0 for c in path), (tokens, path)
         out.append(RowResult(tokens=tokens, path=path, passed=passed_l[i],
                              widths=width_l[i][: min(last + 1, depth[i])]))
+    return out
+
+
+def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
+                   params: BatchParams, ctx: torch.Tensor, depth: list[int], tl: torch.Tensor,
+                   first: torch.Tensor) -> list[RowResult] | None:
+    """Mode "sample" (one output per layer) without host synchronisations: the target rows of every node gathered
+    under the forest's mask, ``verify_forest_static``, then one copy of what the results need. A layer's output is
+    the node it passes through (a chain of accepted nodes, then the last layer's token), so the emitted tokens are
+    the layers' tokens up to the last processed one and the path is the passed layers' nodes. None: a processed
+    row without an output (NaN logits), which the general path then reports."""
+    R, L = tl.shape[:2]
+    G = L - 1
+    valid = forest.valid[..., None]
+    src = torch.where(forest.valid, first[:, None, None] + 1 + compact, first[:, None, None])  # [R, G, W]
+    tl[:, 1:] = torch.where(valid, logits[src].float(), 0.0)
+    scores = torch.zeros(R, tl.shape[2], device=tl.device)
+    live = torch.zeros(R, tl.shape[2], dtype=torch.bool, device=tl.device)
+    live[:, 0] = True
+    res = verify_forest_static(forest, tl, scores, live, params, ctx)
+    rec = res.layers
+    node = rec.node[:, :G, 0]
+    path = compact.gather(2, node.clamp(min=0)[:, :, None]).squeeze(2)  # [R, G] compact index of layer d's output
+    declined = (rec.processed & ~rec.valid[:, :, 0]).any(1)
+    parts = [res.last[:, None], res.passed[:, None], declined[:, None], rec.token[:, :, 0], rec.width, path]
+    host = torch.cat([p.to(torch.int64) for p in parts], 1).tolist()  # one copy
+    out = []
+    for i, h in enumerate(host):
+        last, passed, bad = h[0], h[1], h[2]
+        if bad:
+            return None
+        tokens, widths, pth = h[3 : 3 + L], h[3 + L : 3 + 2 * L], h[3 + 2 * L :]
+        out.append(RowResult(tokens=tokens[: last + 1], path=pth[:last], passed=passed,
+                             widths=widths[: min(last + 1, depth[i])]))
     return out
 
 
