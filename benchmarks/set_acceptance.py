@@ -91,13 +91,12 @@ def _verify_at_set_rate(logits, rows, cfg):
     return out
 
 
-def _beam_layers_at_set_rate(self, cands, forest, logits, eos):
-    """``BeamRequest._verify_layers`` (T = 0) with layers passing at the set rate (see the module's docstring)."""
-    import torch
-
+def _beam_layers_at_set_rate(self, cands, forest, top, eos):
+    """``BeamRequest._verify_layers`` (T = 0) with layers passing at the set rate (see the module's docstring).
+    ``top``: the forest rows' ``beams.TopRows`` (their best tokens, as the real method gets them)."""
     from vllm_dsbd.engine.beams import _Live
 
-    F = logits.shape[0]
+    F = len(top)
     n0 = self._graft(forest, F)
     kids: dict[int, list[int]] = {}
     for c in range(F):
@@ -112,7 +111,7 @@ def _beam_layers_at_set_rate(self, cands, forest, logits, eos):
         for nd, (_, _, _, v, _) in zip(nodes, cands):
             self.logprobs[nd] = v
         self.live = [_Live(nd, self.live[b].score + v, ss) for nd, (b, _), (_, _, _, v, ss) in zip(nodes, picks, cands)]
-        cands = self._search(torch.log_softmax(logits[torch.tensor(nodes) - n0], dim=-1), eos)
+        cands = self._search(top.pick([nd - n0 for nd in nodes]), eos)
         self.steps += 1
         passed += 1
     return cands, passed

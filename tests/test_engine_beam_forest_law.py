@@ -29,7 +29,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
-from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
+from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -88,12 +88,12 @@ def runs(tmp_path_factory):
                                        "width": WIDTH})
     try:
         exact = _run(llm)
-        real = beams_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)
-        beams_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)
+        real = beam_sampling_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)
+        beam_sampling_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)
         try:
             planted = _run(llm)
         finally:
-            beams_mod.verify_layer_static = real
+            beam_sampling_mod.verify_layer_static = real
     finally:
         shutdown(llm)
     law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)

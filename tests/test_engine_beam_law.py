@@ -24,7 +24,7 @@ from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.sampling import BeamStep  # noqa: E402
-from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
+from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -43,24 +43,30 @@ def _outcomes(llm) -> Counter:
 
 
 def _per_beam_step(logits, scores, live, params, position, stream):
-    """Planted wrong rule: with one live beam, W draws without replacement from it; with several, each live beam
-    draws one child of its own, among its pairs in the joint's top-k (the naive "sample per beam" rule)."""
+    """Planted wrong rule for the target's beam steps (the draft's are left alone): a request with one live beam
+    draws W pairs without replacement from it; with several, each live beam draws one child of its own, among its
+    pairs in the joint's top-k (the naive "sample per beam" rule)."""
     real = _REAL_STEP(logits, scores, live, params, position, stream)
-    R, S, V = logits.shape
-    if int(live.sum()) <= 1:
+    if stream != rng.Stream.TARGET_DRAW:
         return real
+    R, S, V = logits.shape
     joint = real.joint.view(R, S, V)
-    if not bool(torch.isfinite(joint).any(-1)[live].all()):  # a beam with no pair in the joint's top-k: keep the
-        return real  # real step, so that the planted rule has the same outcomes, only another law
+    # rows with several live beams, each with a pair in the joint's top-k (else the real step, so that the planted
+    # rule has the same outcomes, only another law)
+    per_beam = (live.sum(1) > 1) & (torch.isfinite(joint).any(-1) | ~live).all(1)
     g = rng.gumbel(rng.request_key(params.seed, position, stream), S * V).view(R, S, V)
     tok = torch.argmax(joint + g, dim=-1)  # [R, S]
     score = joint.gather(2, tok[:, :, None]).squeeze(2)
-    return BeamStep(parent=torch.arange(S)[None].expand(R, S), token=tok, score=score,
-                    valid=live & torch.isfinite(score), joint=real.joint, eos_done=real.eos_done,
-                    eos_score=real.eos_score)
+    C = max(S, real.parent.shape[1])
+    pad = lambda t, fill: torch.nn.functional.pad(t, (0, C - t.shape[1]), value=fill)  # noqa: E731
+    pick = lambda a, b, fill: torch.where(per_beam[:, None], pad(a, fill), pad(b, fill))  # noqa: E731
+    return BeamStep(parent=pick(torch.arange(S)[None].expand(R, S), real.parent, 0), token=pick(tok, real.token, 0),
+                    score=pick(score, real.score, float("-inf")),
+                    valid=pick(live & torch.isfinite(score), real.valid, False), joint=real.joint,
+                    eos_done=real.eos_done, eos_score=real.eos_score)
 
 
-_REAL_STEP = beams_mod.beam_step
+_REAL_STEP = beam_sampling_mod.beam_step
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +79,11 @@ def runs():
                                        "width": 4})
     try:
         exact = _outcomes(llm)
-        beams_mod.beam_step = _per_beam_step
+        beam_sampling_mod.beam_step = _per_beam_step
         try:
             planted = _outcomes(llm)
         finally:
-            beams_mod.beam_step = _REAL_STEP
+            beam_sampling_mod.beam_step = _REAL_STEP
     finally:
         shutdown(llm)
     law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)

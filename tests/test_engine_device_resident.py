@@ -14,8 +14,8 @@ and the beam drafter (the target's logits tagged). Checked:
   a call makes at most twice the synchronisations of a call at batch 1 (data-dependent branches taken more often);
   the counts and lines are printed;
 * beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
-  beam steps or in the draft's; at T = 0 a step's beam steps of all requests read the device once (their rows' best
-  tokens) and the drafter once per depth;
+  beam steps or in the draft's; a step's beam steps of all requests read the device once at T = 0 (their rows' best
+  tokens) and once per verified layer at T > 0, the drafter once per depth;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
 * the static paths (what the sampler runs on a GPU, forced here): width 1 the chain path (``core/chain_static.py``),
   width 2 the forest path (``core/verify_static.py``): each verification makes one host synchronisation (its
@@ -87,7 +87,7 @@ class Observer:
 
         from vllm_dsbd.engine import runner as runner_mod
 
-        orig_beam_rows, orig_beam_step = runner_mod._beam_rows, runner_mod.DSBDRunnerMixin._beam_step
+        orig_beam_rows, orig_beam_step = runner_mod._beam_rows, runner_mod.DSBDRunnerMixin._beam_steps
         orig_propose_beams = runner_mod.propose_beam_forests
 
         def beam_rows(logits, plan, discard):  # a step's beam requests: their rows, then their beam steps (below)
@@ -122,7 +122,7 @@ class Observer:
             return out
 
         monkeypatch.setattr(runner_mod, "_beam_rows", beam_rows)
-        monkeypatch.setattr(runner_mod.DSBDRunnerMixin, "_beam_step", beam_step)
+        monkeypatch.setattr(runner_mod.DSBDRunnerMixin, "_beam_steps", beam_step)
         monkeypatch.setattr(runner_mod, "propose_beam_forests", propose_beams)
         monkeypatch.setattr(sampler, "verify", verify)
         monkeypatch.setattr(drafter.DSBDDrafter, "propose_forests", propose)
@@ -250,8 +250,8 @@ def test_observing_changes_nothing(runs):
 def test_beam_requests_stay_on_the_device(runs):
     """Beam requests' target beam steps and draft beam steps run on the device: no operation mixes device and host
     tensors, and nothing the size of a vocabulary row comes to the host (what does: the rows' best tokens at T = 0,
-    each layer's outputs at T > 0, each depth's draft pairs). At T = 0 a step's beam steps read the device once for
-    all requests and the drafter once per depth."""
+    each layer's outputs at T > 0, each depth's draft pairs). A step's beam steps read the device once for all
+    requests at T = 0, once per verified layer for all requests at T > 0, and the drafter once per depth."""
     V = 400
     for name in ("beams_calls", "sampled_beams_calls"):
         calls = runs[name]
@@ -267,8 +267,11 @@ def test_beam_requests_stay_on_the_device(runs):
         print(f"{name}: syncs per step of the beam requests {min(steps)}..{max(steps)}, per drafting call "
               f"{min(drafts)}..{max(drafts)}; lines: "
               f"{sum((m.syncs for k, _, m in calls), collections.Counter()).most_common(6)}")
+        lines = {line for _, _, m in calls for line in m.syncs}
+        assert all(line.startswith(("engine/beams.py", "engine/beam_drafter.py", "engine/beam_sampling.py"))
+                   for line in lines), lines
+        assert all(0 < s <= DEPTH for s in drafts), drafts  # the drafter: once per depth for all requests
         if name == "beams_calls":
-            assert set(steps) == {1}, steps
-            assert all(0 < s <= DEPTH for s in drafts), drafts
-            lines = {line for _, _, m in calls for line in m.syncs}
-            assert all(line.startswith(("engine/beams.py", "engine/beam_drafter.py")) for line in lines), lines
+            assert set(steps) == {1}, steps  # T = 0: the rows' best tokens, once for all requests
+        else:
+            assert 0 < max(steps) <= DEPTH + 1, steps  # T > 0: once per verified layer for all requests

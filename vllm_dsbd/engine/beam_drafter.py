@@ -23,14 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import math
-
 import numpy as np
 import torch
 
 from vllm_dsbd.core import rng
-from vllm_dsbd.core.sampling import beam_step
 
+from . import beam_sampling
 from .attention import ForestBatch
 from .beams import BeamForest, beam_params
 from .kv import slots_of
@@ -57,36 +55,17 @@ def catch_up_start(st: RequestState) -> int:
     return beam.base + beam.first_without_draft()
 
 
-def _joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The requests' beam rows side by side: ``[R, S, V]`` (S = the most beams of a request; a request's missing
-    rows are zero logits) and their scores ``[R, S]`` (-inf on the missing rows), on the logits' device."""
-    dev, V = logits[0].device, logits[0].shape[-1]
-    S = max(lg.shape[0] for lg in logits)
-    at = torch.tensor([r * S + b for r, sc in enumerate(scores) for b in range(len(sc))], dtype=torch.int64,
-                      device=dev)
-    rows = torch.zeros(len(logits) * S, V, dtype=dtype, device=dev).index_copy_(0, at, torch.cat(logits).to(dtype))
-    sc = torch.tensor([s + [-math.inf] * (S - len(s)) for s in scores], dtype=dtype, device=dev)
-    return rows.reshape(len(logits), S, V), sc
-
-
 def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]],
                    d: int) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
     """The draft's beam-sampling step at temperature T > 0 of several beam requests at once (``core.beam_step``, each
     request's temperature, top-k and top-p on its joint, keyed by its seed, the depth-d tokens' position and
-    ``Stream.DRAFT_DRAW``): W (beam, token) pairs drawn without replacement from each draft joint Q, in draw order,
-    on the logits' device, read in one copy. EOS is an ordinary draw (a drafted EOS is not continued). Returns
+    ``Stream.DRAFT_DRAW``; ``beam_sampling.sample``): W (beam, token) pairs drawn without replacement from each draft
+    joint Q, in draw order, read in one copy. EOS is an ordinary draw (a drafted EOS is not continued). Returns
     (per request [(beam, token, draft score)], log Q [R, S * V] float32: row r is request r's joint, -inf past its
     beams)."""
-    dev = logits[0].device
-    rows, sc = _joint_rows(logits, scores, torch.float32)
-    S = rows.shape[1]
-    lv = torch.tensor([m + [False] * (S - len(m)) for m in live], dtype=torch.bool, device=dev)
-    pos = torch.tensor([b.prompt_len + b.steps + d - 1 for b in beams], dtype=torch.int64, device=dev)
-    st = beam_step(rows, sc, lv, beam_params(beams, dev), pos, rng.Stream.DRAFT_DRAW)
-    par, tok, score, ok = torch.stack([st.parent.double(), st.token.double(), st.score.double(),
-                                       st.valid.double()]).tolist()  # one copy
-    pairs = [[(int(p), int(t), s) for p, t, s, o in zip(*row) if o] for row in zip(par, tok, score, ok)]
-    return pairs, st.joint
+    pairs, joint = beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device),
+                                        [b.prompt_len + b.steps + d - 1 for b in beams], rng.Stream.DRAFT_DRAW)
+    return [[(p.beam, p.token, p.score) for p in ps] for ps in pairs], joint
 
 
 def _top_pairs(logits: list[torch.Tensor], scores: list[list[float]], widths: list[int],
@@ -95,7 +74,7 @@ def _top_pairs(logits: list[torch.Tensor], scores: list[list[float]], widths: li
     (beam, token) pairs by cumulative score (float64, as the target's beam search sums them), EOS excluded, on the
     logits' device, read in one copy. Returns per request [(beam, token, score)]."""
     V = logits[0].shape[-1]
-    rows, sc = _joint_rows(logits, scores, torch.float64)
+    rows, sc = beam_sampling.joint_rows(logits, scores, torch.float64)
     joint = torch.log_softmax(rows, dim=-1) + sc[:, :, None]  # missing rows: -inf
     ban = torch.tensor([[r, e] for r, e in enumerate(eos) if e is not None], dtype=torch.int64, device=rows.device)
     if ban.numel():

@@ -64,11 +64,9 @@ from typing import Any
 import torch
 
 from vllm_dsbd.core import rng
-from vllm_dsbd.core.joint import joint_logprobs
 from vllm_dsbd.core.params import BatchParams
-from vllm_dsbd.core.sampling import beam_step
-from vllm_dsbd.core.verify_static import verify_layer_static
-from vllm_dsbd.core.width import choose_width
+
+from . import beam_sampling
 
 from vllm_dsbd.config import BEAM_KEY  # SamplingParams.extra_args[BEAM_KEY]: the beam request's settings (a dict)
 
@@ -336,37 +334,31 @@ class BeamRequest:
         """One beam step over the collected leaves, then (a forest verified) more steps while the target's new beams
         are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V] on any device, or their
         :class:`TopRows` at T = 0; the first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS
-        id vLLM's length penalty looks at (the tokenizer's, even when EOS is ignored). At T > 0 the arithmetic runs
-        on the logits' device; what the trie needs comes to the host once per layer."""
+        id vLLM's length penalty looks at (the tokenizer's, even when EOS is ignored). :func:`step_beams` steps
+        several requests at once."""
+        return step_beams([(self, eos_score_token, forest_logits)])[0]
+
+    def _begin(self, eos_score_token: int | None, forest_logits) -> "_Step":
         parts, self.leaf_rows = self.leaf_rows, []
         logits = TopRows.cat(parts) if self.temperature <= 0.0 else torch.cat(parts)  # [Wl, V] or Wl rows
         forest, self.forest = self.forest, None
         self._eos_score = eos_score_token
         self._start = self.live[0].node  # leaf 0's node: the trie before it never moves
         p = self.params
-        eos = None if p.ignore_eos else p.eos_token_id
         if forest is None or forest_logits is None or not len(forest_logits):
-            forest = None
+            forest, forest_logits = None, None
         else:
             forest_logits = self.rows_of(forest_logits)
-        nodes = passed = 0
-        widths: list[int] = []
-        if self.temperature <= 0.0:
-            cands = self._search(logits, eos)
-            self.steps += 1
-            if forest is not None:
-                cands, passed = self._verify_layers(cands, forest, forest_logits, eos)
-        elif forest is not None:
-            cands, passed, widths = self._sample_layers(logits, forest, forest_logits, eos)
-        else:
-            cands = self._sample(logits, eos)
-            self.steps += 1
-        if forest is not None:
-            nodes = len(forest_logits)
-            self._backoff = 0 if passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
+        return _Step(self, logits, forest, forest_logits, None if p.ignore_eos else p.eos_token_id)
+
+    def _end(self, st: "_Step") -> StepResult:
+        nodes = 0
+        if st.forest is not None:
+            nodes = len(st.flogits)
+            self._backoff = 0 if st.passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
             self.draft_skip = self._backoff
-        out = self._apply(cands)
-        out.stepped, out.draft_nodes, out.layers_passed, out.widths = True, nodes, passed, widths
+        out = self._apply(st.cands)
+        out.stepped, out.draft_nodes, out.layers_passed, out.widths = True, nodes, st.passed, st.widths
         return out
 
     def _graft(self, forest: BeamForest, F: int) -> int:
@@ -400,76 +392,6 @@ class BeamRequest:
             passed += 1
         return cands, passed
 
-    def _sample_layers(self, logits: torch.Tensor, forest: BeamForest, flogits: torch.Tensor, eos: int | None):
-        """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1, ``core.verify_layer``'s
-        decisions without host reads: ``core.verify_static``), on the logits' device, one host copy per layer. Layer
-        d's target joint P (over the current beams) and the draft joint Q its depth-d nodes were drawn from give K
-        outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so
-        each layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits
-        are in ``flogits``), the next layer runs on them; the first layer that has a beam outside the forest, or no
-        drafts (the bonus layer), ends the pass. Returns (last candidates, layers passed, widths of drafted
-        layers)."""
-        F = flogits.shape[0]
-        n0 = self._graft(forest, F)
-        params = self.batch_params(logits.device)
-        par_logits, layer, passed, widths = logits, 1, 0, []
-        while True:
-            drafts = [c for c in range(F) if forest.layers[c] == layer]  # in draw order
-            cands, nodes, k = self._sample_layer(par_logits, forest, drafts, n0, params, eos)
-            self.steps += 1
-            if drafts:
-                widths.append(k)
-            if not drafts or not cands or None in nodes or self.steps >= self.params.max_tokens:
-                return cands, passed, widths
-            passed += 1
-            # the layer passed: the next layer's beams are forest nodes; its parent slots are this depth's nodes
-            # (what the deeper drafts were drawn from), the ones that are not beams stay in as dead slots
-            live = [_Live(n0 + c, -math.inf, -math.inf) for c in drafts]
-            slot_of = {n0 + c: i for i, c in enumerate(drafts)}
-            for nd, (_, _, cum, v, ss) in zip(nodes, cands):
-                self.logprobs[nd] = v
-                live[slot_of[nd]] = _Live(nd, cum, ss)
-            self.live = live
-            par_logits = flogits[torch.tensor(drafts, device=flogits.device)]
-            layer += 1
-
-    def _sample_layer(self, logits: torch.Tensor, forest: BeamForest, drafts: list[int], n0: int,
-                      params: BatchParams, eos: int | None):
-        """One verified layer over the beams ``self.live`` (dead slots: score -inf), on the logits' device. Returns
-        (candidates, their forest node numbers or None, K)."""
-        S, V = logits.shape
-        dev = logits.device
-        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32, device=dev)
-        logp, jscore = joint_logprobs(logits[None], scores, torch.isfinite(scores), params)
-        J = S * V
-        k = torch.clamp(torch.isfinite(logp).sum(1), max=self.params.width)
-        if drafts:
-            didx = torch.tensor([[forest.slots[c] * V + forest.tokens[c] for c in drafts]], dtype=torch.int64,
-                                device=dev)
-            logq = forest.q[forest.layers[drafts[0]] - 1][None].float()
-            logq = torch.nn.functional.pad(logq, (0, J - logq.shape[1]), value=-math.inf)[:, :J]
-            if self.params.dynamic_width:
-                par_ok = torch.isfinite(logp).reshape(1, S, V).any(2)
-                q_valid = (torch.exp(logq).reshape(1, S, V) * par_ok[:, :, None]).reshape(1, J)
-                k = choose_width(torch.exp(logp), q_valid, torch.tensor([len(drafts)], device=dev), params.width,
-                                 params.min_width, params.tau, max_drafts=len(drafts))
-        else:
-            didx = torch.zeros(1, 1, dtype=torch.int64, device=dev)
-            logq = torch.full_like(logp, -math.inf)
-        dval = torch.ones_like(didx, dtype=torch.bool) if drafts else torch.zeros_like(didx, dtype=torch.bool)
-        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64, device=dev)
-        out, ok = verify_layer_static(logp, didx, dval, logq, k, params.seed, pos, self.params.width)
-        node_of = {forest.slots[c] * V + forest.tokens[c]: n0 + c for c in drafts}
-        j = out[0].clamp(min=0)
-        outs, kk = _outputs(logits, j, ok[0], jscore[0].gather(0, j), k)
-        cands, nodes = [], []
-        for j, v, sc in outs:
-            b, t = divmod(j, V)
-            if (c := self._pair(b, t, v, sc, eos)) is not None:
-                cands.append(c)
-                nodes.append(node_of.get(j))
-        return cands, nodes, kk
-
     def _search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width
         cands = []
@@ -479,21 +401,6 @@ class BeamRequest:
                     cands.append(c)
         cands = sorted(cands, key=lambda c: c[2], reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
-
-    def _sample(self, logits: torch.Tensor, eos: int | None):
-        """T > 0 without a forest: target beam sampling's step (``core.beam_step``), on the logits' device."""
-        dev = logits.device
-        scores = torch.tensor([[b.sample_score for b in self.live]], dtype=torch.float32, device=dev)
-        live = torch.ones(1, logits.shape[0], dtype=torch.bool, device=dev)
-        pos = torch.tensor([self.prompt_len + self.steps], dtype=torch.int64, device=dev)
-        st = beam_step(logits[None], scores, live, self.batch_params(dev), pos, rng.Stream.TARGET_DRAW)
-        V = logits.shape[-1]
-        cands = []
-        for j, v, sc in _outputs(logits, st.parent[0] * V + st.token[0], st.valid[0], st.score[0])[0]:
-            b, t = divmod(j, V)
-            if (c := self._pair(b, t, v, sc, eos)) is not None:
-                cands.append(c)
-        return cands
 
     def _pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
         """Live beam b extended by token t (raw log-probability v): a pair ending in EOS finishes the beam (None);
@@ -686,17 +593,105 @@ def beam_params(beams: list[BeamRequest], device=None) -> BatchParams:
     return p if device is None else p.to(device)
 
 
-def _outputs(logits: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, score: torch.Tensor,
-             k: torch.Tensor | None = None) -> tuple[list[tuple[int, float, float]], int | None]:
-    """A layer's valid outputs, read in one copy to the host: (joint index ``b * V + t``, the raw log-probability of
-    t after beam b, the output's score) for each, in output order, and K (``k`` [1]) when given. ``logits`` [S, V]
-    (float32) on any device; ``idx``, ``ok``, ``score`` [K] the outputs' joint indices (valid where ``ok``), whether
-    they exist, their scores."""
-    j = idx.clamp(min=0)
-    lp = torch.log_softmax(logits, dim=-1).flatten().gather(0, j)
-    parts = [j.double(), ok.double(), lp.double(), score.double()]  # float32 values and ids are exact in float64
-    if k is not None:
-        parts.append(k.double().expand(j.shape[0]))
-    host = torch.stack(parts).tolist()  # K >= 1 columns: the layer and beam_step return at least one
-    outs = [(int(a), v, sc) for a, o, v, sc in zip(*host[:4]) if o]
-    return outs, (int(host[4][0]) if k is not None else None)
+
+@dataclass
+class _Step:
+    """One request's beam step in progress (:func:`step_beams`)."""
+
+    beam: BeamRequest
+    logits: Any  # the leaves' TopRows (T = 0) or float32 logits rows [Wl, V] on the device (T > 0)
+    forest: BeamForest | None
+    flogits: Any  # the scheduled forest nodes' rows, as ``logits``
+    eos: int | None
+    cands: list = field(default_factory=list)
+    passed: int = 0
+    widths: list[int] = field(default_factory=list)
+    # T > 0 with a forest: the layer being verified, its beams' rows and drafts (forest node numbers c), the trie's
+    # length before the forest was grafted
+    layer: int = 1
+    rows: torch.Tensor | None = None
+    drafts: list[int] = field(default_factory=list)
+    n0: int = 0
+
+
+def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> list[StepResult]:
+    """:meth:`BeamRequest.step` of several beam requests whose leaves are all in (``(request, eos_score_token,
+    forest_logits)`` each). T = 0 steps are host work on their rows' best tokens; the T > 0 steps' device work runs
+    for all of them together (``beam_sampling``): one beam-sampling draw for the requests without a forest, then
+    one verified layer per call for the requests with one, layer after layer while their forests pass."""
+    steps = [b._begin(eos, flogits) for b, eos, flogits in items]
+    plain = []
+    for st in steps:
+        b = st.beam
+        if b.temperature <= 0.0:
+            st.cands = b._search(st.logits, st.eos)
+            b.steps += 1
+            if st.forest is not None:
+                st.cands, st.passed = b._verify_layers(st.cands, st.forest, st.flogits, st.eos)
+        elif st.forest is None:
+            plain.append(st)
+    if plain:
+        beams = [st.beam for st in plain]
+        dev = plain[0].logits.device
+        pairs, _ = beam_sampling.sample([st.logits for st in plain], [[x.sample_score for x in b.live] for b in beams],
+                                        [[True] * len(b.live) for b in beams], beam_params(beams, dev),
+                                        [b.prompt_len + b.steps for b in beams], rng.Stream.TARGET_DRAW)
+        for st, ps in zip(plain, pairs):
+            st.cands = [c for p in ps if (c := st.beam._pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None]
+            st.beam.steps += 1
+    _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None])
+    return [st.beam._end(st) for st in steps]
+
+
+def _sample_layers(steps: list[_Step]) -> None:
+    """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1; ``beam_sampling.verify``, one
+    call per layer for every request still verifying). Layer d's target joint P (over the request's current beams)
+    and the draft joint Q its depth-d nodes were drawn from give K outputs that are K draws without replacement from
+    P (K = W, or the dynamic-width rule from P and Q only), so each layer is exactly one step of target beam
+    sampling. While every new beam is a forest node (its logits are in the forest's rows), the next layer runs on
+    them; the first layer that has a beam outside the forest, or no drafts (the bonus layer), ends the request's
+    pass. Sets each step's last candidates, layers passed and widths of drafted layers."""
+    for st in steps:
+        st.n0 = st.beam._graft(st.forest, len(st.flogits))
+        st.rows = st.logits
+    active = list(steps)
+    while active:
+        layers = []
+        for st in active:
+            b, f, V = st.beam, st.forest, st.rows.shape[-1]
+            st.drafts = [c for c in range(len(st.flogits)) if f.layers[c] == st.layer]  # in draw order
+            layers.append(beam_sampling.Layer(
+                logits=st.rows, scores=[x.sample_score for x in b.live],
+                drafts=[f.slots[c] * V + f.tokens[c] for c in st.drafts],
+                logq=f.q[f.layers[st.drafts[0]] - 1] if st.drafts else None, position=b.prompt_len + b.steps,
+                dynamic=b.params.dynamic_width))
+        beams = [st.beam for st in active]
+        pairs, ks = beam_sampling.verify(layers, beam_params(beams, active[0].rows.device))
+        still = []
+        for st, ly, ps, k in zip(active, layers, pairs, ks):
+            b, V = st.beam, st.rows.shape[-1]
+            node_of = {j: st.n0 + c for j, c in zip(ly.drafts, st.drafts)}
+            cands, nodes = [], []
+            for p in ps:
+                if (c := b._pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None:
+                    cands.append(c)
+                    nodes.append(node_of.get(p.beam * V + p.token))
+            b.steps += 1
+            if st.drafts:
+                st.widths.append(k)
+            st.cands = cands
+            if not st.drafts or not cands or None in nodes or b.steps >= b.params.max_tokens:
+                continue
+            st.passed += 1
+            # the layer passed: the next layer's beams are forest nodes; its parent slots are this depth's nodes
+            # (what the deeper drafts were drawn from), the ones that are not beams stay in as dead slots
+            live = [_Live(st.n0 + c, -math.inf, -math.inf) for c in st.drafts]
+            slot_of = {st.n0 + c: i for i, c in enumerate(st.drafts)}
+            for nd, (_, _, cum, v, ss) in zip(nodes, cands):
+                b.logprobs[nd] = v
+                live[slot_of[nd]] = _Live(nd, cum, ss)
+            b.live = live
+            st.rows = st.flogits[torch.tensor(st.drafts, device=st.flogits.device)]
+            st.layer += 1
+            still.append(st)
+        active = still

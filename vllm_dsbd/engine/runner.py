@@ -41,7 +41,7 @@ from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
 from . import attention, kv, load, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
-from .beams import top_rows
+from .beams import step_beams, top_rows
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
@@ -301,10 +301,7 @@ class DSBDRunnerMixin:
                 results[k] = res
             self._commit_kv(plan, results)  # beam rows have no forest: skipped
         beam_moves = []
-        beam_rows = _beam_rows(logits, plan, discard)
-        for k, row in enumerate(plan):
-            if row.state.beam is not None:
-                results[k] = self._beam_step(beam_rows.get(k), k, row, bool(discard[k]), beam_moves)
+        self._beam_steps(plan, _beam_rows(logits, plan, discard), discard, results, beam_moves)
         self._move_kv(beam_moves)  # the kept beam nodes' K/V to their compacted slots
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
@@ -315,19 +312,30 @@ class DSBDRunnerMixin:
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
 
-    def _beam_step(self, rows, i: int, row, skip: bool, moves: list) -> sampler.RowResult:
-        """A beam request's part of the step: collect its leaves' logits, step the beams once every leaf is in.
-        ``rows``: what its beam step reads of its logits rows (leaves, then forest nodes; ``_beam_rows``)."""
-        beam = row.state.beam
-        if skip:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards the row)
-            return sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
-        n, f = row.leaves, row.forest_nodes
+    def _beam_steps(self, plan: list, beam_rows: dict, discard, results: list, moves: list) -> None:
+        """The beam requests' part of the step: each collects its leaves' rows (``beam_rows``: leaves, then forest
+        nodes; ``_beam_rows``); those with every leaf in step their beams together (``beams.step_beams``), the others
+        move on to their next leaves. Fills ``results`` (plan order) and the K/V ``moves``."""
         bt = self.input_batch.block_table[0]
-        beam.peak_blocks = max(beam.peak_blocks, int(bt.num_blocks_per_row[i]) // bt.blocks_per_kv_block)
-        out = beam.partial(rows[:n])
-        blocks = None
-        if out is None:
-            out = beam.step(beam.params.eos_token_id, rows[n : n + f])
+        ready = []
+        for i, row in enumerate(plan):
+            beam = row.state.beam
+            if beam is None:
+                continue
+            if discard[i]:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards it)
+                results[i] = sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
+                continue
+            rows, n = beam_rows[i], row.leaves
+            beam.peak_blocks = max(beam.peak_blocks, int(bt.num_blocks_per_row[i]) // bt.blocks_per_kv_block)
+            out = beam.partial(rows[:n])
+            if out is None:
+                ready.append((i, rows[n : n + row.forest_nodes]))
+            else:
+                results[i] = self._beam_result(i, row, out, None, moves)
+        outs = step_beams([(plan[i].state.beam, plan[i].state.beam.params.eos_token_id, f) for i, f in ready])
+        for (i, _), out in zip(ready, outs):
+            row = plan[i]
+            beam, blocks = row.state.beam, None
             if settled := beam.settle():  # after the finish: the rest of the best beam
                 self._dsbd_settled[row.state.req_id] = settled
             if out.finished:
@@ -335,6 +343,9 @@ class DSBDRunnerMixin:
                 blocks = beam.peak_blocks  # KV held: the most blocks the request owned at any step
             if out.tokens is not None:  # re-laid out (BeamRequest._relayout): vLLM's token lists change
                 self._dsbd_relayout_pending[row.state.req_id] = out.tokens
+            results[i] = self._beam_result(i, row, out, blocks, moves)
+
+    def _beam_result(self, i: int, row, out, blocks: int | None, moves: list) -> sampler.RowResult:
         self.dsbd_stats.record_beam(out, blocks)
         row.beam_result = out
         moves.extend((i, [s], [d]) for s, d in out.moves)  # i: the request's batch row (plan order = batch order)
