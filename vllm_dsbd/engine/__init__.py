@@ -10,13 +10,15 @@ Following one request from the plugin to the kernels:
   ``dsbd_worker`` makes the engine's workers :mod:`.worker`'s, which build :mod:`.runner`'s DSBD runner.
 * :mod:`.runner` (``DSBDRunnerMixin``) hooks the five places of an engine step: request states (:mod:`.state`),
   positions and the forest attention batch of the target pass, the forward pass under forest attention
-  (:mod:`.attention`), verification instead of rejection sampling (:mod:`.sampler`, over ``core.verify_forest``)
+  (:mod:`.attention`), verification instead of rejection sampling (:mod:`.sampler`, over ``core.verify_forest``;
+  on a device the host-read-free ``core.verify_static`` / ``core.chain_static``)
   followed by the KV commit (:mod:`.kv`), and the next forests (:mod:`.drafter`, over ``core.beam_step``).
 * :mod:`.attention` and :mod:`.kv` call ``dsbd_kernels`` (forest attention, KV commit): their torch references on CPU.
 * :mod:`.beams`: beam requests (``extra_args["dsbd_beam"]``, or ``LLM.beam_search`` / OpenAI ``use_beam_search``
   through patches ``beam_search_route`` / ``beam_serving_route``): the W beams of one vLLM request as a trie in its
-  own KV slots, stepped by the runner (vLLM's beam search at T = 0, beam sampling at T > 0); patch ``beam_scheduler``
-  finishes the request and carries the beams to the front end.
+  own KV slots, stepped by the runner (vLLM's beam search at T = 0 from each row's best tokens, beam sampling at
+  T > 0 on the device for all beam requests of a step: :mod:`.beam_sampling`), drafted by :mod:`.beam_drafter`;
+  patch ``beam_scheduler`` finishes the request and carries the beams to the front end.
 * :mod:`.metrics`: layers passed per iteration and width per layer; beam passes, steps and KV blocks; the draft
   depth load-aware speculation allowed.
 * :mod:`.load`: load-aware speculation, each request's draft width and depth per step from the batch's shapes and a
