@@ -131,6 +131,19 @@ class LayerRecord:
     eos_done: torch.Tensor  # [R, L, Wm] bool deterministic rows: (parent slot s, EOS) finished at this layer
     eos_score: torch.Tensor  # [R, L, Wm] float32
 
+    @staticmethod
+    def empty(R: int, L: int, wm: int, S: int, dev) -> "LayerRecord":
+        """Nothing processed yet: R requests, L layers, ``wm`` outputs per layer, S parent slots."""
+        return LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
+                           width=torch.zeros(R, L, dtype=torch.int64, device=dev),
+                           parent=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
+                           token=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
+                           score=torch.full((R, L, wm), NEG_INF, device=dev),
+                           valid=torch.zeros(R, L, wm, dtype=torch.bool, device=dev),
+                           node=torch.full((R, L, wm), -1, dtype=torch.int64, device=dev),
+                           eos_done=torch.zeros(R, L, max(S, wm), dtype=torch.bool, device=dev),
+                           eos_score=torch.full((R, L, max(S, wm)), NEG_INF, device=dev))
+
 
 @dataclass
 class VerifyResult:
@@ -158,38 +171,17 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
     kw = params.layer_width  # [R] the most outputs per layer (W, or 1 for exact target sampling)
     det = params.deterministic
     min_w = torch.minimum(params.min_width, kw)  # the dynamic width's floor
-    has_eos = params.eos >= 0
-    rec = LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
-                      width=torch.zeros(R, L, dtype=torch.int64, device=dev),
-                      parent=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
-                      token=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
-                      score=torch.full((R, L, wm), NEG_INF, device=dev),
-                      valid=torch.zeros(R, L, wm, dtype=torch.bool, device=dev),
-                      node=torch.full((R, L, wm), -1, dtype=torch.int64, device=dev),
-                      eos_done=torch.zeros(R, L, max(S, wm), dtype=torch.bool, device=dev),
-                      eos_score=torch.full((R, L, max(S, wm)), NEG_INF, device=dev))
-    live, scores = root_live, root_scores.float()
-    alive = live.any(1)
-    passed = torch.zeros(R, dtype=torch.int64, device=dev)
-    last = torch.zeros(R, dtype=torch.int64, device=dev)
+    rec = LayerRecord.empty(R, L, wm, S, dev)
+    st = _Walk.start(root_live, root_scores)
     for d in range(L):
-        drafted = alive & (d < params.depth)  # layers with drafts; d == depth is the bonus layer
-        rows = alive & (d <= params.depth)
+        drafted = st.alive & (d < params.depth)  # layers with drafts; d == depth is the bonus layer
+        rows = st.alive & (d <= params.depth)
         if not bool(rows.any()):
             break
         pos = context_len + d
         logits = target_logits[:, d]
-        logp, jscore = joint_logprobs(logits, scores, live, params)  # [R, S * V]
-        if d < G:
-            didx = forest.parent[:, d] * V + forest.token[:, d]  # [R, Wm] joint index of each draft
-            dval = forest.valid[:, d] & drafted[:, None]
-            logq = forest.q_joint[:, d]
-            if logq.shape[1] < S * V:
-                logq = torch.nn.functional.pad(logq, (0, S * V - logq.shape[1]), value=NEG_INF)
-        else:
-            didx = torch.zeros(R, 1, dtype=torch.int64, device=dev)
-            dval = torch.zeros(R, 1, dtype=torch.bool, device=dev)
-            logq = torch.full_like(logp, NEG_INF)
+        logp, jscore = joint_logprobs(logits, st.scores, st.live, params)  # [R, S * V]
+        didx, dval, logq = layer_drafts(forest, d, G, drafted, logp, V)
         # width: W, or the acceptance-count policy on drafted sampling layers
         support = torch.isfinite(logp).sum(1)
         k = torch.minimum(kw, support)
@@ -214,16 +206,61 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
             out_val[sel, : ov.shape[1]] = ov
         drow = rows & det
         if bool(drow.any()):
-            st = beam_step(logits[drow], scores[drow], live[drow], params.select(drow).with_(width=kw[drow]),
-                           pos[drow], rng.Stream.DIRECT)
-            out_idx[drow, : st.parent.shape[1]] = st.parent * V + st.token
-            out_val[drow, : st.valid.shape[1]] = st.valid
-            rec.eos_done[drow, d, :S] = st.eos_done
-            rec.eos_score[drow, d, :S] = st.eos_score
-        out_val &= rows[:, None]
-        # which outputs are forest nodes
+            bs = beam_step(logits[drow], st.scores[drow], st.live[drow],
+                           params.select(drow).with_(width=kw[drow]), pos[drow], rng.Stream.DIRECT)
+            out_idx[drow, : bs.parent.shape[1]] = bs.parent * V + bs.token
+            out_val[drow, : bs.valid.shape[1]] = bs.valid
+            rec.eos_done[drow, d, :S] = bs.eos_done
+            rec.eos_score[drow, d, :S] = bs.eos_score
+        st.record(rec, d, rows, drafted, out_idx, out_val & rows[:, None], didx, dval, jscore, params)
+    return VerifyResult(layers=rec, passed=st.passed, last=st.last)
+
+
+def layer_drafts(forest: Forest, d: int, G: int, drafted: torch.Tensor, logp: torch.Tensor,
+                 V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer d's drafts as ``verify_layer`` takes them: their joint indices [R, Wm], which exist (on the ``drafted``
+    rows), and log Q over the layer's joint (``logp``'s width S * V); the bonus layer (d = G) has none."""
+    R, J = logp.shape
+    if d < G:
+        didx = forest.parent[:, d] * V + forest.token[:, d]
+        dval = forest.valid[:, d] & drafted[:, None]
+        logq = forest.q_joint[:, d]
+        if logq.shape[1] < J:
+            logq = torch.nn.functional.pad(logq, (0, J - logq.shape[1]), value=NEG_INF)
+        return didx, dval, logq
+    return (torch.zeros(R, 1, dtype=torch.int64, device=logp.device),
+            torch.zeros(R, 1, dtype=torch.bool, device=logp.device), torch.full_like(logp, NEG_INF))
+
+
+@dataclass
+class _Walk:
+    """Per request, layer after layer: the live beams and their scores, whether it still verifies, layers passed and
+    the last processed layer."""
+
+    live: torch.Tensor  # [R, S] bool
+    scores: torch.Tensor  # [R, S] float32
+    alive: torch.Tensor  # [R] bool
+    passed: torch.Tensor  # [R] int64
+    last: torch.Tensor  # [R] int64
+
+    @staticmethod
+    def start(root_live: torch.Tensor, root_scores: torch.Tensor) -> "_Walk":
+        R, dev = root_live.shape[0], root_live.device
+        return _Walk(live=root_live, scores=root_scores.float(), alive=root_live.any(1),
+                     passed=torch.zeros(R, dtype=torch.int64, device=dev),
+                     last=torch.zeros(R, dtype=torch.int64, device=dev))
+
+    def record(self, rec: LayerRecord, d: int, rows: torch.Tensor, drafted: torch.Tensor, out_idx: torch.Tensor,
+               out_val: torch.Tensor, didx: torch.Tensor, dval: torch.Tensor, jscore: torch.Tensor,
+               params: BatchParams) -> None:
+        """Records layer d's outputs (``out_idx`` joint indices, ``out_val`` which exist, on the processed ``rows``)
+        and moves on: the layer passes when every output is a forest node; then its non-EOS outputs are the next
+        layer's live beams."""
+        R, S = self.live.shape
+        V = jscore.shape[1] // S
+        dev = out_idx.device
         same = (out_idx[:, :, None] == didx[:, None, :]) & dval[:, None, :] & out_val[:, :, None]
-        node = torch.where(same.any(2), same.float().argmax(2), -1)
+        node = torch.where(same.any(2), same.float().argmax(2), -1)  # which outputs are forest nodes
         tok = out_idx % V
         rec.processed[:, d] = rows
         rec.width[:, d] = torch.where(rows, out_val.sum(1), 0)
@@ -232,15 +269,13 @@ def verify_forest(forest: Forest, target_logits: torch.Tensor, root_scores: torc
         rec.score[:, d] = torch.where(out_val, jscore.gather(1, out_idx), NEG_INF)
         rec.valid[:, d] = out_val
         rec.node[:, d] = torch.where(out_val, node, -1)
-        last = torch.where(rows, d, last)
-        # pass: every output is a forest node; the non-EOS outputs become the next layer's valid beams
+        self.last = torch.where(rows, d, self.last)
         ok = drafted & ((node >= 0) | ~out_val).all(1) & out_val.any(1)
-        passed = passed + ok.long()
-        cont = out_val & ~(has_eos[:, None] & (tok == params.eos[:, None]))
+        self.passed = self.passed + ok.long()
+        cont = out_val & ~((params.eos >= 0)[:, None] & (tok == params.eos[:, None]))
         slot = torch.where(cont & ok[:, None], node, S)
         new_live = torch.zeros(R, S + 1, dtype=torch.bool, device=dev).scatter(1, slot, True)[:, :S]
         new_scores = torch.full((R, S + 1), NEG_INF, device=dev).scatter(1, slot, rec.score[:, d])[:, :S]
-        live = torch.where(ok[:, None], new_live, live)
-        scores = torch.where(ok[:, None], new_scores, scores)
-        alive = ok & new_live.any(1)
-    return VerifyResult(layers=rec, passed=passed, last=last)
+        self.live = torch.where(ok[:, None], new_live, self.live)
+        self.scores = torch.where(ok[:, None], new_scores, self.scores)
+        self.alive = ok & new_live.any(1)

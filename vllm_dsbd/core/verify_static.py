@@ -31,7 +31,7 @@ from .forest import Forest
 from .joint import NEG_INF, joint_logprobs
 from .params import BatchParams
 from .sampling import beam_step, categorical, gumbel_topk
-from .verify import _TINY, LayerRecord, VerifyResult
+from .verify import _TINY, LayerRecord, VerifyResult, _Walk, layer_drafts
 
 
 def verify_layer_static(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid: torch.Tensor, logq: torch.Tensor,
@@ -106,43 +106,20 @@ def verify_forest_static(forest: Forest, target_logits: torch.Tensor, root_score
     ``kmax`` = 1 and the deterministic rows' top-1 is ``beam_step`` on every row (when the batch has some)."""
     R, L, S, V = target_logits.shape
     G = L - 1
-    dev = target_logits.device
     facts = params.facts
-    wm = facts.width_max
     kw = params.layer_width  # [R] 1 for every row (max_k = 1)
     det = params.deterministic
-    has_eos = params.eos >= 0
-    rec = LayerRecord(processed=torch.zeros(R, L, dtype=torch.bool, device=dev),
-                      width=torch.zeros(R, L, dtype=torch.int64, device=dev),
-                      parent=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
-                      token=torch.zeros(R, L, wm, dtype=torch.int64, device=dev),
-                      score=torch.full((R, L, wm), NEG_INF, device=dev),
-                      valid=torch.zeros(R, L, wm, dtype=torch.bool, device=dev),
-                      node=torch.full((R, L, wm), -1, dtype=torch.int64, device=dev),
-                      eos_done=torch.zeros(R, L, max(S, wm), dtype=torch.bool, device=dev),
-                      eos_score=torch.full((R, L, max(S, wm)), NEG_INF, device=dev))
+    rec = LayerRecord.empty(R, L, facts.width_max, S, target_logits.device)
     # the deterministic rows' beam step takes K = 1 pairs (``verify_forest`` passes width = kw, whose maximum is 1)
     top1 = params.with_(width=kw, facts=replace(facts, width_max=1)) if facts.any_deterministic else None
-    live, scores = root_live, root_scores.float()
-    alive = live.any(1)
-    passed = torch.zeros(R, dtype=torch.int64, device=dev)
-    last = torch.zeros(R, dtype=torch.int64, device=dev)
+    st = _Walk.start(root_live, root_scores)
     for d in range(L):
-        drafted = alive & (d < params.depth)
-        rows = alive & (d <= params.depth)
+        drafted = st.alive & (d < params.depth)
+        rows = st.alive & (d <= params.depth)
         pos = context_len + d
         logits = target_logits[:, d]
-        logp, jscore = joint_logprobs(logits, scores, live, params)
-        if d < G:
-            didx = forest.parent[:, d] * V + forest.token[:, d]
-            dval = forest.valid[:, d] & drafted[:, None]
-            logq = forest.q_joint[:, d]
-            if logq.shape[1] < S * V:
-                logq = torch.nn.functional.pad(logq, (0, S * V - logq.shape[1]), value=NEG_INF)
-        else:
-            didx = torch.zeros(R, 1, dtype=torch.int64, device=dev)
-            dval = torch.zeros(R, 1, dtype=torch.bool, device=dev)
-            logq = torch.full_like(logp, NEG_INF)
+        logp, jscore = joint_logprobs(logits, st.scores, st.live, params)
+        didx, dval, logq = layer_drafts(forest, d, G, drafted, logp, V)
         # width: min(W, support); on drafted sampling rows with the policy on, choose_width's value at
         # min_width = width (K = 1): min(W, entries of exp(log P) above 0)
         k = torch.minimum(kw, torch.isfinite(logp).sum(1))
@@ -151,36 +128,14 @@ def verify_forest_static(forest: Forest, target_logits: torch.Tensor, root_score
         k = torch.where(rows, k, 0)
         samp = rows & ~det
         oi, ov = verify_layer_static(logp, didx, dval, logq, torch.where(samp, k, 0), params.seed, pos, 1)
-        out_idx = torch.zeros(R, wm, dtype=torch.int64, device=dev)
-        out_val = torch.zeros(R, wm, dtype=torch.bool, device=dev)
-        out_idx[:, :1] = oi.clamp(min=0)
-        out_val[:, :1] = ov
+        out_idx = torch.nn.functional.pad(oi.clamp(min=0), (0, facts.width_max - 1))
+        out_val = torch.nn.functional.pad(ov, (0, facts.width_max - 1))
         if top1 is not None:
             drow = rows & det
-            st = beam_step(logits, scores, live, top1, pos, rng.Stream.DIRECT)
-            out_idx[:, :1] = torch.where(drow[:, None], st.parent * V + st.token, out_idx[:, :1])
-            out_val[:, :1] = torch.where(drow[:, None], st.valid, out_val[:, :1])
-            rec.eos_done[:, d, :S] = torch.where(drow[:, None], st.eos_done, rec.eos_done[:, d, :S])
-            rec.eos_score[:, d, :S] = torch.where(drow[:, None], st.eos_score, rec.eos_score[:, d, :S])
-        out_val &= rows[:, None]
-        same = (out_idx[:, :, None] == didx[:, None, :]) & dval[:, None, :] & out_val[:, :, None]
-        node = torch.where(same.any(2), same.float().argmax(2), -1)
-        tok = out_idx % V
-        rec.processed[:, d] = rows
-        rec.width[:, d] = torch.where(rows, out_val.sum(1), 0)
-        rec.parent[:, d] = out_idx // V
-        rec.token[:, d] = tok
-        rec.score[:, d] = torch.where(out_val, jscore.gather(1, out_idx), NEG_INF)
-        rec.valid[:, d] = out_val
-        rec.node[:, d] = torch.where(out_val, node, -1)
-        last = torch.where(rows, d, last)
-        ok = drafted & ((node >= 0) | ~out_val).all(1) & out_val.any(1)
-        passed = passed + ok.long()
-        cont = out_val & ~(has_eos[:, None] & (tok == params.eos[:, None]))
-        slot = torch.where(cont & ok[:, None], node, S)
-        new_live = torch.zeros(R, S + 1, dtype=torch.bool, device=dev).scatter(1, slot, True)[:, :S]
-        new_scores = torch.full((R, S + 1), NEG_INF, device=dev).scatter(1, slot, rec.score[:, d])[:, :S]
-        live = torch.where(ok[:, None], new_live, live)
-        scores = torch.where(ok[:, None], new_scores, scores)
-        alive = ok & new_live.any(1)
-    return VerifyResult(layers=rec, passed=passed, last=last)
+            bs = beam_step(logits, st.scores, st.live, top1, pos, rng.Stream.DIRECT)
+            out_idx[:, :1] = torch.where(drow[:, None], bs.parent * V + bs.token, out_idx[:, :1])
+            out_val[:, :1] = torch.where(drow[:, None], bs.valid, out_val[:, :1])
+            rec.eos_done[:, d, :S] = torch.where(drow[:, None], bs.eos_done, rec.eos_done[:, d, :S])
+            rec.eos_score[:, d, :S] = torch.where(drow[:, None], bs.eos_score, rec.eos_score[:, d, :S])
+        st.record(rec, d, rows, drafted, out_idx, out_val & rows[:, None], didx, dval, jscore, params)
+    return VerifyResult(layers=rec, passed=st.passed, last=st.last)
