@@ -196,3 +196,28 @@ def test_nan_logits_decline_to_the_general_path():
     for static in (False, True):
         with pytest.raises(AssertionError):
             sampler.verify(logits, plans, cfg, forest_static=static)
+
+
+def _to(plans, dev):
+    for p in plans:
+        if p.forest is not None:
+            f = p.forest.forest
+            p.forest.forest = Forest(*(x.to(dev) for x in (f.parent, f.token, f.valid, f.score, f.q_joint, f.depth)))
+    return plans
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the static path on a GPU needs one (check.sh runs it)")
+def test_on_cuda_the_default_is_the_static_path_and_equals_the_general_path(static_calls):
+    rnd = random.Random(7)
+    seen = Counter()
+    for step in range(30):
+        G, W, V = rnd.choice([(3, 2, 400), (2, 4, 1000)])
+        logits, plans, cfg = build_wide_step([_random_req(rnd, G, V) for _ in range(rnd.choice([1, 4, 16]))], G, W, V,
+                                             seed=step)
+        plans = _to(plans, "cuda")
+        static = sampler.verify(logits.cuda(), plans, cfg)  # the default on a device
+        general = sampler.verify(logits.cuda(), plans, cfg, forest_static=False)
+        for a, b in zip(static, general):
+            assert (a.tokens, a.path, a.passed, a.widths) == (b.tokens, b.path, b.passed, b.widths)
+            seen["accepted layers"] += b.passed
+    assert static_calls["called"] == 30 and seen["accepted layers"] > 0

@@ -81,3 +81,15 @@ def test_reads_nothing_on_the_host():
     with ref:
         verify_layer(*sim_device.tag(args))
     assert sum(ref.syncs.values()) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (check.sh runs it)")
+@pytest.mark.parametrize("case", list(CASES))
+def test_equals_verify_layer_on_cuda(case):
+    p, q, m, k = CASES[case]
+    n = 4000
+    drafts = draft_draws(q, m, n, seed=11)
+    args = [torch.log(p.float()).expand(n, -1).contiguous(), drafts, torch.ones(n, m, dtype=torch.bool),
+            torch.log(q.float()).expand(n, -1).contiguous(), torch.full((n,), k), torch.arange(n) + 3,
+            torch.full((n,), 9)]
+    _compare(*[a.cuda() for a in args], extra=1)
