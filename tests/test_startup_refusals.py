@@ -145,3 +145,18 @@ def test_reasoning_parser_config_is_left_to_the_request_check(pair):
     config.reasoning_config = parser_only = ReasoningConfig(reasoning_parser="deepseek_r1")
     support.check_engine_config(config)
     assert config.reasoning_config is parser_only
+
+
+def test_bad_static_verify_setting_stops_the_engine_at_start_up(pair, monkeypatch):
+    """``VLLM_DSBD_STATIC_VERIFY`` is read when the runner is built: a value that is none of auto / 1 / 0 stops the
+    engine there, naming the variable."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    monkeypatch.setenv("VLLM_DSBD_STATIC_VERIFY", "sometimes")
+    try:
+        with pytest.raises(ValueError, match="VLLM_DSBD_STATIC_VERIFY must be auto, 1 or 0, got 'sometimes'"):
+            vllm.LLM(model=pair[0], dtype="float32", enforce_eager=True, max_model_len=256,
+                     enable_prefix_caching=False,
+                     speculative_config={"method": "dsbd", "model": pair[1], "num_speculative_tokens": 2})
+    finally:
+        cleanup_dist_env_and_memory()

@@ -221,3 +221,27 @@ def test_on_cuda_the_default_is_the_static_path_and_equals_the_general_path(stat
             assert (a.tokens, a.path, a.passed, a.widths) == (b.tokens, b.path, b.passed, b.widths)
             seen["accepted layers"] += b.passed
     assert static_calls["called"] == 30 and seen["accepted layers"] > 0
+
+
+def test_static_verify_setting(monkeypatch):
+    """``VLLM_DSBD_STATIC_VERIFY``: auto = static on a device only; 1 / 0 force; anything else is refused."""
+    cpu, dev = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(sampler.STATIC_ENV, raising=False)
+    assert not sampler.static_default(cpu) and sampler.static_default(dev)
+    for value, want in (("1", True), ("on", True), ("0", False), ("false", False), ("auto", None)):
+        monkeypatch.setenv(sampler.STATIC_ENV, value)
+        assert sampler.static_default(cpu) == (False if want is None else want)
+        assert sampler.static_default(dev) == (True if want is None else want)
+    monkeypatch.setenv(sampler.STATIC_ENV, "sometimes")
+    with pytest.raises(ValueError, match="VLLM_DSBD_STATIC_VERIFY must be auto, 1 or 0"):
+        sampler.static_default(cpu)
+    # forced on the CPU, a step takes the static forest path
+    monkeypatch.setenv(sampler.STATIC_ENV, "1")
+    calls = Counter()
+    core = sampler.verify_forest_static
+    monkeypatch.setattr(sampler, "verify_forest_static", lambda *a: calls.update(["static"]) or core(*a))
+    logits, plans, cfg = build_wide_step([Req(depth=2), Req(depth=1)], 2, 2, 30, seed=3)
+    forced = sampler.verify(logits, plans, cfg)
+    monkeypatch.setenv(sampler.STATIC_ENV, "0")
+    subsets = sampler.verify(logits, plans, cfg)
+    assert calls["static"] == 1 and [r.tokens for r in forced] == [r.tokens for r in subsets]

@@ -57,6 +57,7 @@ class DSBDRunnerMixin:
         with vllm_runner_init(vllm_config.speculative_config, cfg.draft):  # no draft model: vLLM builds a NoDrafter
             super().__init__(vllm_config, device)
         self.dsbd_cfg = cfg
+        static = sampler.static_default(torch.device(device))  # a bad VLLM_DSBD_STATIC_VERIFY stops the start-up
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
@@ -88,8 +89,9 @@ class DSBDRunnerMixin:
             logger.info("DSBD engine: width %d, no draft model (beam requests: beam search / beam sampling in the "
                         "engine; other requests: one target pass per token)", self.dsbd_cfg.width)
             return
-        logger.info("DSBD engine: width %d, depth %d, %s width, mode %s", self.dsbd_cfg.width, self.dsbd_cfg.depth,
-                    "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode)
+        logger.info("DSBD engine: width %d, depth %d, %s width, mode %s, verification %s", self.dsbd_cfg.width,
+                    self.dsbd_cfg.depth, "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode,
+                    "without host reads (static)" if static else "on row subsets")
 
     def _make_dsbd_drafter(self, vllm_config, device):
         if not self.dsbd_cfg.draft:

@@ -17,6 +17,7 @@ been moved into the first slots after the context (``kv.commit``, done by the ru
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,21 @@ from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .state import PendingForest, RequestState
+
+# which verification paths a step takes: "auto" (default) the static ones (no host reads) on a device and the row
+# subsets on the CPU; "1" the static ones everywhere, "0" the row subsets everywhere (a fallback on a device)
+STATIC_ENV = "VLLM_DSBD_STATIC_VERIFY"
+
+
+def static_default(device: torch.device) -> bool:
+    """Whether the static paths are the default on ``device`` (``VLLM_DSBD_STATIC_VERIFY``; ValueError when the value
+    is none of auto / 1 / 0)."""
+    v = os.environ.get(STATIC_ENV, "auto").strip().lower()
+    if v in ("", "auto"):
+        return device.type != "cpu"
+    if v in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v in ("1", "true", "yes", "on")
+    raise ValueError(f"{STATIC_ENV} must be auto, 1 or 0, got {v!r}")
 
 
 @dataclass
@@ -100,7 +116,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     the general path (``tests/test_verify_chain.py`` compares them) for a fraction of its cost;
     ``chain_fast_path=False`` always takes the general path. On a device (not the CPU), or with ``chain_static``,
     the chain path is ``core.chain_static.verify_chains_static``: the same decisions with no host synchronisation
-    but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper).
+    but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper;
+    ``VLLM_DSBD_STATIC_VERIFY`` changes the default: :func:`static_default`).
     Likewise at any width in mode "sample" on a device, or with ``forest_static``, the general path is
     ``core.verify_static.verify_forest_static``: ``verify_forest``'s decisions with no host synchronisation but the
     results' one copy."""
@@ -118,17 +135,18 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
     params = _params([r.state for r in rows], depth, cfg).to(dev)
+    static = static_default(dev)
     if (chain_fast_path and W == 1 and cfg.mode == "sample" and forest.max_depth == G
             and forest.q_joint.shape[-1] == V):
-        static = dev.type != "cpu" if chain_static is None else chain_static
-        out = _verify_chains(logits, rows, forest, compact, params, ctx, depth, static)
+        out = _verify_chains(logits, rows, forest, compact, params, ctx, depth,
+                             static if chain_static is None else chain_static)
         if out is not None:
             return out
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
     tl = torch.zeros(R, G + 1, W, V, device=dev)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
     tl[:, 0, 0] = logits[first].float()
-    if (dev.type != "cpu" if forest_static is None else forest_static) and cfg.mode == "sample":
+    if (static if forest_static is None else forest_static) and cfg.mode == "sample":
         out = _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first)
         if out is not None:
             return out
