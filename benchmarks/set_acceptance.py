@@ -16,12 +16,18 @@ Beam requests at temperature 0 (``BeamRequest._verify_layers``): after the real 
 layer passes with probability ``rate`` (stopping at the first failure); a passing layer makes the forest's nodes under
 the live beams the new beams (as many as the target's candidates, in the forest's order, each with its candidate's
 raw log-probability) and the next beam step runs on their logits from the same target pass, as a real pass does.
+
+Beam requests at temperature T > 0 (``beam_sampling.verify``, one call per layer for every request verifying): the
+real layer runs (its cost counted); then each request's layer passes with probability ``rate``: its outputs become
+its first K drafts (the layer's forest nodes in draw order, log-probability and score 0: the text is meaningless),
+so the next layer runs on their logits. Otherwise it fails: the real outputs stay, except that when they are all
+forest nodes (a real pass) the last one becomes a pair outside the forest.
 """
 from __future__ import annotations
 
 import random
 
-_STATE = {"rate": None, "rng": random.Random(0), "orig": None, "orig_beam": None}
+_STATE = {"rate": None, "rng": random.Random(0), "orig": None, "orig_beam": None, "orig_beam_sample": None}
 
 
 def set_rate(rate: float) -> None:
@@ -31,9 +37,9 @@ def set_rate(rate: float) -> None:
 
 
 def install(rate: float, seed: int = 0) -> None:
-    """Replaces ``vllm_dsbd.engine.sampler.verify`` and ``BeamRequest._verify_layers`` in this process (idempotent;
-    :func:`uninstall` restores them)."""
-    from vllm_dsbd.engine import sampler
+    """Replaces ``vllm_dsbd.engine.sampler.verify``, ``BeamRequest._verify_layers`` and ``beam_sampling.verify`` in
+    this process (idempotent; :func:`uninstall` restores them)."""
+    from vllm_dsbd.engine import beam_sampling, sampler
     from vllm_dsbd.engine.beams import BeamRequest
 
     set_rate(rate)
@@ -44,10 +50,13 @@ def install(rate: float, seed: int = 0) -> None:
     if _STATE["orig_beam"] is None:
         _STATE["orig_beam"] = BeamRequest._verify_layers
         BeamRequest._verify_layers = _beam_layers_at_set_rate
+    if _STATE["orig_beam_sample"] is None:
+        _STATE["orig_beam_sample"] = beam_sampling.verify
+        beam_sampling.verify = _beam_sampling_at_set_rate
 
 
 def uninstall() -> None:
-    from vllm_dsbd.engine import sampler
+    from vllm_dsbd.engine import beam_sampling, sampler
     from vllm_dsbd.engine.beams import BeamRequest
 
     if _STATE["orig"] is not None:
@@ -56,6 +65,9 @@ def uninstall() -> None:
     if _STATE["orig_beam"] is not None:
         BeamRequest._verify_layers = _STATE["orig_beam"]
         _STATE["orig_beam"] = None
+    if _STATE["orig_beam_sample"] is not None:
+        beam_sampling.verify = _STATE["orig_beam_sample"]
+        _STATE["orig_beam_sample"] = None
 
 
 def chain(parents: list[int], depths: list[int]) -> list[int]:
@@ -115,3 +127,23 @@ def _beam_layers_at_set_rate(self, cands, forest, top, eos):
         self.steps += 1
         passed += 1
     return cands, passed
+
+
+def _beam_sampling_at_set_rate(layers, params):
+    """``beam_sampling.verify`` (T > 0 beam requests) with layers passing at the set rate (see the module's
+    docstring)."""
+    from vllm_dsbd.engine.beam_sampling import Pair
+
+    pairs, ks = _STATE["orig_beam_sample"](layers, params)
+    rng, rate = _STATE["rng"], _STATE["rate"]
+    out = []
+    for ly, ps, k in zip(layers, pairs, ks):
+        V = ly.logits.shape[-1]
+        if ly.drafts and len(ly.drafts) >= k and rng.random() < rate:
+            ps = [Pair(j // V, j % V, 0.0, 0.0) for j in ly.drafts[:k]]
+        elif ly.drafts and ps and all(p.beam * V + p.token in ly.drafts for p in ps):
+            taken = set(ly.drafts) | {p.beam * V + p.token for p in ps}
+            j = next((j for j in range(len(ly.scores) * V) if j not in taken), None)  # None: every pair drafted
+            ps = ps if j is None else ps[:-1] + [Pair(j // V, j % V, 0.0, 0.0)]
+        out.append(ps)
+    return out, ks

@@ -69,3 +69,41 @@ def test_beam_layers_pass_at_the_set_rate():
     assert BeamRequest._verify_layers is real
     beam, flogits = _beam_after_one_step()
     assert beam.step(None, flogits).layers_passed == 0
+
+
+def test_beam_sampling_layers_pass_at_the_set_rate():
+    """T > 0 beam requests (``beam_sampling.verify``): rate 1 makes each request's layer output its first K drafts
+    (every output a forest node: the layer passes), rate 0 leaves the real outputs, or, when they are all drafts
+    (a real pass), makes the last one a pair outside the forest; uninstall restores the real function."""
+    import torch
+
+    from vllm_dsbd.engine import beam_sampling
+    from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
+
+    V = 8
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 10.0  # the target's mass is on token 7: the drafts (tokens 1..4) are almost surely rejected
+    layer = beam_sampling.Layer(logits=logits, scores=[0.0, -1.0], drafts=[0 * V + 1, 1 * V + 2, 0 * V + 3, 4],
+                                logq=torch.log_softmax(torch.zeros(2 * V), -1), position=9, dynamic=False)
+    req = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), 5, temperature=1.0, seed=3)
+    params = beam_params([req, req])
+    real = beam_sampling.verify
+    real_out, ks = real([layer, layer], params)
+    assert ks == [2, 2] and all(p.token == 7 for ps in real_out for p in ps)
+    try:
+        set_acceptance.install(1.0)
+        assert beam_sampling.verify is not real
+        out, ks = beam_sampling.verify([layer, layer], params)
+        assert [[(p.beam, p.token) for p in ps] for ps in out] == [[(0, 1), (1, 2)]] * 2 and ks == [2, 2]
+        set_acceptance.set_rate(0.0)
+        out, _ = beam_sampling.verify([layer, layer], params)
+        assert [[(p.beam, p.token) for p in ps] for ps in out] == [[(p.beam, p.token) for p in ps] for ps in real_out]
+        sure = beam_sampling.Layer(logits=torch.tensor([[0.0, 0.0, -float("inf")]]), scores=[0.0], drafts=[0, 1],
+                                   logq=None, position=9, dynamic=False)  # P's support is the 2 drafts: a real pass
+        one = beam_params([req])
+        assert sorted((p.beam, p.token) for p in real([sure], one)[0][0]) == [(0, 0), (0, 1)]
+        (ps,), _ = beam_sampling.verify([sure], one)
+        assert any(p.beam * 3 + p.token not in sure.drafts for p in ps)  # rate 0: made to fail
+    finally:
+        set_acceptance.uninstall()
+    assert beam_sampling.verify is real

@@ -14,8 +14,8 @@ size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in
                ``--beam-batches``
   draft_model  vLLM's draft_model speculation, depth ``--depth``, at each rate
   dsbd         DSBD plain requests at each width of ``--widths`` and each rate; DSBD beam requests (beam search
-               W = ``--beam-width``, T = 0, forests of depth ``--depth`` verified at the set rate) and in-engine beam
-               search without drafts (depth 0) at ``--beam-batches``
+               W = ``--beam-width``, T = 0, and beam sampling, T = 1, forests of depth ``--depth`` verified at the
+               set rate) and in-engine beam search and beam sampling without drafts (depth 0) at ``--beam-batches``
   dsbd_chain   a width-1 DSBD engine with ``full_cuda_graphs`` (every forest a chain: its decode passes have no
                forest attention and replay vLLM's full graphs): plain requests at each rate
 CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
@@ -253,9 +253,9 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
     llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
     cfg = llm.llm_engine.vllm_config
 
-    def beams(g, depth):
+    def beams(g, depth, temperature=0.0):
         bp = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.beam_tokens, ignore_eos=True,
-                              temperature=0.0)
+                              temperature=temperature)
         sps = [beam_request_params(bp, None, args.prompt_len, cfg.model_config.max_model_len,
                                    cfg.additional_config["dsbd"]["width"]) for _ in g]
         for sp in sps:
@@ -276,8 +276,12 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
             for b in args.beam_batches:
                 bench.run(llm, "DSBD beam requests (set rate)", b, lambda g: beams(g, None),
                           counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate)
+                bench.run(llm, "DSBD beam sampling requests T=1 (set rate)", b, lambda g: beams(g, None, 1.0),
+                          counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate)
         for b in args.beam_batches:
             bench.run(llm, "in-engine beam search (depth 0)", b, lambda g: beams(g, 0),
+                      counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None)
+            bench.run(llm, "in-engine beam sampling T=1 (depth 0)", b, lambda g: beams(g, 0, 1.0),
                       counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None)
     finally:
         set_acceptance.uninstall()
@@ -314,7 +318,7 @@ def report(rows: list[dict], args, target_shape: dict) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     shapes = "tiny" if args.tiny else "target Llama-3.1-8B shape, draft Llama-3.2-1B shape"
     lines = [f"{device}; {shapes}; random weights; prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens "
-             f"(beam rows {args.beam_tokens}), plain and speculative rows T = 1, beam rows T = 0; "
+             f"(beam rows {args.beam_tokens}), plain and speculative rows T = 1, beam rows T = 0 unless marked; "
              f"{'eager' if args.eager or args.tiny else 'CUDA graphs on (vLLM defaults, DSBD lowered by the plugin)'}"
              f"; DSBD depth {args.depth}, fixed width", "",
              "| method | batch | W | rate | tokens | tok/s | target passes / token | vs plain (same batch) |",
