@@ -147,14 +147,17 @@ def test_reasoning_parser_config_is_left_to_the_request_check(pair):
     assert config.reasoning_config is parser_only
 
 
-def test_bad_static_verify_setting_stops_the_engine_at_start_up(pair, monkeypatch):
-    """``VLLM_DSBD_STATIC_VERIFY`` is read when the runner is built: a value that is none of auto / 1 / 0 stops the
-    engine there, naming the variable."""
+@pytest.mark.parametrize("name,value,match", [
+    ("VLLM_DSBD_STATIC_VERIFY", "sometimes", "VLLM_DSBD_STATIC_VERIFY must be auto, 1 or 0, got 'sometimes'"),
+    ("VLLM_DSBD_FUSED_VERIFY", "maybe", "VLLM_DSBD_FUSED_VERIFY must be auto or 0, got 'maybe'")])
+def test_bad_verify_setting_stops_the_engine_at_start_up(pair, monkeypatch, name, value, match):
+    """``VLLM_DSBD_STATIC_VERIFY`` and ``VLLM_DSBD_FUSED_VERIFY`` are read when the runner is built (on the CPU too,
+    where neither path is the default): a bad value stops the engine there, naming the variable."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    monkeypatch.setenv("VLLM_DSBD_STATIC_VERIFY", "sometimes")
+    monkeypatch.setenv(name, value)
     try:
-        with pytest.raises(ValueError, match="VLLM_DSBD_STATIC_VERIFY must be auto, 1 or 0, got 'sometimes'"):
+        with pytest.raises(ValueError, match=match):
             vllm.LLM(model=pair[0], dtype="float32", enforce_eager=True, max_model_len=256,
                      enable_prefix_caching=False,
                      speculative_config={"method": "dsbd", "model": pair[1], "num_speculative_tokens": 2})

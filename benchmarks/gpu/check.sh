@@ -39,7 +39,7 @@ step bench_verify 90 python benchmarks/bench_verify.py --quick --out "$OUT/verif
 # LLM.beam_search in test_engine_beams; the static layer and forest paths equal to the general ones on CUDA tensors)
 step engine_tests "${DSBD_ENGINE_TEST_S:-420}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \
   tests/test_engine_sampling.py tests/test_engine_batch.py tests/test_engine_device_resident.py tests/test_engine_chain.py \
-  tests/test_engine_beams.py tests/test_verify_static.py tests/test_verify_forest_static.py
+  tests/test_engine_beams.py tests/test_verify_static.py tests/test_verify_forest_static.py tests/test_fused_in_engine.py
 # full CUDA graphs over passes without forest attention (setting full_cuda_graphs): tokens equal to eager
 step full_graphs "${DSBD_FULL_GRAPHS_S:-400}" "${PYTEST[@]}" -s tests/test_engine_full_graphs_gpu.py
 

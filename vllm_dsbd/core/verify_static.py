@@ -98,12 +98,16 @@ def verify_layer_static(logp: torch.Tensor, draft_idx: torch.Tensor, draft_valid
 
 
 def verify_forest_static(forest: Forest, target_logits: torch.Tensor, root_scores: torch.Tensor,
-                         root_live: torch.Tensor, params: BatchParams, context_len: torch.Tensor) -> VerifyResult:
+                         root_live: torch.Tensor, params: BatchParams, context_len: torch.Tensor,
+                         layer=None) -> VerifyResult:
     """``verify.verify_forest`` (same arguments, same results) for exact target sampling (every request's
     ``max_k`` = 1: one output per layer, the engine's mode "sample"), with no read of a tensor on the host: every
     layer runs on every row (a row that stopped verifying has no outputs there, as in ``verify_forest``), the width
     rule's two branches are computed and selected per row, the sampling rows' layer is ``verify_layer_static`` with
-    ``kmax`` = 1 and the deterministic rows' top-1 is ``beam_step`` on every row (when the batch has some)."""
+    ``kmax`` = 1 and the deterministic rows' top-1 is ``beam_step`` on every row (when the batch has some).
+    ``layer``: a callable making the sampling rows' layer from the logits instead (the engine's fused kernel,
+    ``engine/fused.py``: ``layer(logits, scores, live, params, position, draft_idx, draft_valid, logq, k, kmax)``
+    -> ``(out_idx, out_valid)``, the same decisions)."""
     R, L, S, V = target_logits.shape
     G = L - 1
     facts = params.facts
@@ -127,7 +131,11 @@ def verify_forest_static(forest: Forest, target_logits: torch.Tensor, root_score
         k = torch.where(pol, torch.minimum(kw, (torch.exp(logp) > 0).sum(-1)), k)
         k = torch.where(rows, k, 0)
         samp = rows & ~det
-        oi, ov = verify_layer_static(logp, didx, dval, logq, torch.where(samp, k, 0), params.seed, pos, 1)
+        ks = torch.where(samp, k, 0)
+        if layer is not None:
+            oi, ov = layer(logits, st.scores, st.live, params, pos, didx, dval, logq, ks, 1)
+        else:
+            oi, ov = verify_layer_static(logp, didx, dval, logq, ks, params.seed, pos, 1)
         out_idx = torch.nn.functional.pad(oi.clamp(min=0), (0, facts.width_max - 1))
         out_val = torch.nn.functional.pad(ov, (0, facts.width_max - 1))
         if top1 is not None:

@@ -25,6 +25,8 @@ from vllm_dsbd.core.sampling import beam_step
 from vllm_dsbd.core.verify_static import verify_layer_static
 from vllm_dsbd.core.width import choose_width
 
+from .fused import fused_default, fused_layer
+
 
 def joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The requests' beam rows side by side: ``[R, S, V]`` (a request's missing rows are zero logits) and their
@@ -92,11 +94,12 @@ class Layer:
     dynamic: bool  # the dynamic-width rule picks K (else K = W)
 
 
-def verify(layers: list[Layer], params: BatchParams) -> tuple[list[list[Pair]], list[int]]:
+def verify(layers: list[Layer], params: BatchParams, fused: bool | None = None) -> tuple[list[list[Pair]], list[int]]:
     """DSBD's exact verification of one layer for R requests at once (``core.verify_layer``'s rule, as
-    ``core.verify_static.verify_layer_static`` computes it): the target joint P over each request's beams, K = W_r
-    outputs (or the dynamic-width rule's K from P and Q) that are K draws without replacement from P, in emission
-    order. Returns (per request its outputs, per request K)."""
+    ``core.verify_static.verify_layer_static`` computes it, or the fused kernel: ``fused``, default on CUDA,
+    ``engine/fused.py``): the target joint P over each request's beams, K = W_r outputs (or the dynamic-width rule's
+    K from P and Q) that are K draws without replacement from P, in emission order. Returns (per request its
+    outputs, per request K)."""
     dev = layers[0].logits.device
     R = len(layers)
     rows, sc = joint_rows([ly.logits for ly in layers], [ly.scores for ly in layers], torch.float32)
@@ -120,6 +123,9 @@ def verify(layers: list[Layer], params: BatchParams) -> tuple[list[list[Pair]], 
                           params.tau, max_drafts=max(nd))
         k = torch.where(torch.tensor(dyn, device=dev), kd, k)
     pos = torch.tensor([ly.position for ly in layers], dtype=torch.int64, device=dev)
-    out, ok = verify_layer_static(logp, didx, dval, logq, k, params.seed, pos, params.facts.width_max)
+    if fused_default(dev) if fused is None else fused:
+        out, ok = fused_layer(rows, sc, torch.isfinite(sc), params, pos, didx, dval, logq, k, params.facts.width_max)
+    else:
+        out, ok = verify_layer_static(logp, didx, dval, logq, k, params.seed, pos, params.facts.width_max)
     pairs, (ks,) = _read(rows, out, ok, jscore.gather(1, out.clamp(min=0)), [k])
     return pairs, [int(x) for x in ks]

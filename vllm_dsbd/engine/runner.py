@@ -43,6 +43,7 @@ from . import attention, kv, load, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams import step_beams, top_rows
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
+from .fused import fused_default
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
 
@@ -57,7 +58,9 @@ class DSBDRunnerMixin:
         with vllm_runner_init(vllm_config.speculative_config, cfg.draft):  # no draft model: vLLM builds a NoDrafter
             super().__init__(vllm_config, device)
         self.dsbd_cfg = cfg
-        static = sampler.static_default(torch.device(device))  # a bad VLLM_DSBD_STATIC_VERIFY stops the start-up
+        # a bad VLLM_DSBD_STATIC_VERIFY / VLLM_DSBD_FUSED_VERIFY stops the start-up
+        static = sampler.static_default(torch.device(device))
+        fused = fused_default(torch.device(device)) and static
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
@@ -91,7 +94,8 @@ class DSBDRunnerMixin:
             return
         logger.info("DSBD engine: width %d, depth %d, %s width, mode %s, verification %s", self.dsbd_cfg.width,
                     self.dsbd_cfg.depth, "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode,
-                    "without host reads (static)" if static else "on row subsets")
+                    ("without host reads (static" + (", fused kernel)" if fused else ")")) if static
+                    else "on row subsets")
 
     def _make_dsbd_drafter(self, vllm_config, device):
         if not self.dsbd_cfg.draft:

@@ -32,6 +32,7 @@ from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
+from .fused import fused_default, fused_layer
 from .state import PendingForest, RequestState
 
 # which verification paths a step takes: "auto" (default) the static ones (no host reads) on a device and the row
@@ -104,7 +105,7 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
-           forest_static: bool | None = None) -> list[RowResult]:
+           forest_static: bool | None = None, fused: bool | None = None) -> list[RowResult]:
     """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
 
     Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
@@ -120,7 +121,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     ``VLLM_DSBD_STATIC_VERIFY`` changes the default: :func:`static_default`).
     Likewise at any width in mode "sample" on a device, or with ``forest_static``, the general path is
     ``core.verify_static.verify_forest_static``: ``verify_forest``'s decisions with no host synchronisation but the
-    results' one copy."""
+    results' one copy; it verifies the sampling rows with the fused kernel on CUDA (``fused``; default
+    ``fused.fused_default``)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device
@@ -147,7 +149,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
     tl[:, 0, 0] = logits[first].float()
     if (static if forest_static is None else forest_static) and cfg.mode == "sample":
-        out = _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first)
+        use = fused_default(dev) if fused is None else fused
+        out = _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first, fused_layer if use else None)
         if out is not None:
             return out
     sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
@@ -197,7 +200,7 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
 
 def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
                    params: BatchParams, ctx: torch.Tensor, depth: list[int], tl: torch.Tensor,
-                   first: torch.Tensor) -> list[RowResult] | None:
+                   first: torch.Tensor, layer=None) -> list[RowResult] | None:
     """Mode "sample" (one output per layer) without host synchronisations: the target rows of every node gathered
     under the forest's mask, ``verify_forest_static``, then one copy of what the results need. A layer's output is
     the node it passes through (a chain of accepted nodes, then the last layer's token), so the emitted tokens are
@@ -211,7 +214,7 @@ def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, co
     scores = torch.zeros(R, tl.shape[2], device=tl.device)
     live = torch.zeros(R, tl.shape[2], dtype=torch.bool, device=tl.device)
     live[:, 0] = True
-    res = verify_forest_static(forest, tl, scores, live, params, ctx)
+    res = verify_forest_static(forest, tl, scores, live, params, ctx, layer)
     rec = res.layers
     node = rec.node[:, :G, 0]
     path = compact.gather(2, node.clamp(min=0)[:, :, None]).squeeze(2)  # [R, G] compact index of layer d's output
