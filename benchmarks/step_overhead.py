@@ -9,8 +9,8 @@ last are left out, so every measured step decodes all B requests. Forward time i
 the target and the draft model (CPU: no asynchronous execution to account for); each column is the median over the
 measured steps, and the non-model time is the median of each step's (step - target forward - draft forward).
 Rows: plain vLLM (no speculation, the floor of vLLM's own per-step work), DSBD at width 1 and 2, depth 3, default
-mode, DSBD beam search (W = 4, T = 0, depth 3; one engine request per beam search) and beam sampling (the same at
-T = 1); ``--configs`` picks rows by a regular expression. Issue 15's CPU goal reads this table: DSBD's non-model
+mode, DSBD beam search (W = 4, T = 0, depth 3 pinned by the request, so a forest is drafted every step; one engine
+request per beam search) and beam sampling (the same at T = 1); ``--configs`` picks rows by a regular expression. Issue 15's CPU goal reads this table: DSBD's non-model
 time at batch 32 <= 3x that at batch 1, and 5x below today's at batch 32.
 """
 from __future__ import annotations
@@ -67,6 +67,11 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
             bp = BeamSearchParams(beam_width=beam, max_tokens=max_tokens, ignore_eos=True,
                                   temperature=config.get("temperature", 0.0))
             sp = beam_request_params(bp, None, prompt_len, 512, config["width"])
+            # the depth pinned by the request: a forest every step at every batch size (unpinned, drafting backs off
+            # after forests that pass no layer, and on this random pair the median step at batch 1 drafts nothing)
+            from vllm_dsbd.engine.beams import BEAM_KEY
+
+            sp.extra_args[BEAM_KEY]["depth"] = config["depth"]
         for i in range(batch):
             prompt = [(7 * i + j) % 300 + 5 for j in range(prompt_len)]
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)

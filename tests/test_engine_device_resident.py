@@ -15,7 +15,8 @@ and the beam drafter (the target's logits tagged). Checked:
   the counts and lines are printed;
 * beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
   beam steps or in the draft's; a step's beam steps of all requests read the device once at T = 0 (their rows' best
-  tokens) and once per verified layer at T > 0, the drafter once per depth;
+  tokens) and once per verified layer at T > 0, the beam drafter once per depth;
+* the plain requests' drafter reads the device once per call (all depths' draws in one copy), at width 1 and 2;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
 * the static paths (what the sampler runs on a GPU, forced here): width 1 the chain path (``core/chain_static.py``),
   width 2 the forest path (``core/verify_static.py``): each verification makes one host synchronisation (its
@@ -72,8 +73,10 @@ class Observer:
                 return orig_propose(self, jobs)
             mode = sim_device.SimulatedDevice()
             self._sim_mode = mode
+            misses = self.static_misses
             with mode:
                 out = orig_propose(self, jobs)
+            mode.static_miss = self.static_misses > misses  # the static drafter's bet failed: the loop drafted
             obs.calls.append(("propose", len(jobs), mode))
             return out
 
@@ -217,15 +220,17 @@ def test_syncs_per_call_do_not_grow_with_the_batch(runs):
             assert sum(m.syncs.values()) <= 2 * max(one), (kind, m.syncs.most_common())
 
 
-def test_drafting_syncs_once_per_depth(runs):
-    """The drafter reads nothing from the device but its one host copy per depth (each depth's draws), and at width 1
-    one copy in all (``DSBDDrafter._draft_chains``): the core's branches on the requests' settings read host values
-    (``BatchParams.facts``)."""
-    calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] if k == "propose"]
+def test_drafting_syncs_once(runs):
+    """The drafter reads nothing from the device but one host copy of all depths' draws: at width 1
+    ``DSBDDrafter._draft_chains``, at width 2 ``DSBDDrafter._draft_static`` (whose bet, every request's draws filling
+    its width, holds on every call here; when it fails the general loop makes one copy per depth): the core's
+    branches on the requests' settings read host values (``BatchParams.facts``)."""
+    calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] + runs["greedy_calls"] if k == "propose"]
     assert calls
     for m in calls:
         assert set(m.syncs) == {next(iter(m.syncs))} and next(iter(m.syncs)).startswith("engine/drafter.py"), m.syncs
-        assert sum(m.syncs.values()) <= (1 if runs["width"] == 1 else DEPTH), m.syncs
+        assert not m.static_miss
+        assert sum(m.syncs.values()) == 1, m.syncs
 
 
 @pytest.mark.parametrize("runs", [(1, True), (2, True)], indirect=True, ids=["width1-static", "width2-static"])

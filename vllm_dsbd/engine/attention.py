@@ -69,17 +69,27 @@ class ForestBatch:
             cu.append(cu[-1] + len(token_rows))
             ctx.append(ctx_len)
             flen.append(len(forest_parents))
+        return ForestBatch.assemble([e[0] for e in entries], rows, cu, ctx, flen,
+                                    torch.tensor(parents, dtype=torch.int64), query, max_nodes)
+
+    @staticmethod
+    def assemble(req_rows: list[int], token_rows: list[int], cu: list[int], ctx: list[int], flen: list[int],
+                 parents: torch.Tensor, query: list[int], max_nodes: int) -> "ForestBatch":
+        """The batch of :meth:`build`'s entries given as their fields: host lists for the pass's layout, and every
+        entry's forest parents concatenated in ``parents`` (int64, local indices, on any device: the ancestor masks
+        are built there, with no read on the host; the drafter passes its draws' parents as they are) with
+        ``query`` the query tokens' rows among those nodes."""
         # every entry's forest in one call (the masks of all nodes, then the query nodes' rows): per-entry calls
         # cost ~0.3 ms each on a CPU, and beam requests' tries rarely repeat a shape
-        cu_nodes = torch.tensor([0, *flen], dtype=torch.int64).cumsum(0)
-        mask = ancestor_bitmask(torch.tensor(parents, dtype=torch.int64), cu_nodes, max_nodes=max_nodes)
+        cu_nodes = parents.new_tensor([0, *flen]).cumsum(0)  # int64, where the parents are
+        mask = ancestor_bitmask(parents, cu_nodes, max_nodes=max_nodes)
         return ForestBatch(
-            token_index=torch.tensor(rows, dtype=torch.int64),
+            token_index=torch.tensor(token_rows, dtype=torch.int64),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-            req_rows=torch.tensor([e[0] for e in entries], dtype=torch.int64),
+            req_rows=torch.tensor(req_rows, dtype=torch.int64),
             context_lens=torch.tensor(ctx, dtype=torch.int32),
             forest_lens=torch.tensor(flen, dtype=torch.int32),
-            ancestor_mask=mask[torch.tensor(query, dtype=torch.int64)],
+            ancestor_mask=mask[parents.new_tensor(query)],
         )
 
     def to(self, device: torch.device) -> "ForestBatch":

@@ -100,6 +100,12 @@ class DSBDDrafter(DraftModelProposer):
         self.forward_passes = 0  # statistics
         # every request of a call at width 1: ``_draft_chains`` (False: the general loop; tests compare the two)
         self.chain_drafting = True
+        # wider calls: ``_draft_static`` first (False: the general loop; tests compare the two); after a call whose
+        # draws broke its bet, the next ``_static_skip`` calls go straight to the loop (1, 2, 4 .. up to 16 calls)
+        self.static_drafting = True
+        self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
+        self._static_skip = 0
+        self._static_backoff = 0
 
     # ------------------------------------------------------------------------------------------------------------
     def _block_table(self):
@@ -152,8 +158,9 @@ class DSBDDrafter(DraftModelProposer):
 
         The draft logits, the beam steps and the forest (its draft joints included) stay on the draft model's device;
         what the next pass's inputs need (each depth's draws: valid, parent and token slots, [R, W] each, and the
-        requests' depths) comes to the host in one copy per depth (width 1: one copy for all depths,
-        :meth:`_draft_chains`). Token ids, positions and slots of every pass are
+        requests' depths) comes to the host in one copy per depth in the general loop; one copy for all depths at
+        width 1 (:meth:`_draft_chains`) and, when the draws fill every request's width, at any width
+        (:meth:`_draft_static`). Token ids, positions and slots of every pass are
         built with numpy over the whole batch (no per-request tensor ops); the per-request loops left only slice
         Python lists."""
         if not jobs:
@@ -197,11 +204,25 @@ class DSBDDrafter(DraftModelProposer):
         eos = (params.eos >= 0)[:, None]
         live_np = np.ones((R, W), dtype=bool)  # host copy of the last step's continuing draws (read from depth 2 on)
         steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
-        chains = params.facts.width_max == 1 and self.chain_drafting
+        drafted = chains = params.facts.width_max == 1 and self.chain_drafting
         if chains:  # every request at width 1: the same draws, one host copy in all
             steps, valid_np, parent_np, token_np, depth_np, depth = self._draft_chains(
                 full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows)
-        for d in range(1, 1 if chains else G + 1):  # the general depth loop (skipped for chains)
+        elif self.static_drafting and G > 1:  # wider: the same draws, one host copy in all when the bet holds
+            if self._static_skip:
+                self._static_skip -= 1
+            else:
+                widths = np.array([j.state.width if j.width is None else j.width for j in jobs], dtype=np.int64)
+                got = self._draft_static(full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np,
+                                         bs, owned, block_rows)
+                self._static_backoff = 0 if got else min(max(2 * self._static_backoff, 1), 16)
+                self._static_skip = self._static_backoff
+                if got:
+                    drafted = True
+                    steps, valid_np, parent_np, token_np, depth_np, depth = got
+                else:
+                    self.static_misses += 1
+        for d in range(1, 1 if drafted else G + 1):  # the general depth loop (skipped when drafted above)
             live = live & (depth >= d)[:, None]
             # a request whose beams all ended (EOS) stops its forest here, as the reference decoder does: ``live``
             # came from the last step's draws, whose host copy says which requests still have a live beam
@@ -322,6 +343,88 @@ class DSBDDrafter(DraftModelProposer):
         return (steps, [_pad_cols(p[:, :1].astype(bool), W, False) for p in per],
                 [_pad_cols(p[:, 1:2], W, 0) for p in per], [_pad_cols(p[:, 2:3], W, 0) for p in per],
                 host[:, -1].copy(), depth)
+
+
+    def _draft_static(self, full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np, bs, owned,
+                      block_rows):
+        """``propose_forests``'s depth loop at any width with no read on the host until the end, on a bet: that every
+        request's draws fill its width (``widths``, host) at every depth whose pass runs on it (the usual case: W
+        draws without replacement need only W tokens of support). Then the forest's layout is known in advance
+        (depth-major, ``w`` nodes per depth, node (d, s) at compact index ``(d - 1) w + s``), so each pass is
+        planned from the requested depths and widths, its token ids stay on the device and its ancestor masks are
+        built there from the draws' parents. A request whose draws all end (EOS) has its depth cut on the device,
+        as the loop does; its later passes still run with its draws masked (as in :meth:`_draft_chains`). One copy
+        at the end brings the draws over and checks the bet; if it failed (a request's draws fewer than its width
+        at a depth whose pass ran on it and that the loop would have drafted), returns None: the caller runs the
+        general loop, whose draws are the same (keyed randomness, the same logits wherever the layouts agree) and
+        whose passes rewrite the forest's draft K/V in its own layout. Returns what ``_draft_chains`` returns."""
+        dev = self.device
+        R, W, V = full.shape
+        G = int(depth_np.max())
+        eos = (params.eos >= 0)[:, None]
+        w_dev = torch.from_numpy(widths).to(dev)
+        cpar = torch.full((R, G, W), -1, dtype=torch.int64, device=dev)  # compact parent of node (d, s)
+        steps, cont = [], None
+        for d in range(1, G + 1):
+            live = live & (depth >= d)[:, None]
+            if d > 1:  # a request whose draws all ended stops its forest at depth d - 1 (the loop's ``ended``)
+                depth = torch.where(~cont.any(1) & (depth >= d), d - 1, depth)
+            st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            st.valid &= (depth >= d)[:, None]
+            steps.append(st)
+            cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
+            ws = st.valid.shape[1]
+            scores = torch.nn.functional.pad(st.score, (0, W - ws), value=NEG_INF)
+            live = torch.nn.functional.pad(cont, (0, W - ws), value=False)
+            if d > 1:  # the draws' parents are the depth d - 1 nodes in slot order
+                cpar[:, d - 1, :ws] = (d - 2) * w_dev[:, None] + torch.minimum(st.parent, w_dev[:, None] - 1)
+            sub = np.nonzero(depth_np > d)[0]  # planned deeper: pass d over their depth-d nodes
+            if not sub.size:
+                continue
+            wsub = widths[sub]
+            ri = np.repeat(sub, wsub)
+            si = np.concatenate([np.arange(w) for w in wsub.tolist()])
+            node_pos = root_pos[ri] + 1 + (d - 1) * widths[ri] + si  # where node (d, s) is written
+            # the forest batch: a width-1 request's nodes form a chain (no forest query); a wider one's first node
+            # hangs off the context alone (``drop_chain_queries``: its causal outputs stand)
+            req_rows, rows, cu, ctx, flen, gather, query, t, n = [], [], [0], [], [], [], [], 0, 0
+            for k, i in enumerate(sub.tolist()):
+                w = int(widths[i])
+                if w > 1:
+                    first = 1 if d == 1 else 0
+                    req_rows.append(k)
+                    rows.extend(range(t + first, t + w))
+                    cu.append(cu[-1] + w - first)
+                    ctx.append(int(root_pos[i]) + 1)
+                    flen.append(d * w)
+                    gather.extend(i * G * W + dd * W + s for dd in range(d) for s in range(w))
+                    query.extend(n + (d - 1) * w + s for s in range(first, w))
+                    n += d * w
+                t += w
+            fb = None
+            if rows:
+                par = cpar.reshape(-1)[torch.tensor(gather, dtype=torch.int64, device=dev)]
+                fb = ForestBatch.assemble(req_rows, rows, cu, ctx, flen, par, query, max_nodes=W * G)
+            ri_t, si_t = torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)
+            lg = self._forward(st.token[ri_t, si_t], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),
+                               wsub, root_pos[sub] + 1 + d * wsub, block_rows[torch.from_numpy(sub)],
+                               np.arange(t), fb, d)
+            full = torch.zeros(R, W, V, device=dev)
+            full[ri_t, si_t] = lg
+        ws = steps[0].valid.shape[1]
+        host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
+        host = host.cpu().numpy()  # the one copy
+        per = [host[:, 3 * ws * k : 3 * ws * (k + 1)] for k in range(len(steps))]
+        valid = np.stack([p[:, :ws].astype(bool) for p in per], 1)  # [R, G, ws]
+        final = host[:, -1].copy()
+        # the bet: full draws at every depth d <= min(planned - 1, final depth), the layouts the passes assumed
+        ran = np.arange(1, G + 1)[None, :] <= np.minimum(depth_np - 1, final)[:, None]
+        full_w = np.arange(ws)[None, None, :] < widths[:, None, None]
+        if (ran[:, :, None] & (valid != full_w)).any():
+            return None
+        return (steps, [_pad_cols(p[:, :ws].astype(bool), W, False) for p in per],
+                [_pad_cols(p[:, ws : 2 * ws], W, 0) for p in per], [_pad_cols(p[:, 2 * ws :], W, 0) for p in per],
+                final, depth)
 
 
 def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:
