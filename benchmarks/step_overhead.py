@@ -10,8 +10,9 @@ the target and the draft model (CPU: no asynchronous execution to account for); 
 measured steps, and the non-model time is the median of each step's (step - target forward - draft forward).
 Rows: plain vLLM (no speculation, the floor of vLLM's own per-step work), DSBD at width 1 and 2, depth 3, default
 mode, DSBD beam search (W = 4, T = 0, depth 3 pinned by the request, so a forest is drafted every step; one engine
-request per beam search) and beam sampling (the same at T = 1); ``--configs`` picks rows by a regular expression. Issue 15's CPU goal reads this table: DSBD's non-model
-time at batch 32 <= 3x that at batch 1, and 5x below today's at batch 32.
+request per beam search) and beam sampling (the same at T = 1); ``--configs`` picks rows by a regular expression.
+Issue 15's CPU goal reads this table: DSBD's non-model time at batch 32 <= 3x that at batch 1, and 5x below today's
+at batch 32.
 """
 from __future__ import annotations
 
