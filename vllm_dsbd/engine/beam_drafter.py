@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_dsbd.core import rng
+from vllm_dsbd.core.sampling import beam_step
 
 from . import beam_sampling
 from .attention import ForestBatch
@@ -126,39 +127,40 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         job.state.draft_len = max(job.state.draft_len, beam.prompt_len)
 
     # depths 1..G: the draft's beam search / beam sampling; pass d computes the depth-d nodes' logits when a deeper
-    # depth follows
-    forests = [BeamForest([], [], [], []) for _ in jobs]
+    # depth follows. First the static loop (one host copy in all) where its bet holds, else the general one.
     # the beams each depth is drawn from: (node number, score, continues); depth 1: the live beams
     beams_of = [[(b.node, b.score if job.state.beam.temperature <= 0.0 else b.sample_score, True)
                  for b in job.state.beam.live] for job in jobs]
+    forests = None
+    if drafter.static_drafting and _static_layout(jobs):
+        if drafter._beam_static_skip:
+            drafter._beam_static_skip -= 1
+        else:
+            forests = _draft_static(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
+            drafter._beam_static_backoff = 0 if forests else min(max(2 * drafter._beam_static_backoff, 1), 16)
+            drafter._beam_static_skip = drafter._beam_static_backoff
+            drafter.beam_static_misses += forests is None
+    if forests is None:
+        forests = _draft_loop(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
+    for job, f in zip(jobs, forests):
+        job.state.beam.forest = f if f.tokens else None
+
+
+def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tensor], beams_of: list, brow: np.ndarray,
+                bs: int, owned: list[int], block_rows: torch.Tensor) -> list[BeamForest]:
+    """The general depth loop: each depth's pairs of all requests in one copy, then pass d over the depth-d nodes
+    of the requests that go deeper. Returns the forests."""
+    leaf_logits, beams_of = list(leaf_logits), list(beams_of)
+    forests = [BeamForest([], [], [], []) for _ in jobs]
     for d in range(1, max(j.depth for j in jobs) + 1):
         layer_of = {}
-        go = [k for k, job in enumerate(jobs) if d <= job.depth and job.max_nodes > len(forests[k].tokens)
-              and any(c for *_, c in beams_of[k])]
+        go = [k for k, job in enumerate(jobs) if _goes(job, forests[k], beams_of[k], d)]
         pairs_of = _depth_pairs([jobs[k].state.beam for k in go], [leaf_logits[k] for k in go],
                                 [beams_of[k] for k in go], d)
         for k, (pairs, q) in zip(go, pairs_of):
-            job = jobs[k]
-            beam, f = job.state.beam, forests[k]
-            pairs = pairs[: job.max_nodes - len(f.tokens)]
-            if q is not None:
-                f.q.append(q)
-            p = beam.params
-            eos = None if p.ignore_eos else p.eos_token_id
-            n = len(beam.tokens)
-            layer = []
-            for b, t, sc in pairs:
-                par = beams_of[k][b][0]
-                f.tokens.append(t)
-                f.parents.append(par)
-                f.depths.append((beam.depths[par] if par < n else f.depths[par - n]) + 1)
-                f.drafted.append(False)
-                f.layers.append(d)
-                f.slots.append(b)
-                layer.append((n + len(f.tokens) - 1, sc, eos is None or t != eos))
-            beams_of[k] = layer
-            if d < job.depth and len(f.tokens) < job.max_nodes and any(c for *_, c in layer):
-                layer_of[k] = layer
+            beams_of[k], deeper = _grow(jobs[k], forests[k], beams_of[k], pairs, q, d)
+            if deeper:
+                layer_of[k] = beams_of[k]
         if not layer_of:
             break
         ids, pos, slots, qlens, seqs, entries = [], [], [], [], [], []
@@ -185,8 +187,186 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
             m = len(layer_of[k])
             leaf_logits[k] = logits[at : at + m]
             at += m
-    for job, f in zip(jobs, forests):
-        job.state.beam.forest = f if f.tokens else None
+    return forests
+
+
+def _goes(job: BeamDraftJob, f: BeamForest, beams: list[tuple[int, float, bool]], d: int) -> bool:
+    """Whether a request drafts depth d: within its depth, room for a node, and a beam that continues."""
+    return d <= job.depth and job.max_nodes > len(f.tokens) and any(c for *_, c in beams)
+
+
+def _grow(job: BeamDraftJob, f: BeamForest, beams: list[tuple[int, float, bool]], pairs: list[tuple[int, int, float]],
+          q: torch.Tensor | None, d: int) -> tuple[list[tuple[int, float, bool]], bool]:
+    """Adds depth d's pairs ``(beam slot, token, score)`` of one request to its forest (cut to the nodes left) and
+    its draft joint ``q`` (T > 0). Returns the depth's beams ``(node, score, continues)`` and whether pass d runs on
+    them (a deeper depth, room for a node, and a beam that continues: a drafted EOS is not continued)."""
+    beam = job.state.beam
+    pairs = pairs[: job.max_nodes - len(f.tokens)]
+    if q is not None:
+        f.q.append(q)
+    p = beam.params
+    eos = None if p.ignore_eos else p.eos_token_id
+    n = len(beam.tokens)
+    layer = []
+    for b, t, sc in pairs:
+        par = beams[b][0]
+        f.tokens.append(t)
+        f.parents.append(par)
+        f.depths.append((beam.depths[par] if par < n else f.depths[par - n]) + 1)
+        f.drafted.append(False)
+        f.layers.append(d)
+        f.slots.append(b)
+        layer.append((n + len(f.tokens) - 1, sc, eos is None or t != eos))
+    return layer, d < job.depth and len(f.tokens) < job.max_nodes and any(c for *_, c in layer)
+
+
+def _plan(job: BeamDraftJob) -> list[int]:
+    """The nodes per depth of a job's forest when every depth's draws fill its width: the width, cut to the nodes
+    left (``_grow``)."""
+    out, left = [], job.max_nodes
+    for _ in range(job.depth):
+        c = min(job.state.beam.params.width, left)
+        if c <= 0:
+            break
+        out.append(c)
+        left -= c
+    return out
+
+
+def _static_layout(jobs: list[BeamDraftJob]) -> bool:
+    """Whether the static loop can plan these jobs: every request's live beams are trie nodes at one depth (as a
+    beam search's are: one token per beam per step), so the depth-d nodes' positions are known in advance."""
+    for job in jobs:
+        beam = job.state.beam
+        if not beam.live or any(b.node < 0 for b in beam.live) or len({beam.depths[b.node] for b in beam.live}) > 1:
+            return False
+    return True
+
+
+def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tensor], beams_of: list,
+                  brow: np.ndarray, bs: int, owned: list[int], block_rows: torch.Tensor) -> list[BeamForest] | None:
+    """:func:`_draft_loop` with one host copy for all depths, on a bet: that each depth's draws fill every request's
+    width (cut to the nodes left, :func:`_plan`) wherever a pass runs on them. Then every node's number, slot and
+    position are known in advance; the draws, their scores, the next depth's beams and the passes' token ids stay
+    on the device, and each pass's ancestor masks are built there from the draws' parents
+    (``ForestBatch.assemble``). Every depth draws for every request (the ones whose beams all ended are masked; a
+    pass planned for them still runs, its K/V unused). The copy at the end gives the draws to the same bookkeeping
+    as the loop's (:func:`_grow`), which checks the bet: if a pass the loop would run saw another layout, returns
+    None and the caller runs the loop (the same keyed draws; its passes rewrite the forest's draft K/V)."""
+    beams = [j.state.beam for j in jobs]
+    dev, V, R = leaf_logits[0].device, leaf_logits[0].shape[-1], len(jobs)
+    plan = [_plan(j) for j in jobs]
+    G, W = max(len(p) for p in plan), max(b.params.width for b in beams)
+    offs = [np.concatenate([[0], np.cumsum(p)]).astype(np.int64) for p in plan]  # first node of each depth
+    n_trie = [len(b.tokens) for b in beams]
+    nmax = max(int(o[-1]) for o in offs)
+    det = [k for k, b in enumerate(beams) if b.temperature <= 0.0]
+    samp = [k for k, b in enumerate(beams) if b.temperature > 0.0]
+    det_t, samp_t = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (det, samp))
+    params_s = beam_params([beams[k] for k in samp], dev) if samp else None
+    width = torch.tensor([b.params.width for b in beams], dtype=torch.int64, device=dev)
+    eos_l = [-1 if b.params.ignore_eos or b.params.eos_token_id is None else b.params.eos_token_id for b in beams]
+    eos = torch.tensor(eos_l, dtype=torch.int64, device=dev)
+    cap = torch.tensor([[p[d] if d < len(p) else 0 for p in plan] for d in range(G)], dtype=torch.int64, device=dev)
+    leaf_nodes = [[nd for nd, *_ in bo] for bo in beams_of]
+    S1 = max(len(x) for x in leaf_nodes)
+    leaf_t = torch.tensor([x + [0] * (S1 - len(x)) for x in leaf_nodes], dtype=torch.int64, device=dev)
+    trie_par = torch.tensor([p for b in beams for p in b.parents], dtype=torch.int64, device=dev)
+    trie_at = np.concatenate([[0], np.cumsum(n_trie)]).astype(np.int64)
+    fpar = torch.zeros(R * max(nmax, 1), dtype=torch.int64, device=dev)  # forest node parents (node numbers)
+    rows, sc = beam_sampling.joint_rows(leaf_logits, [[x[1] for x in bo] for bo in beams_of], torch.float64)
+    rows = rows.float()
+    live = torch.isfinite(sc)
+    draws, qs = [], []
+    cols = torch.arange(W, device=dev)[None, :]
+    for d in range(1, G + 1):
+        S = rows.shape[1]
+        parent = torch.zeros(R, W, dtype=torch.int64, device=dev)
+        token = torch.zeros(R, W, dtype=torch.int64, device=dev)
+        score = torch.full((R, W), -torch.inf, dtype=torch.float64, device=dev)
+        valid = torch.zeros(R, W, dtype=torch.bool, device=dev)
+        if det:  # ``_top_pairs`` on every T = 0 request
+            joint = torch.log_softmax(rows[det_t].double(), dim=-1) + sc[det_t][:, :, None]
+            ban = [(r, eos_l[k]) for r, k in enumerate(det) if eos_l[k] >= 0]
+            if ban:
+                bt = torch.tensor(ban, dtype=torch.int64, device=dev)
+                joint[bt[:, 0], :, bt[:, 1]] = -torch.inf
+            kk = min(max(beams[k].params.width for k in det), S * V)
+            vals, idx = torch.topk(joint.flatten(1), kk)
+            parent[det_t, :kk], token[det_t, :kk], score[det_t, :kk] = idx // V, idx % V, vals
+            valid[det_t, :kk] = torch.isfinite(vals) & (cols[:, :kk] < width[det_t][:, None])
+        if samp:  # ``_sampled_pairs`` on every T > 0 request
+            pos = torch.tensor([beams[k].prompt_len + beams[k].steps + d - 1 for k in samp], dtype=torch.int64,
+                               device=dev)
+            st = beam_step(rows[samp_t], sc[samp_t].float(), live[samp_t], params_s, pos, rng.Stream.DRAFT_DRAW)
+            ws = st.valid.shape[1]
+            parent[samp_t, :ws], token[samp_t, :ws], score[samp_t, :ws] = st.parent, st.token, st.score.double()
+            valid[samp_t, :ws] = st.valid
+            qs.append(st.joint)
+        draws.append(torch.stack([parent.double(), token.double(), valid.double(), score]))
+        planned = valid & (cols < cap[d - 1][:, None])
+        cont = planned & ((eos < 0)[:, None] | (token != eos[:, None]))
+        # the forest's parents of this depth's planned nodes: a live beam's node at depth 1, a node of depth d - 1
+        rk = np.concatenate([np.full(p[d - 1], k) for k, p in enumerate(plan) if d <= len(p)]).astype(np.int64)
+        sk = np.concatenate([np.arange(p[d - 1]) for p in plan if d <= len(p)]).astype(np.int64)
+        rk_t, sk_t = torch.from_numpy(rk).to(dev), torch.from_numpy(sk).to(dev)
+        if d == 1:
+            par = leaf_t[rk_t, parent[rk_t, sk_t].clamp(max=S1 - 1)]
+        else:
+            prev = np.array([plan[k][d - 2] for k in rk], dtype=np.int64)
+            base = np.array([n_trie[k] + offs[k][d - 2] for k in rk], dtype=np.int64)
+            par = (torch.from_numpy(base).to(dev)
+                   + torch.minimum(parent[rk_t, sk_t], torch.from_numpy(prev - 1).to(dev)))
+        at = rk * max(nmax, 1) + np.array([offs[k][d - 1] for k in rk], dtype=np.int64) + sk
+        fpar[torch.from_numpy(at).to(dev)] = par
+        sub = [k for k in range(R) if d < len(plan[k])]  # planned deeper: pass d over their depth-d nodes
+        if not sub:
+            break
+        ids_at, pos, slots, qlens, seqs, cu, ctx, flen, query, gather = [], [], [], [], [], [0], [], [], [], []
+        t0, n0 = 0, 0
+        for k in sub:
+            beam, c, o = beams[k], plan[k][d - 1], int(offs[k][d - 1])
+            B, n = beam.base, n_trie[k]
+            nodes = [n + o + s for s in range(c)]
+            ids_at += [k * W + s for s in range(c)]
+            pos += [beam.prompt_len - 1 + beam.depths[leaf_nodes[k][0]] + d] * c
+            slots.append(slots_of(brow[k], [B + nd for nd in nodes], bs, owned[k]))
+            qlens.append(c)
+            seqs.append(B + n + o + c)
+            cu.append(cu[-1] + c)
+            ctx.append(B)
+            flen.append(n + o + c)
+            query += [n0 + nd for nd in nodes]
+            gather += list(range(int(trie_at[k]), int(trie_at[k]) + n))
+            gather += [len(trie_par) + k * max(nmax, 1) + j for j in range(o + c)]
+            n0 += n + o + c
+            t0 += c
+        fb = ForestBatch.assemble(list(range(len(sub))), list(range(t0)), cu, ctx, flen,
+                                  torch.cat([trie_par, fpar])[torch.tensor(gather, dtype=torch.int64, device=dev)],
+                                  query, max(flen))
+        ids_t = torch.tensor(ids_at, dtype=torch.int64, device=dev)
+        logits = drafter._forward(token.flatten()[ids_t], pos, np.concatenate(slots), qlens, seqs,
+                                  block_rows[torch.tensor(sub)], list(range(t0)), fb, d)
+        rows = torch.zeros(R * W, V, device=dev).index_copy_(0, ids_t, logits).reshape(R, W, V)
+        sc, live = torch.where(planned, score, -torch.inf), cont
+    host = torch.stack(draws).cpu().tolist()  # the one copy: [depth][parent, token, valid, score][request][slot]
+    forests = [BeamForest([], [], [], []) for _ in jobs]
+    beams_of = list(beams_of)
+    for d in range(1, len(draws) + 1):
+        par_l, tok_l, val_l, sc_l = host[d - 1]
+        for k, job in enumerate(jobs):
+            if not _goes(job, forests[k], beams_of[k], d):
+                continue
+            pairs = [(int(par_l[k][s]), int(tok_l[k][s]), sc_l[k][s]) for s in range(W) if val_l[k][s]]
+            q = qs[d - 1][samp.index(k)] if beams[k].temperature > 0.0 else None
+            beams_of[k], deeper = _grow(job, forests[k], beams_of[k], pairs, q, d)
+            if deeper:
+                if d >= len(plan[k]) or len(beams_of[k]) != plan[k][d - 1]:
+                    return None  # the loop's pass d would see another layout than the one drafted
+                f, n = forests[k], n_trie[k]
+                for nd, *_ in beams_of[k]:
+                    f.drafted[nd - n] = True
+    return forests
 
 
 def _depth_pairs(beams: list, logits: list[torch.Tensor], beams_of: list[list[tuple[int, float, bool]]],

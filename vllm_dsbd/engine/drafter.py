@@ -106,6 +106,10 @@ class DSBDDrafter(DraftModelProposer):
         self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
         self._static_skip = 0
         self._static_backoff = 0
+        # the same for beam requests' forests (``beam_drafter._draft_static``)
+        self.beam_static_misses = 0
+        self._beam_static_skip = 0
+        self._beam_static_backoff = 0
 
     # ------------------------------------------------------------------------------------------------------------
     def _block_table(self):
