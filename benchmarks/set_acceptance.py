@@ -17,17 +17,20 @@ layer passes with probability ``rate`` (stopping at the first failure); a passin
 the live beams the new beams (as many as the target's candidates, in the forest's order, each with its candidate's
 raw log-probability) and the next beam step runs on their logits from the same target pass, as a real pass does.
 
-Beam requests at temperature T > 0 (``beam_sampling.verify``, one call per layer for every request verifying): the
-real layer runs (its cost counted); then each request's layer passes with probability ``rate``: its outputs become
-its first K drafts (the layer's forest nodes in draw order, log-probability and score 0: the text is meaningless),
-so the next layer runs on their logits. Otherwise it fails: the real outputs stay, except that when they are all
-forest nodes (a real pass) the last one becomes a pair outside the forest.
+Beam requests at temperature T > 0 (``beam_sampling.verify_forests``, every layer of every request in one call,
+the default; or ``beam_sampling.verify``, one call per layer for every request verifying): the real layers run
+(their cost counted); then each request's layer passes with probability ``rate``: its outputs become its first K
+drafts (the layer's forest nodes in draw order, log-probability and score 0: the text is meaningless), so the next
+layer runs on their logits. Otherwise it fails: the real outputs stay, except that when they are all forest nodes
+(a real pass) the last one becomes a pair outside the forest (with ``verify_forests``, a layer the real run did not
+reach gets one such pair).
 """
 from __future__ import annotations
 
 import random
 
-_STATE = {"rate": None, "rng": random.Random(0), "orig": None, "orig_beam": None, "orig_beam_sample": None}
+_STATE = {"rate": None, "rng": random.Random(0), "orig": None, "orig_beam": None, "orig_beam_sample": None,
+          "orig_beam_forests": None}
 
 
 def set_rate(rate: float) -> None:
@@ -37,8 +40,8 @@ def set_rate(rate: float) -> None:
 
 
 def install(rate: float, seed: int = 0) -> None:
-    """Replaces ``vllm_dsbd.engine.sampler.verify``, ``BeamRequest._verify_layers`` and ``beam_sampling.verify`` in
-    this process (idempotent; :func:`uninstall` restores them)."""
+    """Replaces ``vllm_dsbd.engine.sampler.verify``, ``BeamRequest._verify_layers``, ``beam_sampling.verify`` and
+    ``beam_sampling.verify_forests`` in this process (idempotent; :func:`uninstall` restores them)."""
     from vllm_dsbd.engine import beam_sampling, sampler
     from vllm_dsbd.engine.beams import BeamRequest
 
@@ -53,6 +56,9 @@ def install(rate: float, seed: int = 0) -> None:
     if _STATE["orig_beam_sample"] is None:
         _STATE["orig_beam_sample"] = beam_sampling.verify
         beam_sampling.verify = _beam_sampling_at_set_rate
+    if _STATE["orig_beam_forests"] is None:
+        _STATE["orig_beam_forests"] = beam_sampling.verify_forests
+        beam_sampling.verify_forests = _beam_forests_at_set_rate
 
 
 def uninstall() -> None:
@@ -68,6 +74,9 @@ def uninstall() -> None:
     if _STATE["orig_beam_sample"] is not None:
         beam_sampling.verify = _STATE["orig_beam_sample"]
         _STATE["orig_beam_sample"] = None
+    if _STATE["orig_beam_forests"] is not None:
+        beam_sampling.verify_forests = _STATE["orig_beam_forests"]
+        _STATE["orig_beam_forests"] = None
 
 
 def chain(parents: list[int], depths: list[int]) -> list[int]:
@@ -147,3 +156,42 @@ def _beam_sampling_at_set_rate(layers, params):
             ps = ps if j is None else ps[:-1] + [Pair(j // V, j % V, 0.0, 0.0)]
         out.append(ps)
     return out, ks
+
+
+def _outside(drafts: list[int], taken: list[int], slots: int, V: int) -> int | None:
+    """A joint index (slot * V + token) of the layer that is neither a draft nor taken (None: every one is)."""
+    used = set(drafts) | set(taken)
+    return next((j for j in range(slots * V) if j not in used), None)
+
+
+def _beam_forests_at_set_rate(plans, params, fused=None):
+    """``beam_sampling.verify_forests`` (T > 0 beam requests, all layers at once) with layers passing at the set rate
+    (see the module's docstring): per request, layer after layer, a layer with drafts passes with probability
+    ``rate`` (its first K drafts as outputs, K the real layer's or the layer's width) while a step is left; the first
+    that does not keeps the real outputs when the real run reached it, made non-passing, or else one pair outside
+    the forest, and ends the request's layers. A layer without drafts (the bonus layer) ends them too."""
+    from vllm_dsbd.engine.beam_sampling import Pair
+
+    real = _STATE["orig_beam_forests"](plans, params, fused)
+    rng, rate = _STATE["rng"], _STATE["rate"]
+    out = []
+    for p, got in zip(plans, real):
+        V = p.leaves.shape[-1]
+        slots, mine = len(p.scores), []
+        for layer in range(min(len(p.drafts) + 1, p.layers)):
+            drafts = p.joint[layer] if layer < len(p.joint) else []
+            k = got[layer][1] if layer < len(got) else min(slots, max(len(drafts), 1))
+            eos_drafted = p.eos >= 0 and any(j % V == p.eos for j in drafts[:k])
+            if drafts and len(drafts) >= k and not eos_drafted and rng.random() < rate:
+                mine.append(([Pair(j // V, j % V, 0.0, 0.0) for j in drafts[:k]], k))
+                slots = len(drafts)
+                continue
+            ps = list(got[layer][0]) if layer < len(got) else []
+            if not ps or (drafts and all(q.beam * V + q.token in drafts for q in ps)):
+                j = _outside(drafts, [q.beam * V + q.token for q in ps], slots, V)
+                if j is not None:
+                    ps = ps[:-1] + [Pair(j // V, j % V, 0.0, 0.0)]
+            mine.append((ps, k))
+            break
+        out.append(mine)
+    return out

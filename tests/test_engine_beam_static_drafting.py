@@ -13,7 +13,10 @@ at widths 2 and 3, some ending at an EOS token the model draws often. Checked:
   static drafting off (``drafter.static_drafting = False``: the loop, one host copy per depth), whose drafts were
   verified (forest nodes and passed layers counted by the engine);
 * a beam sampling request whose support is narrower than its width (top-k 1 at width 2: one draw per depth) breaks
-  the bet: the call falls back to the loop (``beam_static_misses``), and the beams are still the loop's.
+  the bet: the call falls back to the loop (``beam_static_misses``), and the beams are still the loop's;
+* the target's side of the same batch: a step's verified layers of T > 0 requests all in one device call and read
+  (``beams.STATIC_LAYERS``, ``beam_sampling.verify_forests``: whether a layer passed is decided on the device) give
+  the beams, forest nodes verified and layers passed of one ``beam_sampling.verify`` call per layer.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.engine import beam_drafter  # noqa: E402
+from vllm_dsbd.engine import beam_drafter, beams  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 STEPS, EOS = 8, 166
@@ -107,7 +110,14 @@ def runs():
                                           metric(llm, "vllm:dsbd_beam_layers_passed") - passed1)
             for k in seen:
                 seen[k] = 0
+        drafter.static_drafting = True
+        counts = ("vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
+        for layers in (True, False):  # the mixed batch again, all layers in one read, then one read per layer
+            beams.STATIC_LAYERS = layers
+            before = [metric(llm, c) for c in counts]
+            out[f"layers_{layers}"] = (gen(_params()), [metric(llm, c) - b for c, b in zip(counts, before)])
     finally:
+        beams.STATIC_LAYERS = True
         beam_drafter._draft_static, beam_drafter._draft_loop = static, loop
         shutdown(llm)
     return out
@@ -131,3 +141,10 @@ def test_a_failed_bet_falls_back_to_the_loop(runs):
     assert runs["narrow_misses"] >= 1 and runs["narrow_seen"]["loop_calls"] >= runs["narrow_misses"]
     assert runs["narrow_seen"]["same"] == runs["narrow_seen"]["compared"]
     assert runs["narrow"] == runs["narrow_loop"]
+
+
+def test_all_layers_in_one_read_equal_one_read_per_layer(runs):
+    (one, counts), (per_layer, per_counts) = runs["layers_True"], runs["layers_False"]
+    assert one == per_layer and counts == per_counts
+    assert counts[0] > 0 and counts[1] > 0  # forests were verified and some layers passed
+    assert one == runs["mixed"]  # the default (both static) again

@@ -107,3 +107,39 @@ def test_beam_sampling_layers_pass_at_the_set_rate():
     finally:
         set_acceptance.uninstall()
     assert beam_sampling.verify is real
+
+
+def test_beam_forest_layers_pass_at_the_set_rate():
+    """T > 0 beam requests, all layers in one call (``beam_sampling.verify_forests``): rate 1 passes every drafted
+    layer with its first K drafts as outputs, then the bonus layer (no drafts) ends the request's layers; rate 0
+    keeps the real first layer (here it rejects the drafts: the target's mass is on token 7) and ends there;
+    uninstall restores the real function."""
+    import torch
+
+    from vllm_dsbd.engine import beam_sampling
+    from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
+
+    V = 8
+    rows = torch.zeros(6, V)
+    rows[:, 7] = 10.0
+    q = torch.log_softmax(torch.zeros(2 * V), -1)
+    plan = beam_sampling.Plan(leaves=rows[:2], scores=[0.0, -1.0], nodes=rows[2:], drafts=[[0, 1], [2, 3]],
+                              joint=[[0 * V + 1, 1 * V + 2], [0 * V + 3, 1 * V + 4]], logq=[q, q], position=9,
+                              layers=8, dynamic=False, eos=-1)
+    req = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), 5, temperature=1.0, seed=3)
+    params = beam_params([req])
+    real = beam_sampling.verify_forests
+    (real_out,) = real([plan], params)
+    assert len(real_out) == 1 and all(p.token == 7 for p in real_out[0][0])  # drafts rejected: one layer
+    try:
+        set_acceptance.install(1.0)
+        assert beam_sampling.verify_forests is not real
+        (out,) = beam_sampling.verify_forests([plan], params)
+        assert [[(p.beam, p.token) for p in ps] for ps, _ in out[:2]] == [[(0, 1), (1, 2)], [(0, 3), (1, 4)]]
+        assert len(out) == 3 and [k for _, k in out[:2]] == [2, 2]  # then the bonus layer
+        set_acceptance.set_rate(0.0)
+        (out,) = beam_sampling.verify_forests([plan], params)
+        assert [[(p.beam, p.token) for p in ps] for ps, _ in out] == [[(p.beam, p.token) for p in real_out[0][0]]]
+    finally:
+        set_acceptance.uninstall()
+    assert beam_sampling.verify_forests is real

@@ -101,31 +101,131 @@ def verify(layers: list[Layer], params: BatchParams, fused: bool | None = None) 
     K from P and Q) that are K draws without replacement from P, in emission order. Returns (per request its
     outputs, per request K)."""
     dev = layers[0].logits.device
-    R = len(layers)
     rows, sc = joint_rows([ly.logits for ly in layers], [ly.scores for ly in layers], torch.float32)
-    S, V = rows.shape[1], rows.shape[2]
-    J = S * V
+    J = rows.shape[1] * rows.shape[2]
+    didx, dval, logq = _draft_block([ly.drafts for ly in layers], [ly.logq for ly in layers], J, dev)
+    pos = torch.tensor([ly.position for ly in layers], dtype=torch.int64, device=dev)
+    out, ok, score, k = _layer(rows, sc, didx, dval, logq, pos, [ly.dynamic for ly in layers],
+                               [len(ly.drafts) for ly in layers], params, fused)
+    pairs, (ks,) = _read(rows, out, ok, score, [k])
+    return pairs, [int(x) for x in ks]
+
+
+def _draft_block(drafts: list[list[int]], logqs: list[torch.Tensor | None], J: int, dev):
+    """The requests' drafts as ``[R, M]`` joint indices and validity, and their draft joints as ``[R, J]`` log Q
+    (-inf where a request has none, or past its beams)."""
+    M = max(max((len(d) for d in drafts), default=0), 1)
+    didx = torch.tensor([d + [0] * (M - len(d)) for d in drafts], dtype=torch.int64, device=dev)
+    dval = torch.tensor([[c < len(d) for c in range(M)] for d in drafts], dtype=torch.bool, device=dev)
+    neg = torch.full((J,), -math.inf, device=dev)
+    logq = torch.stack([neg if q is None else torch.nn.functional.pad(q.float(), (0, J - q.shape[0]),
+                                                                      value=-math.inf)[:J] for q in logqs])
+    return didx, dval, logq
+
+
+def _layer(rows: torch.Tensor, sc: torch.Tensor, didx: torch.Tensor, dval: torch.Tensor, logq: torch.Tensor,
+           pos: torch.Tensor, dynamic: list[bool], nd: list[int], params: BatchParams, fused: bool | None,
+           active: torch.Tensor | None = None):
+    """One verified layer on the device (no read): rows [R, S, V], scores [R, S] (-inf: not a beam), drafts
+    ``didx`` / ``dval`` [R, M] (``nd`` per request, host), ``logq`` [R, S * V]; ``active`` [R] (None: all) masks
+    requests to K = 0. Returns (out joint indices [R, K'], valid [R, K'], their joint scores, K [R])."""
+    R, S, V = rows.shape
+    dev = rows.device
     logp, jscore = joint_logprobs(rows, sc, torch.isfinite(sc), params)
     k = torch.minimum(torch.isfinite(logp).sum(1), params.width)
-    M = max(max((len(ly.drafts) for ly in layers), default=0), 1)
-    didx = torch.tensor([ly.drafts + [0] * (M - len(ly.drafts)) for ly in layers], dtype=torch.int64, device=dev)
-    dval = torch.tensor([[c < len(ly.drafts) for c in range(M)] for ly in layers], dtype=torch.bool, device=dev)
-    neg = torch.full((J,), -math.inf, device=dev)
-    logq = torch.stack([neg if ly.logq is None else
-                        torch.nn.functional.pad(ly.logq.float(), (0, J - ly.logq.shape[0]), value=-math.inf)[:J]
-                        for ly in layers])
-    dyn = [ly.dynamic and bool(ly.drafts) for ly in layers]
+    dyn = [d and n > 0 for d, n in zip(dynamic, nd)]
     if any(dyn):
         par_ok = torch.isfinite(logp).reshape(R, S, V).any(2)
-        q_valid = (torch.exp(logq).reshape(R, S, V) * par_ok[:, :, None]).reshape(R, J)
-        nd = [len(ly.drafts) for ly in layers]
+        q_valid = (torch.exp(logq).reshape(R, S, V) * par_ok[:, :, None]).reshape(R, S * V)
         kd = choose_width(torch.exp(logp), q_valid, torch.tensor(nd, device=dev), params.width, params.min_width,
                           params.tau, max_drafts=max(nd))
         k = torch.where(torch.tensor(dyn, device=dev), kd, k)
-    pos = torch.tensor([ly.position for ly in layers], dtype=torch.int64, device=dev)
+    if active is not None:
+        k = torch.where(active, k, 0)
     if fused_default(dev) if fused is None else fused:
         out, ok = fused_layer(rows, sc, torch.isfinite(sc), params, pos, didx, dval, logq, k, params.facts.width_max)
     else:
         out, ok = verify_layer_static(logp, didx, dval, logq, k, params.seed, pos, params.facts.width_max)
-    pairs, (ks,) = _read(rows, out, ok, jscore.gather(1, out.clamp(min=0)), [k])
-    return pairs, [int(x) for x in ks]
+    return out, ok, jscore.gather(1, out.clamp(min=0)), k
+
+
+@dataclass
+class Plan:
+    """One request's verification of its whole forest (:func:`verify_forests`): the layers its forest drafted, then
+    the bonus layer, while every new beam is a forest node."""
+
+    leaves: torch.Tensor  # [Wl, V] float32 rows of the live beams (layer 1's beams)
+    scores: list[float]  # their beam-sampling scores
+    nodes: torch.Tensor  # [F, V] float32 rows of the forest nodes the pass computed (later layers' beams)
+    drafts: list[list[int]]  # per forest depth: its nodes (numbers c < F, in draw order)
+    joint: list[list[int]]  # per forest depth: the nodes' joint indices (parent slot * V + token)
+    logq: list[torch.Tensor]  # per forest depth: the draft joint its nodes were drawn from
+    position: int  # of layer 1's tokens
+    layers: int  # the most layers the request may make (its steps left)
+    dynamic: bool
+    eos: int  # the EOS id that finishes a beam (-1: none)
+
+
+def verify_forests(plans: list[Plan], params: BatchParams,
+                   fused: bool | None = None) -> list[list[tuple[list[Pair], int]]]:
+    """:func:`verify` of every layer of R requests' forests with one read of the device: each layer of every
+    request still verifying runs on the device, and whether a request's layer *passed* (it had drafts, some output is
+    not an EOS, every output that is not an EOS is one of the layer's drafts, and a step is left) is decided there
+    too; the next layer's beams are the layer's drafts (their logits rows among ``nodes``), scored by the outputs
+    they matched (-inf for the others: dead slots). A request that stopped has K = 0 in later layers (its rows a
+    dummy beam). Returns per request its layers' (outputs, K), up to the layer it stopped at: what calling
+    :func:`verify` layer after layer on the requests still passing returns (the same draws, keyed per request and
+    position, up to the rounding of joints over more padding)."""
+    dev = plans[0].leaves.device
+    R, V = len(plans), plans[0].leaves.shape[-1]
+    L = max(min(len(p.drafts) + 1, p.layers) for p in plans)
+    rows, sc = joint_rows([p.leaves for p in plans], [p.scores for p in plans], torch.float32)
+    F = max(max(p.nodes.shape[0] for p in plans), 1)
+    at = torch.tensor([r * F + c for r, p in enumerate(plans) for c in range(p.nodes.shape[0])], dtype=torch.int64,
+                      device=dev)
+    nodes = torch.zeros(R * F, V, device=dev).index_copy_(0, at, torch.cat([p.nodes.float() for p in plans]))
+    eos = torch.tensor([p.eos for p in plans], dtype=torch.int64, device=dev)
+    active = torch.ones(R, dtype=torch.bool, device=dev)
+    dummy = torch.full((1, 1), 0.0, device=dev)
+    records = []
+    for layer in range(L):
+        drafts = [p.joint[layer] if layer < len(p.joint) else [] for p in plans]
+        S = rows.shape[1]
+        didx, dval, logq = _draft_block(drafts, [p.logq[layer] if drafts[r] else None for r, p in enumerate(plans)],
+                                        S * V, dev)
+        pos = torch.tensor([p.position + layer for p in plans], dtype=torch.int64, device=dev)
+        # a stopped request: one dummy beam of score 0 (finite joint), K = 0
+        sc_run = torch.where(active[:, None], sc, torch.nn.functional.pad(dummy, (0, S - 1), value=-math.inf))
+        out, ok, score, k = _layer(rows, sc_run, didx, dval, logq, pos, [p.dynamic for p in plans],
+                                   [len(d) for d in drafts], params, fused, active)
+        lp = torch.log_softmax(rows.float(), dim=-1).reshape(R, S * V).gather(1, out.clamp(min=0))
+        records.append(torch.stack([out.double(), ok.double(), lp.double(), score.double(),
+                                    torch.where(active, k, -1).double()[:, None].expand_as(score)]))
+        if layer + 1 == L:
+            break
+        # the layer passed: outputs (not EOS) all among the drafts, at least one, drafts there, a step left
+        cand = ok & ((eos < 0)[:, None] | (out % V != eos[:, None]))
+        match = (out[:, :, None] == didx[:, None, :]) & dval[:, None, :] & cand[:, :, None]  # [R, K, M]
+        more = torch.tensor([bool(drafts[r]) and layer + 1 < p.layers for r, p in enumerate(plans)], device=dev)
+        active = active & more & cand.any(1) & (match.any(2) | ~cand).all(1)
+        # the next layer's beams: this layer's drafts in draw order, scored by the output each matched
+        M = didx.shape[1]
+        sc = torch.where(match, score[:, :, None], -math.inf).amax(1)  # [R, M]
+        sc = torch.where(active[:, None] & dval, sc, -math.inf)
+        idx = torch.tensor([[r * F + c for c in (p.drafts[layer] if layer < len(p.drafts) else [])]
+                            + [r * F] * (M - (len(p.drafts[layer]) if layer < len(p.drafts) else 0))
+                            for r, p in enumerate(plans)], dtype=torch.int64, device=dev)
+        rows = nodes[idx]  # [R, M, V]
+    # the one copy: [layer][out, ok, lp, score, K (-1: the request had stopped)][request][column]
+    host = torch.stack(records).tolist()
+    result = []
+    for r in range(R):
+        mine = []
+        for layer in range(L):
+            out_l, ok_l, lp_l, sc_l, k_l = (x[r] for x in host[layer])
+            if k_l[0] < 0:
+                break
+            pairs = [Pair(int(a) // V, int(a) % V, v, s) for a, o, v, s in zip(out_l, ok_l, lp_l, sc_l) if o]
+            mine.append((pairs, int(k_l[0])))
+        result.append(mine)
+    return result
