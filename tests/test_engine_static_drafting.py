@@ -106,3 +106,18 @@ def test_a_failed_bet_falls_back_to_the_loop(runs):
     held, misses = runs["b_static"]
     assert misses >= 1 and misses == held.count(False)
     assert runs["b"] == runs["b_loop"]
+
+
+def test_the_setting(monkeypatch):
+    """``VLLM_DSBD_STATIC_DRAFT``: 1 (default) or 0 (the general loops); anything else is refused (at start-up:
+    ``test_startup_refusals``)."""
+    from vllm_dsbd.engine.drafter import static_draft_default
+
+    monkeypatch.delenv("VLLM_DSBD_STATIC_DRAFT", raising=False)
+    assert static_draft_default()
+    for value, want in (("1", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("VLLM_DSBD_STATIC_DRAFT", value)
+        assert static_draft_default() is want
+    monkeypatch.setenv("VLLM_DSBD_STATIC_DRAFT", "sometimes")
+    with pytest.raises(ValueError, match="VLLM_DSBD_STATIC_DRAFT must be 1 or 0"):
+        static_draft_default()

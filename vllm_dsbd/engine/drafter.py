@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,18 @@ from .state import PendingForest, RequestState
 
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+# the draft loops with one host read per call (``DSBDDrafter._draft_static``, ``beam_drafter._draft_static``): "1"
+# (default, every device) or "0" (the general loops, one read per draft depth: a fallback)
+STATIC_DRAFT_ENV = "VLLM_DSBD_STATIC_DRAFT"
+
+
+def static_draft_default() -> bool:
+    """``VLLM_DSBD_STATIC_DRAFT`` (ValueError when it is neither 1 nor 0)."""
+    v = os.environ.get(STATIC_DRAFT_ENV, "1").strip().lower()
+    if v in ("", "1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v not in ("0", "false", "no", "off")
+    raise ValueError(f"{STATIC_DRAFT_ENV} must be 1 or 0, got {v!r}")
 
 
 class NoDrafter:
@@ -102,7 +115,7 @@ class DSBDDrafter(DraftModelProposer):
         self.chain_drafting = True
         # wider calls: ``_draft_static`` first (False: the general loop; tests compare the two); after a call whose
         # draws broke its bet, the next ``_static_skip`` calls go straight to the loop (1, 2, 4 .. up to 16 calls)
-        self.static_drafting = True
+        self.static_drafting = static_draft_default()
         self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
         self._static_skip = 0
         self._static_backoff = 0

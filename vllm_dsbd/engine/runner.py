@@ -39,7 +39,7 @@ import torch
 
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, kv, load, sampler
+from . import attention, beams, kv, load, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams import step_beams, top_rows
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
@@ -58,9 +58,12 @@ class DSBDRunnerMixin:
         with vllm_runner_init(vllm_config.speculative_config, cfg.draft):  # no draft model: vLLM builds a NoDrafter
             super().__init__(vllm_config, device)
         self.dsbd_cfg = cfg
-        # a bad VLLM_DSBD_STATIC_VERIFY / VLLM_DSBD_FUSED_VERIFY stops the start-up
+        # a bad VLLM_DSBD_STATIC_VERIFY / VLLM_DSBD_FUSED_VERIFY / VLLM_DSBD_STATIC_DRAFT stops the start-up
         static = sampler.static_default(torch.device(device))
         fused = fused_default(torch.device(device)) and static
+        # beam sampling's layers in one read: what "auto" gives on a device, on every device (the CPU measured no
+        # cost); VLLM_DSBD_STATIC_VERIFY=0 turns it off with the other static paths
+        beams.STATIC_LAYERS = sampler.static_default(torch.device("cuda"))
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
@@ -92,10 +95,11 @@ class DSBDRunnerMixin:
             logger.info("DSBD engine: width %d, no draft model (beam requests: beam search / beam sampling in the "
                         "engine; other requests: one target pass per token)", self.dsbd_cfg.width)
             return
-        logger.info("DSBD engine: width %d, depth %d, %s width, mode %s, verification %s", self.dsbd_cfg.width,
-                    self.dsbd_cfg.depth, "dynamic" if self.dsbd_cfg.dynamic_width else "fixed", self.dsbd_cfg.mode,
-                    ("without host reads (static" + (", fused kernel)" if fused else ")")) if static
-                    else "on row subsets")
+        logger.info("DSBD engine: width %d, depth %d, %s width, mode %s, verification %s, drafting %s",
+                    self.dsbd_cfg.width, self.dsbd_cfg.depth, "dynamic" if self.dsbd_cfg.dynamic_width else "fixed",
+                    self.dsbd_cfg.mode, ("without host reads (static" + (", fused kernel)" if fused else ")"))
+                    if static else "on row subsets", "with one host read per call (static)"
+                    if self.drafter.static_drafting else "with one host read per depth")
 
     def _make_dsbd_drafter(self, vllm_config, device):
         if not self.dsbd_cfg.draft:

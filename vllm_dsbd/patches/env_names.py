@@ -26,6 +26,7 @@ NAMES = (
     "VLLM_DSBD_BEAM_RELAYOUT",  # engine/state.py: "0" keeps beam requests' dead trie slots (no re-layout)
     "VLLM_DSBD_STATIC_VERIFY",  # engine/sampler.py: "auto", "1" or "0": which verification paths a step takes
     "VLLM_DSBD_FUSED_VERIFY",  # engine/fused.py: "auto" or "0": the fused verification kernel on CUDA
+    "VLLM_DSBD_STATIC_DRAFT",  # engine/drafter.py: "1" or "0": the draft loops with one host read per call
     "VLLM_DSBD_PROMETHEUS_DIR",  # engine/metrics.py: multiprocess metrics directory (set by the plugin)
     "VLLM_DSBD_PROMETHEUS_PID",  # engine/metrics.py: the front end's pid (set by the plugin)
 )
