@@ -5,7 +5,8 @@
 - ``shutdown``: frees an engine so the next one in the same process can start;
 - ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
 - ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
-- ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests).
+- ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests);
+- ``eos_pair_engine``: a DSBD engine on the tiny random Llama pair whose target ends sequences at a given token.
 """
 import gc
 import os
@@ -62,3 +63,18 @@ def greedy_tokens(fn, prompt, n: int) -> list[int]:
         out.append(int(fn(torch.tensor([out])).argmax(-1)[0]))
     return out[len(prompt):]
 
+
+
+def eos_pair_engine(folder, eos: int, width: int, depth: int, max_num_seqs: int):
+    """A DSBD engine (pinned speculation, statistics on) on the tiny random Llama pair (3-layer target, its first 2
+    layers as the draft) with token ``eos`` as the target's EOS (a copy in ``folder``)."""
+    import vllm
+
+    from vllm_dsbd.models import tiny_llama_pair
+
+    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                                    draft_layers=2)
+    return vllm.LLM(model=str(with_eos(target, folder, eos)), dtype="float32", enforce_eager=True, max_model_len=256,
+                    seed=0, enable_prefix_caching=False, max_num_seqs=max_num_seqs, disable_log_stats=False,
+                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": depth,
+                                        "width": width, "verify_budget": None})

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
+from engine_utils import eos_pair_engine, metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
-
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 DEPTH, MAX_TOKENS, EOS = 3, 24, 166
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
@@ -47,13 +45,8 @@ def _batch_b():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    target = with_eos(target, tmp_path_factory.mktemp("eos") / "target", EOS)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 3, disable_log_stats=False,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                       "width": 3, "verify_budget": None})
+    llm = eos_pair_engine(tmp_path_factory.mktemp("eos") / "target", EOS, width=3, depth=DEPTH,
+                          max_num_seqs=len(PROMPTS) * 3)
     drafter = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
     static = drafter._draft_static
     held = []
