@@ -7,8 +7,9 @@ its logits sharpened x 3),
 2,000 requests with seeds 0..1999. After the prompt's step (no forest: the draft has not run yet) the target pass
 verifies a forest of 2 draft nodes (depth 1: one step is left after it, the bonus layer), drawn by the draft's beam
 sampling: recursive rejection sampling without replacement (``core.verify_layer``'s rule, as beam requests run it:
-``core.verify_static.verify_layer_static``) emits 2 pairs, and when both are
-forest nodes the last step runs on their logits in the same pass.
+``core.verify_static.verify_layer_static``, every layer of a step in one call as on a device,
+``beam_sampling.verify_forests``) emits 2 pairs, and when both are forest nodes the last step runs on their logits in
+the same pass.
 Outcome = the set of the 2 final beams. Oracle: ``beam_oracle.beam_sampling_law``, the exact law by enumeration from
 the definition (plain Python floats over the Hugging Face model; no code shared with ``vllm_dsbd.core``).
 
@@ -30,6 +31,7 @@ from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
+from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -86,6 +88,9 @@ def runs(tmp_path_factory):
                    enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=2048, disable_log_stats=False,
                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                        "width": WIDTH})
+    # the path a device runs: every verified layer of the step in one call (``beam_sampling.verify_forests``; the
+    # CPU's default, one call per layer, gives the same beams: ``test_engine_beam_static_drafting``)
+    beams_mod.STATIC_LAYERS = True
     try:
         exact = _run(llm)
         real = beam_sampling_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)

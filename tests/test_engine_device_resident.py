@@ -16,7 +16,8 @@ and the beam drafter (the target's logits tagged). Checked:
 * beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
   beam steps or in the draft's; a step's beam steps of all requests read the device once at T = 0 (their rows' best
   tokens), at most twice at T > 0 (the beam step of the requests without a forest; every verified layer of those
-  with one), the beam drafter once per call (all depths' pairs in one copy);
+  with one, ``beams.STATIC_LAYERS`` as on a device: the outputs equal the CPU's one read per layer), the beam
+  drafter once per call (all depths' pairs in one copy);
 * the plain requests' drafter reads the device once per call (all depths' draws in one copy), at width 1 and 2;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
 * the static paths (what the sampler runs on a GPU, forced here): width 1 the chain path (``core/chain_static.py``),
@@ -181,7 +182,13 @@ def runs(request):
         out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
         out["beams_calls"] = obs.calls[n0:]
         n0 = len(obs.calls)
-        out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
+        from vllm_dsbd.engine import beams as beams_mod
+
+        cpu_layers, beams_mod.STATIC_LAYERS = beams_mod.STATIC_LAYERS, True  # what a device runs (the CPU: False)
+        try:
+            out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
+        finally:
+            beams_mod.STATIC_LAYERS = cpu_layers
         out["sampled_beams_calls"] = obs.calls[n0:]
         out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
         out["static"] = static

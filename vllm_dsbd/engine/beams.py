@@ -644,7 +644,9 @@ def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> list[StepRes
 
 
 # all of a step's verified layers in one read of the device (``beam_sampling.verify_forests``); False: one read per
-# layer (``beam_sampling.verify`` on the requests still passing, the reference the tests compare with)
+# layer (``beam_sampling.verify`` on the requests still passing, stopping when none passes). The runner sets it with
+# the other static paths (``sampler.static_default``: on a device, not on the CPU, unless VLLM_DSBD_STATIC_VERIFY
+# says otherwise); the tests compare the two.
 STATIC_LAYERS = True
 
 
