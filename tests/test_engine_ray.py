@@ -19,6 +19,7 @@ makes its placement group there (one ``{"CPU": 1}`` bundle per rank).
 from __future__ import annotations
 
 import os
+import pathlib
 
 import psutil
 import pytest
@@ -64,6 +65,13 @@ def _inspect(daemons):
     return inspect
 
 
+SHM = pathlib.Path("/dev/shm")
+
+
+def _cpu_shm_files() -> set[str]:
+    return {p.name for p in SHM.glob("*-cpushm_*")} if SHM.is_dir() else set()
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def ray_run(request, pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
     """One Ray cluster per engine (vLLM 0.26's Ray executor leaves its placement group until ``ray.shutdown()``)."""
@@ -73,6 +81,7 @@ def ray_run(request, pair, tp1):  # noqa: F811  (tp1 first: one engine at a time
     # one OpenMP thread per worker, as the in-process engines of the suite run (engine_utils): Ray's worker processes
     # run at nice 15 beside the engine's busy-polling driver on 2 cores, and with vLLM's CPU settings (libgomp in
     # LD_PRELOAD, exported by the first engine of this process) a worker with more threads ran ~20x slower
+    shm_before = _cpu_shm_files()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
@@ -81,6 +90,12 @@ def ray_run(request, pair, tp1):  # noqa: F811  (tp1 first: one engine at a time
         started = {**out.pop("running"), **_ray_processes(daemons)}
     finally:
         ray.shutdown()
+        # vLLM's CPU workers at TP > 1 make shared-memory files ``/dev/shm/<port>-tp:0-[ranks]-cpushm_<rank>`` and
+        # remove them when they exit; Ray kills its actors, so the files stay, and the next Ray engine on this machine
+        # whose name matches fails to start ("create shm in SHMManager failed. errno: 17", seen on a second run of
+        # this file). The ones this run made are removed.
+        for name in _cpu_shm_files() - shm_before:
+            (SHM / name).unlink(missing_ok=True)
     out["tp"] = tp
     out["started"] = {pid: cmd for pid, (_, cmd) in started.items()}
     _, alive = psutil.wait_procs([p for p, _ in started.values()], timeout=30)
