@@ -39,44 +39,33 @@ def set_rate(rate: float) -> None:
     _STATE["rate"] = rate
 
 
+def _targets():
+    """(state key, owner, attribute, replacement) of every function this module replaces."""
+    from vllm_dsbd.engine import beam_sampling, sampler
+    from vllm_dsbd.engine.beams import BeamRequest
+
+    return (("orig", sampler, "verify", _verify_at_set_rate),
+            ("orig_beam", BeamRequest, "_verify_layers", _beam_layers_at_set_rate),
+            ("orig_beam_sample", beam_sampling, "verify", _beam_sampling_at_set_rate),
+            ("orig_beam_forests", beam_sampling, "verify_forests", _beam_forests_at_set_rate))
+
+
 def install(rate: float, seed: int = 0) -> None:
     """Replaces ``vllm_dsbd.engine.sampler.verify``, ``BeamRequest._verify_layers``, ``beam_sampling.verify`` and
     ``beam_sampling.verify_forests`` in this process (idempotent; :func:`uninstall` restores them)."""
-    from vllm_dsbd.engine import beam_sampling, sampler
-    from vllm_dsbd.engine.beams import BeamRequest
-
     set_rate(rate)
     _STATE["rng"] = random.Random(seed)
-    if _STATE["orig"] is None:
-        _STATE["orig"] = sampler.verify
-        sampler.verify = _verify_at_set_rate
-    if _STATE["orig_beam"] is None:
-        _STATE["orig_beam"] = BeamRequest._verify_layers
-        BeamRequest._verify_layers = _beam_layers_at_set_rate
-    if _STATE["orig_beam_sample"] is None:
-        _STATE["orig_beam_sample"] = beam_sampling.verify
-        beam_sampling.verify = _beam_sampling_at_set_rate
-    if _STATE["orig_beam_forests"] is None:
-        _STATE["orig_beam_forests"] = beam_sampling.verify_forests
-        beam_sampling.verify_forests = _beam_forests_at_set_rate
+    for key, owner, name, replacement in _targets():
+        if _STATE[key] is None:
+            _STATE[key] = getattr(owner, name)
+            setattr(owner, name, replacement)
 
 
 def uninstall() -> None:
-    from vllm_dsbd.engine import beam_sampling, sampler
-    from vllm_dsbd.engine.beams import BeamRequest
-
-    if _STATE["orig"] is not None:
-        sampler.verify = _STATE["orig"]
-        _STATE["orig"] = None
-    if _STATE["orig_beam"] is not None:
-        BeamRequest._verify_layers = _STATE["orig_beam"]
-        _STATE["orig_beam"] = None
-    if _STATE["orig_beam_sample"] is not None:
-        beam_sampling.verify = _STATE["orig_beam_sample"]
-        _STATE["orig_beam_sample"] = None
-    if _STATE["orig_beam_forests"] is not None:
-        beam_sampling.verify_forests = _STATE["orig_beam_forests"]
-        _STATE["orig_beam_forests"] = None
+    for key, owner, name, _ in _targets():
+        if _STATE[key] is not None:
+            setattr(owner, name, _STATE[key])
+            _STATE[key] = None
 
 
 def chain(parents: list[int], depths: list[int]) -> list[int]:

@@ -352,13 +352,14 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
     host = torch.stack(draws).cpu().tolist()  # the one copy: [depth][parent, token, valid, score][request][slot]
     forests = [BeamForest([], [], [], []) for _ in jobs]
     beams_of = list(beams_of)
+    samp_row = {k: r for r, k in enumerate(samp)}  # a T > 0 request's row in the joints ``qs``
     for d in range(1, len(draws) + 1):
         par_l, tok_l, val_l, sc_l = host[d - 1]
         for k, job in enumerate(jobs):
             if not _goes(job, forests[k], beams_of[k], d):
                 continue
             pairs = [(int(par_l[k][s]), int(tok_l[k][s]), sc_l[k][s]) for s in range(W) if val_l[k][s]]
-            q = qs[d - 1][samp.index(k)] if beams[k].temperature > 0.0 else None
+            q = qs[d - 1][samp_row[k]] if k in samp_row else None
             beams_of[k], deeper = _grow(job, forests[k], beams_of[k], pairs, q, d)
             if deeper:
                 if d >= len(plan[k]) or len(beams_of[k]) != plan[k][d - 1]:
