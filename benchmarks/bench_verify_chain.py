@@ -100,18 +100,18 @@ def build_step(reqs: list[Req], G: int, V: int, seed: int = 0):
 
 
 def time_verify(R: int, G: int, V: int, reps: int, seed: int = 0) -> dict:
-    from vllm_dsbd.engine import sampler
+    from vllm_dsbd.engine import reads, sampler
 
     reqs = [Req(depth=G, noise=0.5 + 0.5 * (i % 3)) for i in range(R)]
     logits, plans, cfg = build_step(reqs, G, V, seed)
-    fast = sampler.verify(logits, plans, cfg)
-    slow = sampler.verify(logits, plans, cfg, chain_fast_path=False)
+    fast = reads.run(sampler.verify(logits, plans, cfg))
+    slow = reads.run(sampler.verify(logits, plans, cfg, chain_fast_path=False))
     assert fast == slow, "the chain fast path and the general path disagree"
     times = {True: [], False: []}
     for _ in range(reps):
         for on in (True, False):
             t0 = time.perf_counter()
-            sampler.verify(logits, plans, cfg, chain_fast_path=on)
+            reads.run(sampler.verify(logits, plans, cfg, chain_fast_path=on))
             times[on].append(1e3 * (time.perf_counter() - t0))
     ms_fast, ms_gen = statistics.median(times[True]), statistics.median(times[False])
     return {"batch": R, "depth": G, "vocab": V, "fast_ms": ms_fast, "general_ms": ms_gen,

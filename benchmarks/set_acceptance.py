@@ -81,9 +81,10 @@ def chain(parents: list[int], depths: list[int]) -> list[int]:
 
 
 def _verify_at_set_rate(logits, rows, cfg):
+    """``sampler.verify`` (a reader, as the real one: ``engine/reads.py``) with paths passing at the set rate."""
     from vllm_dsbd.engine.sampler import RowResult
 
-    real = _STATE["orig"](logits, rows, cfg)
+    real = yield from _STATE["orig"](logits, rows, cfg)
     rng, rate = _STATE["rng"], _STATE["rate"]
     out = []
     for row, res in zip(rows, real):
@@ -128,11 +129,11 @@ def _beam_layers_at_set_rate(self, cands, forest, top, eos):
 
 
 def _beam_sampling_at_set_rate(layers, params):
-    """``beam_sampling.verify`` (T > 0 beam requests) with layers passing at the set rate (see the module's
-    docstring)."""
+    """``beam_sampling.verify`` (T > 0 beam requests; a reader, as the real one) with layers passing at the set rate
+    (see the module's docstring)."""
     from vllm_dsbd.engine.beam_sampling import Pair
 
-    pairs, ks = _STATE["orig_beam_sample"](layers, params)
+    pairs, ks = yield from _STATE["orig_beam_sample"](layers, params)
     rng, rate = _STATE["rng"], _STATE["rate"]
     out = []
     for ly, ps, k in zip(layers, pairs, ks):
@@ -161,7 +162,7 @@ def _beam_forests_at_set_rate(plans, params, fused=None):
     the forest, and ends the request's layers. A layer without drafts (the bonus layer) ends them too."""
     from vllm_dsbd.engine.beam_sampling import Pair
 
-    real = _STATE["orig_beam_forests"](plans, params, fused)
+    real = yield from _STATE["orig_beam_forests"](plans, params, fused)
     rng, rate = _STATE["rng"], _STATE["rate"]
     out = []
     for p, got in zip(plans, real):

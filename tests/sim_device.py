@@ -56,6 +56,7 @@ class SimulatedDevice(TorchFunctionMode):
         self.mismatches: list[str] = []
         self.syncs = collections.Counter()  # source line -> count
         self.host_copies: list[tuple[str, tuple[int, ...]]] = []  # (source line, shape) of device tensors read
+        self.fetched: list[tuple[int, ...]] = []  # shapes of the tensors read through ``engine/reads.py`` (tests)
         self._paused = False
 
     @contextlib.contextmanager

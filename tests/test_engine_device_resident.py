@@ -15,7 +15,7 @@ and the beam drafter (the target's logits tagged). Checked:
   the counts and lines are printed;
 * beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
   beam steps or in the draft's; a step's beam steps of all requests read the device once at T = 0 (their rows' best
-  tokens), at most twice at T > 0 (the beam step of the requests without a forest; every verified layer of those
+  tokens), once at T > 0 (the beam step of the requests without a forest beside every verified layer of those
   with one, ``beams.STATIC_LAYERS`` as on a device: the outputs equal the CPU's one read per layer), the beam
   drafter once per call (all depths' pairs in one copy);
 * the plain requests' drafter reads the device once per call (all depths' draws in one copy), at width 1 and 2;
@@ -34,6 +34,7 @@ from engine_utils import shutdown  # sets the CPU engine environment before vllm
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
+from vllm_dsbd.engine import reads  # noqa: E402
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 DEPTH, MAX_TOKENS = 3, 10
@@ -48,36 +49,52 @@ class Observer:
         self.calls: list[tuple[str, int, sim_device.SimulatedDevice]] = []
         self.forest_tensors: list[bool] = []
         self.active = False
-        self.beam_mode = None  # the current step's mode of the beam requests' part
+        self.current = None  # the mode of the entry point running (its reads' shapes: ``mode.fetched``)
+
+    def observe(self, mode, reader):
+        """Runs a reader (``engine/reads.py``) to its result under ``mode``, its reads counted there (each entry
+        point is observed alone, its reads not merged with the step's other work: that is
+        ``test_engine_step_reads.py``), and the shapes of the tensors it reads kept (``mode.fetched``)."""
+        self.current = mode
+        try:
+            with mode:
+                return reads.run(reader)
+        finally:
+            self.current = None
 
     def install(self, monkeypatch):
         from vllm_dsbd.engine import drafter, sampler
 
         orig_verify, orig_propose, orig_forward = sampler.verify, drafter.DSBDDrafter.propose_forests, \
             drafter.DSBDDrafter._forward
+        orig_fetch = reads.fetch
         obs = self
 
-        def verify(logits, rows, cfg):
+        def fetch(tensors):
+            if obs.current is not None:
+                obs.current.fetched.extend(tuple(t.shape) for t in tensors)
+            return orig_fetch(tensors)
+
+        def verify(logits, rows, cfg):  # readers, as the entry points they wrap
             if not obs.active:
-                return orig_verify(logits, rows, cfg)  # the reference runs: the CPU's default path
+                return (yield from orig_verify(logits, rows, cfg))  # the reference runs: the CPU's default path
             for r in rows:
                 if r.forest is not None:
                     f = r.forest.forest
                     obs.forest_tensors.append(all(sim_device.on_device(t) for t in (f.valid, f.q_joint, f.parent)))
             mode = sim_device.SimulatedDevice()
-            with mode:
-                out = orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.static, forest_static=obs.static)
+            out = obs.observe(mode, orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.static,
+                                                forest_static=obs.static))
             obs.calls.append(("verify", len(rows), mode))
             return out
 
         def propose(self, jobs):
             if not obs.active or not jobs:
-                return orig_propose(self, jobs)
+                return (yield from orig_propose(self, jobs))
             mode = sim_device.SimulatedDevice()
             self._sim_mode = mode
             misses = self.static_misses
-            with mode:
-                out = orig_propose(self, jobs)
+            out = obs.observe(mode, orig_propose(self, jobs))
             mode.static_miss = self.static_misses > misses  # the static drafter's bet failed: the loop drafted
             obs.calls.append(("propose", len(jobs), mode))
             return out
@@ -92,41 +109,30 @@ class Observer:
 
         from vllm_dsbd.engine import runner as runner_mod
 
-        orig_beam_rows, orig_beam_step = runner_mod._beam_rows, runner_mod.DSBDRunnerMixin._beam_steps
+        orig_beam_step = runner_mod.DSBDRunnerMixin._beam_steps
         orig_propose_beams = runner_mod.propose_beam_forests
 
-        def beam_rows(logits, plan, discard):  # a step's beam requests: their rows, then their beam steps (below)
+        def beam_step(self, plan, logits, ks, results, moves):  # a step's beam requests of one kind: rows, steps
             if not obs.active:
-                return orig_beam_rows(logits, plan, discard)
+                return (yield from orig_beam_step(self, plan, logits, ks, results, moves))
             mode = sim_device.SimulatedDevice()
-            with mode:
-                out = orig_beam_rows(sim_device.tag(logits), plan, discard)
-            obs.beam_mode = mode
-            if out:
-                obs.calls.append(("beam_step", len(out), mode))
+            out = obs.observe(mode, orig_beam_step(self, plan, sim_device.tag(logits), ks, results, moves))
+            obs.calls.append(("beam_step", len(ks), mode))
             return out
-
-        def beam_step(self, *args):
-            mode = obs.beam_mode if obs.active else None
-            if mode is None:
-                return orig_beam_step(self, *args)
-            with mode:
-                return orig_beam_step(self, *args)
 
         def propose_beams(drafter_, jobs):
             if not obs.active or not jobs:
-                return orig_propose_beams(drafter_, jobs)
+                return (yield from orig_propose_beams(drafter_, jobs))
             mode = sim_device.SimulatedDevice()
             drafter_._sim_mode = mode
             try:
-                with mode:
-                    out = orig_propose_beams(drafter_, jobs)
+                out = obs.observe(mode, orig_propose_beams(drafter_, jobs))
             finally:
                 drafter_._sim_mode = None
             obs.calls.append(("propose_beams", len(jobs), mode))
             return out
 
-        monkeypatch.setattr(runner_mod, "_beam_rows", beam_rows)
+        monkeypatch.setattr(reads, "fetch", fetch)
         monkeypatch.setattr(runner_mod.DSBDRunnerMixin, "_beam_steps", beam_step)
         monkeypatch.setattr(runner_mod, "propose_beam_forests", propose_beams)
         monkeypatch.setattr(sampler, "verify", verify)
@@ -236,7 +242,7 @@ def test_drafting_syncs_once(runs):
     calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] + runs["greedy_calls"] if k == "propose"]
     assert calls
     for m in calls:
-        assert set(m.syncs) == {next(iter(m.syncs))} and next(iter(m.syncs)).startswith("engine/drafter.py"), m.syncs
+        assert set(m.syncs) == {next(iter(m.syncs))} and next(iter(m.syncs)).startswith("engine/reads.py"), m.syncs
         assert not m.static_miss
         assert sum(m.syncs.values()) == 1, m.syncs
 
@@ -250,7 +256,7 @@ def test_static_verification_syncs_once(runs):
     calls = [m for k, _, m in runs["one_calls"] + runs["many_calls"] + runs["greedy_calls"] if k == "verify"]
     assert calls
     for m in calls:
-        assert sum(m.syncs.values()) == 1 and next(iter(m.syncs)).startswith("engine/sampler.py"), m.syncs
+        assert sum(m.syncs.values()) == 1 and next(iter(m.syncs)).startswith("engine/reads.py"), m.syncs
 
 
 def test_observing_changes_nothing(runs):
@@ -274,7 +280,11 @@ def test_beam_requests_stay_on_the_device(runs):
         assert max(n for k, n, _ in calls if k == "beam_step") == 4  # the 4 beam requests together in a step
         for k, n, m in calls:
             assert m.mismatches == [], (name, k, m.mismatches[:3])
-            wide = [(w, shape) for w, shape in m.host_copies if shape and shape[-1] >= V]
+            # what is read: the tensors the readers hand to ``reads.fetch`` (which copies their bytes in one
+            # flat tensor), and any other host copy
+            wide = [(w, shape) for w, shape in m.host_copies if not w.startswith("engine/reads.py")
+                    and shape and shape[-1] >= V] + [("fetched", s) for s in m.fetched if s and s[-1] >= V]
+            assert m.fetched, (name, k)
             assert wide == [], (name, k, wide[:3])
         steps = [sum(m.syncs.values()) for k, _, m in calls if k == "beam_step"]
         drafts = [sum(m.syncs.values()) for k, _, m in calls if k == "propose_beams"]
@@ -282,12 +292,11 @@ def test_beam_requests_stay_on_the_device(runs):
               f"{min(drafts)}..{max(drafts)}; lines: "
               f"{sum((m.syncs for k, _, m in calls), collections.Counter()).most_common(6)}")
         lines = {line for _, _, m in calls for line in m.syncs}
-        assert all(line.startswith(("engine/beams.py", "engine/beam_drafter.py", "engine/beam_sampling.py"))
+        assert all(line.startswith(("engine/reads.py", "engine/beams.py", "engine/beam_drafter.py",
+                                    "engine/beam_sampling.py"))
                    for line in lines), lines
         assert all(s == 1 for s in drafts), drafts  # the drafter: once per call (``beam_drafter._draft_static``)
-        if name == "beams_calls":
-            assert set(steps) == {1}, steps  # T = 0: the rows' best tokens, once for all requests
-        else:
-            # T > 0: once for the requests without a forest (one beam step) and once for all layers of the ones with
-            # one (``beam_sampling.verify_forests``; was once per verified layer)
-            assert 0 < min(steps) and max(steps) <= 2, steps
+        # T = 0: the rows' best tokens, once for all requests; T > 0: once for the requests without a forest (one
+        # beam step) and all layers of the ones with one (``beam_sampling.verify_forests``) side by side
+        # (``reads.gather``; was once per verified layer, then twice)
+        assert set(steps) == {1}, steps

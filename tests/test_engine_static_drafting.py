@@ -51,8 +51,8 @@ def runs(tmp_path_factory):
     static = drafter._draft_static
     held = []
 
-    def spy(*args, **kwargs):
-        got = static(*args, **kwargs)
+    def spy(*args, **kwargs):  # a reader, as the static loop is (``engine/reads.py``)
+        got = yield from static(*args, **kwargs)
         held.append(got is not None)
         return got
 

@@ -14,7 +14,7 @@ from vllm_dsbd.core import rng
 from vllm_dsbd.core.forest import Forest, forest_layout
 from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sampling import beam_step
-from vllm_dsbd.engine import attention, kv, sampler
+from vllm_dsbd.engine import attention, kv, reads, sampler
 from vllm_dsbd.engine.state import PendingForest, RequestState
 
 
@@ -180,7 +180,7 @@ def test_sampler_rows_follow_the_forest(width, temperature):
     rows = [target[0, 0]] + [target[int(lay.depth[0, c]), int(lay.slot[0, c])] for c in range(n)]
     logits = torch.stack(rows)
     plan = [sampler.RowPlan(state=st, first_row=0, context_len=L, forest=pf, num_nodes=n, drafted_depth=G)]
-    (res,) = sampler.verify(logits, plan, cfg)
+    (res,) = reads.run(sampler.verify(logits, plan, cfg))
     assert len(res.tokens) == len(res.path) + 1
     assert [int(lay.depth[0, c]) for c in res.path] == list(range(1, len(res.path) + 1))
     assert res.tokens[:-1] == [pf.tokens[c] for c in res.path]

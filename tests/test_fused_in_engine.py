@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from test_verify_forest_static import _random_req, _to, build_wide_step
-from vllm_dsbd.engine import beam_sampling, fused, sampler
+from vllm_dsbd.engine import beam_sampling, fused, reads, sampler
 from vllm_dsbd.engine.beams import BeamParams, BeamRequest, beam_params
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel compiled on a GPU
@@ -51,8 +51,8 @@ def test_static_forest_path_with_the_kernel_equals_the_torch_layer(kernel_calls,
         reqs = [_random_req(rnd, G, V) for _ in range(rnd.choice([1, 3, 6]))]
         logits, plans, cfg = build_wide_step(reqs, G, W, V, seed=step)
         logits, plans = logits.to(DEVICE), _to(plans, DEVICE)
-        a = sampler.verify(logits, plans, cfg, forest_static=True, fused=True)
-        b = sampler.verify(logits, plans, cfg, forest_static=True, fused=False)
+        a = reads.run(sampler.verify(logits, plans, cfg, forest_static=True, fused=True))
+        b = reads.run(sampler.verify(logits, plans, cfg, forest_static=True, fused=False))
         for x, y in zip(a, b):
             assert (x.tokens, x.path, x.passed, x.widths) == (y.tokens, y.path, y.passed, y.widths)
             seen["accepted layers"] += y.passed
@@ -86,8 +86,8 @@ def test_beam_layers_with_the_kernel_equal_the_torch_layer(kernel_calls):
     seen = Counter()
     for _ in range(10):
         layers, params = _layers(rnd, 30)
-        a, ka = beam_sampling.verify(layers, params, fused=True)
-        b, kb = beam_sampling.verify(layers, params, fused=False)
+        a, ka = reads.run(beam_sampling.verify(layers, params, fused=True))
+        b, kb = reads.run(beam_sampling.verify(layers, params, fused=False))
         assert ka == kb
         for x, y, ly in zip(a, b, layers):
             assert [(p.beam, p.token, p.logprob, p.score) for p in x] == [(p.beam, p.token, p.logprob, p.score)

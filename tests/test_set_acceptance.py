@@ -77,7 +77,7 @@ def test_beam_sampling_layers_pass_at_the_set_rate():
     (a real pass), makes the last one a pair outside the forest; uninstall restores the real function."""
     import torch
 
-    from vllm_dsbd.engine import beam_sampling
+    from vllm_dsbd.engine import beam_sampling, reads
     from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
 
     V = 8
@@ -88,21 +88,21 @@ def test_beam_sampling_layers_pass_at_the_set_rate():
     req = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), 5, temperature=1.0, seed=3)
     params = beam_params([req, req])
     real = beam_sampling.verify
-    real_out, ks = real([layer, layer], params)
+    real_out, ks = reads.run(real([layer, layer], params))
     assert ks == [2, 2] and all(p.token == 7 for ps in real_out for p in ps)
     try:
         set_acceptance.install(1.0)
         assert beam_sampling.verify is not real
-        out, ks = beam_sampling.verify([layer, layer], params)
+        out, ks = reads.run(beam_sampling.verify([layer, layer], params))
         assert [[(p.beam, p.token) for p in ps] for ps in out] == [[(0, 1), (1, 2)]] * 2 and ks == [2, 2]
         set_acceptance.set_rate(0.0)
-        out, _ = beam_sampling.verify([layer, layer], params)
+        out, _ = reads.run(beam_sampling.verify([layer, layer], params))
         assert [[(p.beam, p.token) for p in ps] for ps in out] == [[(p.beam, p.token) for p in ps] for ps in real_out]
         sure = beam_sampling.Layer(logits=torch.tensor([[0.0, 0.0, -float("inf")]]), scores=[0.0], drafts=[0, 1],
                                    logq=None, position=9, dynamic=False)  # P's support is the 2 drafts: a real pass
         one = beam_params([req])
-        assert sorted((p.beam, p.token) for p in real([sure], one)[0][0]) == [(0, 0), (0, 1)]
-        (ps,), _ = beam_sampling.verify([sure], one)
+        assert sorted((p.beam, p.token) for p in reads.run(real([sure], one))[0][0]) == [(0, 0), (0, 1)]
+        (ps,), _ = reads.run(beam_sampling.verify([sure], one))
         assert any(p.beam * 3 + p.token not in sure.drafts for p in ps)  # rate 0: made to fail
     finally:
         set_acceptance.uninstall()
@@ -116,7 +116,7 @@ def test_beam_forest_layers_pass_at_the_set_rate():
     uninstall restores the real function."""
     import torch
 
-    from vllm_dsbd.engine import beam_sampling
+    from vllm_dsbd.engine import beam_sampling, reads
     from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
 
     V = 8
@@ -129,16 +129,16 @@ def test_beam_forest_layers_pass_at_the_set_rate():
     req = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), 5, temperature=1.0, seed=3)
     params = beam_params([req])
     real = beam_sampling.verify_forests
-    (real_out,) = real([plan], params)
+    (real_out,) = reads.run(real([plan], params))
     assert len(real_out) == 1 and all(p.token == 7 for p in real_out[0][0])  # drafts rejected: one layer
     try:
         set_acceptance.install(1.0)
         assert beam_sampling.verify_forests is not real
-        (out,) = beam_sampling.verify_forests([plan], params)
+        (out,) = reads.run(beam_sampling.verify_forests([plan], params))
         assert [[(p.beam, p.token) for p in ps] for ps, _ in out[:2]] == [[(0, 1), (1, 2)], [(0, 3), (1, 4)]]
         assert len(out) == 3 and [k for _, k in out[:2]] == [2, 2]  # then the bonus layer
         set_acceptance.set_rate(0.0)
-        (out,) = beam_sampling.verify_forests([plan], params)
+        (out,) = reads.run(beam_sampling.verify_forests([plan], params))
         assert [[(p.beam, p.token) for p in ps] for ps, _ in out] == [[(p.beam, p.token) for p in real_out[0][0]]]
     finally:
         set_acceptance.uninstall()

@@ -22,7 +22,7 @@ from bench_verify_chain import Req, build_step  # noqa: E402
 
 from vllm_dsbd.config import DSBDConfig  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
-from vllm_dsbd.engine import sampler  # noqa: E402
+from vllm_dsbd.engine import reads, sampler  # noqa: E402
 
 
 def _random_req(rnd: random.Random, G: int, V: int) -> Req:
@@ -60,9 +60,9 @@ def fast_calls(monkeypatch):
 
 
 def _compare(logits, plans, cfg, seen: Counter):
-    fast = sampler.verify(logits, plans, cfg, chain_static=False)
-    static = sampler.verify(logits, plans, cfg, chain_static=True)
-    general = sampler.verify(logits, plans, cfg, chain_fast_path=False)
+    fast = reads.run(sampler.verify(logits, plans, cfg, chain_static=False))
+    static = reads.run(sampler.verify(logits, plans, cfg, chain_static=True))
+    general = reads.run(sampler.verify(logits, plans, cfg, chain_fast_path=False))
     assert len(fast) == len(static) == len(general)
     for i, (a, c, b) in enumerate(zip(fast, static, general)):
         assert (a.tokens, a.path, a.passed, a.widths, a.rows) == (b.tokens, b.path, b.passed, b.widths, b.rows), i
@@ -122,7 +122,7 @@ def test_double_q_fallback_passes_by_a_draw(fast_calls):
         reqs = [Req(depth=3, drafts="double_q", peak=8.0) for _ in range(8)]
         logits, plans, cfg = build_step(reqs, 3, 30, seed=step)
         _compare(logits, plans, cfg, seen)
-        for plan, res in zip(plans, sampler.verify(logits, plans, cfg, chain_static=False)):
+        for plan, res in zip(plans, reads.run(sampler.verify(logits, plans, cfg, chain_static=False))):
             # the first layer's coin: accepted iff u * 2 P(z) < P(z), i.e. u < 1/2; a pass with u clearly above
             # means the draw from P landed on the draft
             st = plan.state
@@ -140,17 +140,17 @@ def test_nan_logits_decline_to_the_general_path(fast_calls):
     logits, plans, cfg = build_step([Req(depth=2), Req(depth=2)], 2, 20, seed=1)
     logits[plans[1].first_row] = float("nan")
     with pytest.raises(AssertionError):
-        sampler.verify(logits, plans, cfg, chain_fast_path=False)
+        reads.run(sampler.verify(logits, plans, cfg, chain_fast_path=False))
     with pytest.raises(AssertionError):
-        sampler.verify(logits, plans, cfg, chain_static=False)
+        reads.run(sampler.verify(logits, plans, cfg, chain_static=False))
     with pytest.raises(AssertionError):
-        sampler.verify(logits, plans, cfg, chain_static=True)
+        reads.run(sampler.verify(logits, plans, cfg, chain_static=True))
     assert fast_calls["called"] == 1 and fast_calls["answered"] == 0
     assert fast_calls["static called"] == 1 and fast_calls["static answered"] == 0
 
 
 def test_other_configs_take_the_general_path(fast_calls):
     logits, plans, _ = build_step([Req(depth=2)], 2, 20, seed=2)
-    sampler.verify(logits, plans, DSBDConfig(width=1, depth=2, mode="single"))
-    sampler.verify(logits, plans, DSBDConfig(width=1, depth=2), chain_fast_path=False)
+    reads.run(sampler.verify(logits, plans, DSBDConfig(width=1, depth=2, mode="single")))
+    reads.run(sampler.verify(logits, plans, DSBDConfig(width=1, depth=2), chain_fast_path=False))
     assert fast_calls["called"] == fast_calls["static called"] == 0

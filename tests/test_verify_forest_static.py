@@ -21,7 +21,7 @@ from vllm_dsbd.core import rng
 from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sampling import beam_step
-from vllm_dsbd.engine import sampler
+from vllm_dsbd.engine import reads, sampler
 from vllm_dsbd.engine.state import PendingForest, RequestState
 
 
@@ -108,8 +108,8 @@ def _random_req(rnd: random.Random, G: int, V: int) -> Req:
 
 
 def _compare(logits, plans, cfg, seen: Counter):
-    static = sampler.verify(logits, plans, cfg, forest_static=True)
-    general = sampler.verify(logits, plans, cfg, forest_static=False)
+    static = reads.run(sampler.verify(logits, plans, cfg, forest_static=True))
+    general = reads.run(sampler.verify(logits, plans, cfg, forest_static=False))
     assert len(static) == len(general)
     for i, (a, b) in enumerate(zip(static, general)):
         assert (a.tokens, a.path, a.passed, a.widths, a.rows) == (b.tokens, b.path, b.passed, b.widths, b.rows), i
@@ -183,10 +183,10 @@ def test_reads_the_device_once():
         p.forest.depth = int(f.depth)
     mode = sim_device.SimulatedDevice()
     with mode:
-        out = sampler.verify(sim_device.tag(logits.clone()), plans, cfg, forest_static=True)
+        out = reads.run(sampler.verify(sim_device.tag(logits.clone()), plans, cfg, forest_static=True))
     assert mode.mismatches == [], mode.mismatches[:3]
-    assert sum(mode.syncs.values()) == 1 and next(iter(mode.syncs)).startswith("engine/sampler.py"), mode.syncs
-    ref = sampler.verify(logits, plans, cfg, forest_static=False)
+    assert sum(mode.syncs.values()) == 1 and next(iter(mode.syncs)).startswith("engine/reads.py"), mode.syncs
+    ref = reads.run(sampler.verify(logits, plans, cfg, forest_static=False))
     assert [(a.tokens, a.path) for a in out] == [(b.tokens, b.path) for b in ref]
 
 
@@ -195,7 +195,7 @@ def test_nan_logits_decline_to_the_general_path():
     logits[plans[1].first_row] = float("nan")
     for static in (False, True):
         with pytest.raises(AssertionError):
-            sampler.verify(logits, plans, cfg, forest_static=static)
+            reads.run(sampler.verify(logits, plans, cfg, forest_static=static))
 
 
 def _to(plans, dev):
@@ -215,8 +215,8 @@ def test_on_cuda_the_default_is_the_static_path_and_equals_the_general_path(stat
         logits, plans, cfg = build_wide_step([_random_req(rnd, G, V) for _ in range(rnd.choice([1, 4, 16]))], G, W, V,
                                              seed=step)
         plans = _to(plans, "cuda")
-        static = sampler.verify(logits.cuda(), plans, cfg)  # the default on a device
-        general = sampler.verify(logits.cuda(), plans, cfg, forest_static=False)
+        static = reads.run(sampler.verify(logits.cuda(), plans, cfg))  # the default on a device
+        general = reads.run(sampler.verify(logits.cuda(), plans, cfg, forest_static=False))
         for a, b in zip(static, general):
             assert (a.tokens, a.path, a.passed, a.widths) == (b.tokens, b.path, b.passed, b.widths)
             seen["accepted layers"] += b.passed
@@ -241,7 +241,7 @@ def test_static_verify_setting(monkeypatch):
     core = sampler.verify_forest_static
     monkeypatch.setattr(sampler, "verify_forest_static", lambda *a: calls.update(["static"]) or core(*a))
     logits, plans, cfg = build_wide_step([Req(depth=2), Req(depth=1)], 2, 2, 30, seed=3)
-    forced = sampler.verify(logits, plans, cfg)
+    forced = reads.run(sampler.verify(logits, plans, cfg))
     monkeypatch.setenv(sampler.STATIC_ENV, "0")
-    subsets = sampler.verify(logits, plans, cfg)
+    subsets = reads.run(sampler.verify(logits, plans, cfg))
     assert calls["static"] == 1 and [r.tokens for r in forced] == [r.tokens for r in subsets]

@@ -29,7 +29,7 @@ import torch
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.sampling import beam_step
 
-from . import beam_sampling
+from . import beam_sampling, reads
 from .attention import ForestBatch
 from .beams import BeamForest, beam_params
 from .kv import slots_of
@@ -64,8 +64,9 @@ def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[fl
     joint Q, in draw order, read in one copy. EOS is an ordinary draw (a drafted EOS is not continued). Returns
     (per request [(beam, token, draft score)], log Q [R, S * V] float32: row r is request r's joint, -inf past its
     beams)."""
-    pairs, joint = beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device),
-                                        [b.prompt_len + b.steps + d - 1 for b in beams], rng.Stream.DRAFT_DRAW)
+    pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device),
+                                                  [b.prompt_len + b.steps + d - 1 for b in beams],
+                                                  rng.Stream.DRAFT_DRAW))
     return [[(p.beam, p.token, p.score) for p in ps] for ps in pairs], joint
 
 
@@ -87,8 +88,9 @@ def _top_pairs(logits: list[torch.Tensor], scores: list[list[float]], widths: li
 
 
 @torch.inference_mode()
-def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
-    """Drafts the forest of every job (``state.beam.forest``); updates the draft K/V bookkeeping."""
+def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None]:
+    """Drafts the forest of every job (``state.beam.forest``); updates the draft K/V bookkeeping. A reader
+    (``engine/reads.py``): the runner drives it beside the plain requests' drafting, one read for both."""
     if not jobs:
         return
     table, bs, owned = drafter._block_table()
@@ -136,7 +138,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> None:
         if drafter._beam_static_skip:
             drafter._beam_static_skip -= 1
         else:
-            forests = _draft_static(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
+            forests = yield from _draft_static(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
             drafter._beam_static_backoff = 0 if forests else min(max(2 * drafter._beam_static_backoff, 1), 16)
             drafter._beam_static_skip = drafter._beam_static_backoff
             drafter.beam_static_misses += forests is None
@@ -244,7 +246,8 @@ def _static_layout(jobs: list[BeamDraftJob]) -> bool:
 
 
 def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tensor], beams_of: list,
-                  brow: np.ndarray, bs: int, owned: list[int], block_rows: torch.Tensor) -> list[BeamForest] | None:
+                  brow: np.ndarray, bs: int, owned: list[int],
+                  block_rows: torch.Tensor) -> reads.Reader[list[BeamForest] | None]:
     """:func:`_draft_loop` with one host copy for all depths, on a bet: that each depth's draws fill every request's
     width (cut to the nodes left, :func:`_plan`) wherever a pass runs on them. Then every node's number, slot and
     position are known in advance; the draws, their scores, the next depth's beams and the passes' token ids stay
@@ -349,7 +352,8 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
                                   block_rows[torch.tensor(sub)], list(range(t0)), fb, d)
         rows = torch.zeros(R * W, V, device=dev).index_copy_(0, ids_t, logits).reshape(R, W, V)
         sc, live = torch.where(planned, score, -torch.inf), cont
-    host = torch.stack(draws).cpu().tolist()  # the one copy: [depth][parent, token, valid, score][request][slot]
+    host, = yield [torch.stack(draws)]  # the one copy: [depth][parent, token, valid, score][request][slot]
+    host = host.tolist()
     forests = [BeamForest([], [], [], []) for _ in jobs]
     beams_of = list(beams_of)
     samp_row = {k: r for r, k in enumerate(samp)}  # a T > 0 request's row in the joints ``qs``

@@ -7,7 +7,8 @@ beams are rows ``[r, :S_r]`` of an ``[R, S, V]`` block (S = the most beams of a 
 live (score -inf), so their joint entries are -inf and never drawn: each request's results are those of its own
 ``[1, S_r, V]`` call, up to the rounding of the joint's normaliser over a longer row of -inf entries (the random
 keys are per request and per joint entry, ``core.rng``). Nothing here reads the device but the final copy (and
-``choose_width`` takes its draft count from the host).
+``choose_width`` takes its draft count from the host); :func:`sample`, :func:`verify` and :func:`verify_forests`
+are readers (``engine/reads.py``): the caller drives them, beside other work or alone (``reads.run``).
 
 This module imports no vLLM.
 """
@@ -26,6 +27,7 @@ from vllm_dsbd.core.verify_static import verify_layer_static
 from vllm_dsbd.core.width import choose_width
 
 from .fused import fused_default, fused_layer
+from .reads import Reader
 
 
 def joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +53,7 @@ class Pair:
 
 
 def _read(rows: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, score: torch.Tensor,
-          extra: list[torch.Tensor]) -> tuple[list[list[Pair]], list[list[float]]]:
+          extra: list[torch.Tensor]) -> Reader[tuple[list[list[Pair]], list[list[float]]]]:
     """The valid outputs of every request (``idx`` [R, K] joint indices, ``ok`` [R, K], ``score`` [R, K]) with their
     raw log-probabilities from ``rows`` [R, S, V], and ``extra`` [R]-shaped tensors, in one copy to the host."""
     R, S, V = rows.shape
@@ -59,13 +61,14 @@ def _read(rows: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, score: torch.
     lp = torch.log_softmax(rows.float(), dim=-1).reshape(R, S * V).gather(1, j)
     K = j.shape[1]
     parts = [j.double(), ok.double(), lp.double(), score.double()] + [e.double()[:, None].expand(R, K) for e in extra]
-    host = torch.stack(parts).tolist()  # float32 values and joint indices are exact in float64
+    host, = yield [torch.stack(parts)]  # float32 values and joint indices are exact in float64
+    host = host.tolist()
     pairs = [[Pair(int(a) // V, int(a) % V, v, s) for a, o, v, s in zip(*cols) if o] for cols in zip(*host[:4])]
     return pairs, [[row[0] for row in e] for e in host[4:]]
 
 
 def sample(logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]], params: BatchParams,
-           positions: list[int], stream: rng.Stream) -> tuple[list[list[Pair]], torch.Tensor]:
+           positions: list[int], stream: rng.Stream) -> Reader[tuple[list[list[Pair]], torch.Tensor]]:
     """Beam sampling's step for R requests (``core.beam_step`` on their rows side by side): W_r (beam, token) pairs
     drawn without replacement from each request's joint, in draw order. ``logits[r]`` ``[S_r, V]`` float32 rows of
     request r's beams, ``scores[r]`` / ``live[r]`` their beam-sampling scores and which take part; ``params`` one
@@ -78,7 +81,7 @@ def sample(logits: list[torch.Tensor], scores: list[list[float]], live: list[lis
     pos = torch.tensor(positions, dtype=torch.int64, device=dev)
     st = beam_step(rows, sc, lv, params, pos, stream)
     V = rows.shape[2]
-    pairs, _ = _read(rows, st.parent * V + st.token, st.valid, st.score, [])
+    pairs, _ = yield from _read(rows, st.parent * V + st.token, st.valid, st.score, [])
     return pairs, st.joint
 
 
@@ -94,7 +97,8 @@ class Layer:
     dynamic: bool  # the dynamic-width rule picks K (else K = W)
 
 
-def verify(layers: list[Layer], params: BatchParams, fused: bool | None = None) -> tuple[list[list[Pair]], list[int]]:
+def verify(layers: list[Layer], params: BatchParams,
+           fused: bool | None = None) -> Reader[tuple[list[list[Pair]], list[int]]]:
     """DSBD's exact verification of one layer for R requests at once (``core.verify_layer``'s rule, as
     ``core.verify_static.verify_layer_static`` computes it, or the fused kernel: ``fused``, default on CUDA,
     ``engine/fused.py``): the target joint P over each request's beams, K = W_r outputs (or the dynamic-width rule's
@@ -107,7 +111,7 @@ def verify(layers: list[Layer], params: BatchParams, fused: bool | None = None) 
     pos = torch.tensor([ly.position for ly in layers], dtype=torch.int64, device=dev)
     out, ok, score, k = _layer(rows, sc, didx, dval, logq, pos, [ly.dynamic for ly in layers],
                                [len(ly.drafts) for ly in layers], params, fused)
-    pairs, (ks,) = _read(rows, out, ok, score, [k])
+    pairs, (ks,) = yield from _read(rows, out, ok, score, [k])
     return pairs, [int(x) for x in ks]
 
 
@@ -167,7 +171,7 @@ class Plan:
 
 
 def verify_forests(plans: list[Plan], params: BatchParams,
-                   fused: bool | None = None) -> list[list[tuple[list[Pair], int]]]:
+                   fused: bool | None = None) -> Reader[list[list[tuple[list[Pair], int]]]]:
     """:func:`verify` of every layer of R requests' forests with one read of the device: each layer of every
     request still verifying runs on the device, and whether a request's layer *passed* (it had drafts, some output is
     not an EOS, every output that is not an EOS is one of the layer's drafts, and a step is left) is decided there
@@ -217,7 +221,8 @@ def verify_forests(plans: list[Plan], params: BatchParams,
                             for r, p in enumerate(plans)], dtype=torch.int64, device=dev)
         rows = nodes[idx]  # [R, M, V]
     # the one copy: [layer][out, ok, lp, score, K (-1: the request had stopped)][request][column]
-    host = torch.stack(records).tolist()
+    host, = yield [torch.stack(records)]
+    host = host.tolist()
     result = []
     for r in range(R):
         mine = []

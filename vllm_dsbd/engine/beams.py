@@ -66,7 +66,7 @@ import torch
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.params import BatchParams
 
-from . import beam_sampling
+from . import beam_sampling, reads
 
 from vllm_dsbd.config import BEAM_KEY  # SamplingParams.extra_args[BEAM_KEY]: the beam request's settings (a dict)
 
@@ -188,14 +188,14 @@ class TopRows:
         return TopRows([v for p in parts for v in p.vals], [i for p in parts for i in p.idx])
 
 
-def top_rows(logits: torch.Tensor, ks: list[int], counts: list[int]) -> list[TopRows]:
+def top_rows(logits: torch.Tensor, ks: list[int], counts: list[int]) -> reads.Reader[list[TopRows]]:
     """The :class:`TopRows` of consecutive groups of logits rows ([sum counts, V], on any device): group g has
     ``counts[g]`` rows and keeps its rows' ``ks[g]`` best tokens. One ``log_softmax`` and one ``topk`` for all rows
-    (both exact per row: a row's results do not depend on the other rows), one copy to the host."""
+    (both exact per row: a row's results do not depend on the other rows), one read (a reader: ``engine/reads.py``)."""
     V = logits.shape[-1]
     kk = min(max(ks, default=1), V)
     vals, idx = torch.topk(torch.log_softmax(logits.float(), dim=-1), kk, dim=-1)
-    host = torch.stack([vals.double(), idx.double()]).cpu()  # float32 values and token ids are exact in float64
+    host, = yield [torch.stack([vals.double(), idx.double()])]  # float32 values and token ids are exact in float64
     v_l, i_l = host[0].tolist(), host[1].long().tolist()
     out, at = [], 0
     for k, n in zip(ks, counts):
@@ -308,7 +308,7 @@ class BeamRequest:
         if isinstance(logits, TopRows):
             return logits
         if self.temperature <= 0.0:
-            return top_rows(logits, [2 * self.params.width], [logits.shape[0]])[0]
+            return reads.run(top_rows(logits, [2 * self.params.width], [logits.shape[0]]))[0]
         return logits.float()
 
     def partial(self, logits: torch.Tensor | TopRows) -> StepResult | None:
@@ -336,7 +336,7 @@ class BeamRequest:
         :class:`TopRows` at T = 0; the first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS
         id vLLM's length penalty looks at (the tokenizer's, even when EOS is ignored). :func:`step_beams` steps
         several requests at once."""
-        return step_beams([(self, eos_score_token, forest_logits)])[0]
+        return reads.run(step_beams([(self, eos_score_token, forest_logits)]))[0]
 
     def _begin(self, eos_score_token: int | None, forest_logits) -> "_Step":
         parts, self.leaf_rows = self.leaf_rows, []
@@ -614,11 +614,12 @@ class _Step:
     n0: int = 0
 
 
-def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> list[StepResult]:
+def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> reads.Reader[list[StepResult]]:
     """:meth:`BeamRequest.step` of several beam requests whose leaves are all in (``(request, eos_score_token,
-    forest_logits)`` each). T = 0 steps are host work on their rows' best tokens; the T > 0 steps' device work runs
-    for all of them together (``beam_sampling``): one beam-sampling draw for the requests without a forest, then
-    one verified layer per call for the requests with one, layer after layer while their forests pass."""
+    forest_logits)`` each); a reader (``engine/reads.py``). T = 0 steps are host work on their rows' best tokens; the
+    T > 0 steps' device work runs for all of them together (``beam_sampling``): one beam-sampling draw for the
+    requests without a forest and, side by side with it (one read for both), the verified layers of the requests
+    with one (:func:`_sample_layers`)."""
     steps = [b._begin(eos, flogits) for b, eos, flogits in items]
     plain = []
     for st in steps:
@@ -630,17 +631,22 @@ def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> list[StepRes
                 st.cands, st.passed = b._verify_layers(st.cands, st.forest, st.flogits, st.eos)
         elif st.forest is None:
             plain.append(st)
-    if plain:
-        beams = [st.beam for st in plain]
-        dev = plain[0].logits.device
-        pairs, _ = beam_sampling.sample([st.logits for st in plain], [[x.sample_score for x in b.live] for b in beams],
-                                        [[True] * len(b.live) for b in beams], beam_params(beams, dev),
-                                        [b.prompt_len + b.steps for b in beams], rng.Stream.TARGET_DRAW)
-        for st, ps in zip(plain, pairs):
-            st.cands = [c for p in ps if (c := st.beam._pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None]
-            st.beam.steps += 1
-    _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None])
+    yield from reads.gather(_sample_plain(plain) if plain else None,
+                            _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None]))
     return [st.beam._end(st) for st in steps]
+
+
+def _sample_plain(plain: list[_Step]) -> reads.Reader[None]:
+    """T > 0 without a forest: one beam-sampling step of every such request at once."""
+    beams = [st.beam for st in plain]
+    dev = plain[0].logits.device
+    pairs, _ = yield from beam_sampling.sample([st.logits for st in plain],
+                                               [[x.sample_score for x in b.live] for b in beams],
+                                               [[True] * len(b.live) for b in beams], beam_params(beams, dev),
+                                               [b.prompt_len + b.steps for b in beams], rng.Stream.TARGET_DRAW)
+    for st, ps in zip(plain, pairs):
+        st.cands = [c for p in ps if (c := st.beam._pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None]
+        st.beam.steps += 1
 
 
 # all of a step's verified layers in one read of the device (``beam_sampling.verify_forests``); False: one read per
@@ -650,7 +656,7 @@ def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> list[StepRes
 STATIC_LAYERS = True
 
 
-def _sample_layers(steps: list[_Step]) -> None:
+def _sample_layers(steps: list[_Step]) -> reads.Reader[None]:
     """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1; ``beam_sampling``). Layer d's
     target joint P (over the request's current beams) and the draft joint Q its depth-d nodes were drawn from give K
     outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so each
@@ -665,8 +671,8 @@ def _sample_layers(steps: list[_Step]) -> None:
     if not steps:
         return
     if STATIC_LAYERS:
-        results = beam_sampling.verify_forests([_plan(st) for st in steps],
-                                               beam_params([st.beam for st in steps], steps[0].logits.device))
+        results = yield from beam_sampling.verify_forests(
+            [_plan(st) for st in steps], beam_params([st.beam for st in steps], steps[0].logits.device))
         for st, layers in zip(steps, results):
             passed = False
             for n, (pairs, k) in enumerate(layers):
@@ -687,7 +693,8 @@ def _sample_layers(steps: list[_Step]) -> None:
                 drafts=[f.slots[c] * V + f.tokens[c] for c in st.drafts],
                 logq=f.q[f.layers[st.drafts[0]] - 1] if st.drafts else None, position=b.prompt_len + b.steps,
                 dynamic=b.params.dynamic_width))
-        pairs, ks = beam_sampling.verify(layers, beam_params([st.beam for st in active], active[0].rows.device))
+        pairs, ks = yield from beam_sampling.verify(layers, beam_params([st.beam for st in active],
+                                                                       active[0].rows.device))
         active = [st for st, ps, k in zip(active, pairs, ks) if _take(st, ps, k)]
 
 

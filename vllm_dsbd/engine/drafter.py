@@ -38,6 +38,7 @@ from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch, drop_chain_queries, forest_scope
+from .reads import Reader
 from .sampler import _params
 from .state import PendingForest, RequestState
 
@@ -170,8 +171,9 @@ class DSBDDrafter(DraftModelProposer):
 
     # ------------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose_forests(self, jobs: list[DraftJob]) -> list[PendingForest]:
+    def propose_forests(self, jobs: list[DraftJob]) -> Reader[list[PendingForest]]:
         """Drafts one forest per job (all jobs batched: one draft pass per depth). Updates each state's draft_len.
+        A reader (``engine/reads.py``): the runner drives it beside the beam requests' drafting, one read for both.
 
         The draft logits, the beam steps and the forest (its draft joints included) stay on the draft model's device;
         what the next pass's inputs need (each depth's draws: valid, parent and token slots, [R, W] each, and the
@@ -223,15 +225,15 @@ class DSBDDrafter(DraftModelProposer):
         steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
         drafted = chains = params.facts.width_max == 1 and self.chain_drafting
         if chains:  # every request at width 1: the same draws, one host copy in all
-            steps, valid_np, parent_np, token_np, depth_np, depth = self._draft_chains(
+            steps, valid_np, parent_np, token_np, depth_np, depth = yield from self._draft_chains(
                 full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows)
         elif self.static_drafting and G > 1:  # wider: the same draws, one host copy in all when the bet holds
             if self._static_skip:
                 self._static_skip -= 1
             else:
                 widths = np.array([j.state.width if j.width is None else j.width for j in jobs], dtype=np.int64)
-                got = self._draft_static(full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np,
-                                         bs, owned, block_rows)
+                got = yield from self._draft_static(full, scores, live, params, widths, depth_np, depth, L, root_pos,
+                                                    brow_np, bs, owned, block_rows)
                 self._static_backoff = 0 if got else min(max(2 * self._static_backoff, 1), 16)
                 self._static_skip = self._static_backoff
                 if got:
@@ -256,7 +258,8 @@ class DSBDDrafter(DraftModelProposer):
             cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
             # one copy to the host per depth: the draws' valid, parent and token slots and which continue
             ws = st.valid.shape[1]
-            host = torch.cat([st.valid.long(), st.parent, st.token, cont.long()], 1).cpu().numpy()
+            host, = yield [torch.cat([st.valid.long(), st.parent, st.token, cont.long()], 1)]
+            host = host.numpy()
             v_np, p_np, t_np = host[:, :ws].astype(bool), host[:, ws : 2 * ws], host[:, 2 * ws : 3 * ws]
             live_np = _pad_cols(host[:, 3 * ws :].astype(bool), W, False)
             valid_np.append(_pad_cols(v_np, W, False))
@@ -355,7 +358,8 @@ class DSBDDrafter(DraftModelProposer):
             full = torch.zeros_like(full)
             full[sub_t.to(dev), 0] = lg
         host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
-        host = host.cpu().numpy()  # the one copy
+        host, = yield [host]  # the one copy
+        host = host.numpy()
         per = [host[:, 3 * k : 3 * k + 3] for k in range(len(steps))]
         return (steps, [_pad_cols(p[:, :1].astype(bool), W, False) for p in per],
                 [_pad_cols(p[:, 1:2], W, 0) for p in per], [_pad_cols(p[:, 2:3], W, 0) for p in per],
@@ -430,7 +434,8 @@ class DSBDDrafter(DraftModelProposer):
             full[ri_t, si_t] = lg
         ws = steps[0].valid.shape[1]
         host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
-        host = host.cpu().numpy()  # the one copy
+        host, = yield [host]  # the one copy
+        host = host.numpy()
         per = [host[:, 3 * ws * k : 3 * ws * (k + 1)] for k in range(len(steps))]
         valid = np.stack([p[:, :ws].astype(bool) for p in per], 1)  # [R, G, ws]
         final = host[:, -1].copy()

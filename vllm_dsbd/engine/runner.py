@@ -39,7 +39,7 @@ import torch
 
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, beams, kv, load, sampler
+from . import attention, beams, kv, load, reads, sampler
 from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams import step_beams, top_rows
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
@@ -307,12 +307,22 @@ class DSBDRunnerMixin:
         discard = self.discard_request_mask.np[: len(plan)]
         results: list[sampler.RowResult | None] = [None] * len(plan)
         spec = [k for k, r in enumerate(plan) if r.state.beam is None]
+        beam_moves, kinds = [], ([], [])  # the beam requests that sample: T = 0, T > 0
+        for k, row in enumerate(plan):
+            if row.state.beam is None:
+                continue
+            if discard[k]:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards it)
+                results[k] = sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
+            else:
+                kinds[row.state.beam.temperature > 0.0].append(k)
+        # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
+        verified, _, _ = reads.run(reads.gather(
+            sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg) if spec else None,
+            *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))
         if spec:
-            for k, res in zip(spec, sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg)):
+            for k, res in zip(spec, verified):
                 results[k] = res
             self._commit_kv(plan, results)  # beam rows have no forest: skipped
-        beam_moves = []
-        self._beam_steps(plan, _beam_rows(logits, plan, discard), discard, results, beam_moves)
         self._move_kv(beam_moves)  # the kept beam nodes' K/V to their compacted slots
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
@@ -323,19 +333,17 @@ class DSBDRunnerMixin:
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
 
-    def _beam_steps(self, plan: list, beam_rows: dict, discard, results: list, moves: list) -> None:
-        """The beam requests' part of the step: each collects its leaves' rows (``beam_rows``: leaves, then forest
-        nodes; ``_beam_rows``); those with every leaf in step their beams together (``beams.step_beams``), the others
-        move on to their next leaves. Fills ``results`` (plan order) and the K/V ``moves``."""
+    def _beam_steps(self, plan: list, logits, ks: list[int], results: list, moves: list) -> reads.Reader[None]:
+        """The part of the step of beam requests ``ks`` (plan indices, all T = 0 or all T > 0), a reader: each
+        collects its leaves' rows (leaves, then forest nodes; ``_beam_rows``); those with every leaf in step their
+        beams together (``beams.step_beams``), the others move on to their next leaves. Fills ``results`` (plan
+        order) and the K/V ``moves``."""
+        beam_rows = yield from _beam_rows(logits, plan, ks)
         bt = self.input_batch.block_table[0]
         ready = []
-        for i, row in enumerate(plan):
+        for i in ks:
+            row = plan[i]
             beam = row.state.beam
-            if beam is None:
-                continue
-            if discard[i]:  # a prefill chunk that does not reach the last token: nothing to sample (vLLM discards it)
-                results[i] = sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
-                continue
             rows, n = beam_rows[i], row.leaves
             beam.peak_blocks = max(beam.peak_blocks, int(bt.num_blocks_per_row[i]) // bt.blocks_per_kv_block)
             out = beam.partial(rows[:n])
@@ -343,7 +351,8 @@ class DSBDRunnerMixin:
                 ready.append((i, rows[n : n + row.forest_nodes]))
             else:
                 results[i] = self._beam_result(i, row, out, None, moves)
-        outs = step_beams([(plan[i].state.beam, plan[i].state.beam.params.eos_token_id, f) for i, f in ready])
+        outs = yield from step_beams([(plan[i].state.beam, plan[i].state.beam.params.eos_token_id, f)
+                                      for i, f in ready])
         for (i, _), out in zip(ready, outs):
             row = plan[i]
             beam, blocks = row.state.beam, None
@@ -459,11 +468,12 @@ class DSBDRunnerMixin:
             tokens = old + res.tokens[max(0, start - n_before):]
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
                                  width=min(st.width, levels[i].width)))
-        forests = self.drafter.propose_forests(jobs)
-        for job, pf in zip(jobs, forests):
+        # plain and beam requests' forests side by side: one read of the device for both (``engine/reads.py``)
+        forests, _ = reads.run(reads.gather(self.drafter.propose_forests(jobs) if jobs else None,
+                                            propose_beam_forests(self.drafter, beam_jobs) if beam_jobs else None))
+        for job, pf in zip(jobs, forests or []):
             job.state.pending = pf
             out[job.row] = list(pf.tokens) if pf is not None else []
-        propose_beam_forests(self.drafter, beam_jobs)
         for job in beam_jobs:
             if job.state.beam.forest is not None:
                 out[job.row] += job.state.beam.forest.tokens
@@ -553,13 +563,12 @@ def gpu_runner_class() -> type:
     return DSBDGPUModelRunner
 
 
-def _beam_rows(logits: torch.Tensor, plan: list, discard) -> dict:
-    """What the beam step of every beam request of the step that samples reads of its logits rows (its leaves, then
-    its forest nodes), gathered on the logits' device in one index: T > 0 the float32 rows, which stay there (the
-    beam step runs on them there); T = 0 their ``beams.TopRows`` (each row's ``2W`` best tokens and log-probabilities),
-    computed there for all such requests at once and copied to the host in one transfer. No logits row leaves the
+def _beam_rows(logits: torch.Tensor, plan: list, ks: list[int]) -> reads.Reader[dict]:
+    """What the beam steps of beam requests ``ks`` (plan indices) read of their logits rows (leaves, then forest
+    nodes), gathered on the logits' device in one index: T > 0 the float32 rows, which stay there (the beam step
+    runs on them there); T = 0 their ``beams.TopRows`` (each row's ``2W`` best tokens and log-probabilities),
+    computed there for all such requests at once and read in one copy (a reader). No logits row leaves the
     device. Plan index -> its rows."""
-    ks = [k for k, r in enumerate(plan) if r.state.beam is not None and not discard[k]]
     if not ks:
         return {}
     spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]
@@ -575,6 +584,6 @@ def _beam_rows(logits: torch.Tensor, plan: list, discard) -> dict:
         at += m
     if det:
         sel = torch.cat([torch.arange(a, a + m) for _, a, m, _ in det]).to(logits.device)
-        tops = top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det])
+        tops = yield from top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det])
         out.update({k: t for (k, *_), t in zip(det, tops)})
     return out

@@ -33,6 +33,7 @@ from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .fused import fused_default, fused_layer
+from .reads import Reader
 from .state import PendingForest, RequestState
 
 # which verification paths a step takes: "auto" (default) the static ones (no host reads) on a device and the row
@@ -105,8 +106,9 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
-           forest_static: bool | None = None, fused: bool | None = None) -> list[RowResult]:
-    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass.
+           forest_static: bool | None = None, fused: bool | None = None) -> Reader[list[RowResult]]:
+    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass. A reader
+    (``engine/reads.py``: the runner drives it beside the step's other work; ``reads.run(verify(...))`` alone).
 
     Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
     the core verifies all requests at once; what the results need comes to the host in one copy at the end. The
@@ -140,8 +142,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     static = static_default(dev)
     if (chain_fast_path and W == 1 and cfg.mode == "sample" and forest.max_depth == G
             and forest.q_joint.shape[-1] == V):
-        out = _verify_chains(logits, rows, forest, compact, params, ctx, depth,
-                             static if chain_static is None else chain_static)
+        out = yield from _verify_chains(logits, rows, forest, compact, params, ctx, depth,
+                                        static if chain_static is None else chain_static)
         if out is not None:
             return out
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
@@ -150,7 +152,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     tl[:, 0, 0] = logits[first].float()
     if (static if forest_static is None else forest_static) and cfg.mode == "sample":
         use = fused_default(dev) if fused is None else fused
-        out = _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first, fused_layer if use else None)
+        out = yield from _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first,
+                                        fused_layer if use else None)
         if out is not None:
             return out
     sel = forest.valid.nonzero(as_tuple=True)  # (r, d - 1, j)
@@ -167,7 +170,7 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     rec = res.layers
     parts = [new.valid[:, :1].long(), new.length[:, :1], res.last[:, None], res.passed[:, None], new.tokens[:, 0],
              rec.parent[:, :, 0], rec.width, compact.flatten(1), forest.parent.flatten(1)]
-    host = torch.cat([p.to(torch.int64) for p in parts], 1).cpu()
+    host, = yield [torch.cat([p.to(torch.int64) for p in parts], 1)]
     cuts = torch.tensor([p.shape[1] for p in parts]).cumsum(0).tolist()
     cols = [host[:, a:b] for a, b in zip([0] + cuts[:-1], cuts)]
     new_valid, new_len, last_l, passed_l = (c[:, 0].tolist() for c in cols[:4])
@@ -200,7 +203,7 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
 
 def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
                    params: BatchParams, ctx: torch.Tensor, depth: list[int], tl: torch.Tensor,
-                   first: torch.Tensor, layer=None) -> list[RowResult] | None:
+                   first: torch.Tensor, layer=None) -> Reader[list[RowResult] | None]:
     """Mode "sample" (one output per layer) without host synchronisations: the target rows of every node gathered
     under the forest's mask, ``verify_forest_static``, then one copy of what the results need. A layer's output is
     the node it passes through (a chain of accepted nodes, then the last layer's token), so the emitted tokens are
@@ -220,7 +223,8 @@ def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, co
     path = compact.gather(2, node.clamp(min=0)[:, :, None]).squeeze(2)  # [R, G] compact index of layer d's output
     declined = (rec.processed & ~rec.valid[:, :, 0]).any(1)
     parts = [res.last[:, None], res.passed[:, None], declined[:, None], rec.token[:, :, 0], rec.width, path]
-    host = torch.cat([p.to(torch.int64) for p in parts], 1).tolist()  # one copy
+    host, = yield [torch.cat([p.to(torch.int64) for p in parts], 1)]  # one copy
+    host = host.tolist()
     out = []
     for i, h in enumerate(host):
         last, passed, bad = h[0], h[1], h[2]
@@ -240,7 +244,8 @@ def _depths(rows: list[RowPlan], forest: Forest) -> list[int]:
 
 
 def _verify_chains(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
-                   params: BatchParams, ctx: torch.Tensor, depth: list[int], static: bool) -> list[RowResult] | None:
+                   params: BatchParams, ctx: torch.Tensor, depth: list[int],
+                   static: bool) -> Reader[list[RowResult] | None]:
     """Width 1: every forest is a chain (node d at slot 0 of depth d, compact index d - 1); its logits row follows
     the root's by ``1 + compact index``. None: the chain core declined (the general path then decides, and reports).
     The accepted nodes' tokens are the forest's host token list (a chain's compact order is its depth order)."""
@@ -252,7 +257,8 @@ def _verify_chains(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, co
     src[:, 1:] += torch.where(valid, 1 + comp, 0)
     if static:
         t = verify_chains_static(logits, src, forest.token[:, :, 0], valid, forest.q_joint, params, ctx)
-        last, passed, token, declined = torch.stack([t.last, t.passed, t.token, t.declined.long()]).tolist()
+        host, = yield [torch.stack([t.last, t.passed, t.token, t.declined.long()])]
+        last, passed, token, declined = host.tolist()
         if any(declined):
             return None
         res = ChainResult(last=last, passed=passed, token=token)

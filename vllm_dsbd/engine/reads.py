@@ -1,0 +1,90 @@
+"""A step's host reads of the device, one copy for all its kinds of work (issue 15 item 2).
+
+A DSBD step has several kinds of work that each end by reading a few small device tensors on the host: plain
+requests' verification, beam requests' steps (T = 0 best tokens, T > 0 draws and verified layers), then drafting
+(plain and beam forests). Each read makes the host wait for the device. The functions that read are written as
+generators: where they read, they ``yield`` the list of device tensors they need and are sent back their host copies
+(``host, = yield [t]``), then go on on the host. :func:`gather` runs several such readers side by side, round by
+round: every reader runs its device work up to its next read, then one copy brings what all of them asked for
+(:func:`fetch`), so a step reads the device once per round (the most reads one kind makes), not once per kind and
+read. :func:`run` drives a reader (or a gathered set) to its result.
+
+The readers do their device work in the order they are driven; what they hand over across a yield is device
+tensors they made themselves (never a buffer another reader writes), so running them side by side changes nothing
+but the number of copies (``tests/test_engine_step_reads.py`` compares the two). ``MERGE = False`` makes
+:func:`gather` run its readers one after the other (one copy per read, as before): the tests' reference.
+
+This module imports no vLLM.
+"""
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+# a reader: yields the device tensors it needs on the host, is sent their host copies, returns its result
+Reader = Generator[list[torch.Tensor], list[torch.Tensor], T]
+
+MERGE = True  # gather's readers share each round's copy (False: one after the other, a copy per read)
+
+
+def fetch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (any dtypes and shapes), with one device-to-host copy per device: their bytes side
+    by side, copied once, then split and viewed back (exact for every dtype)."""
+    out: list[Any] = [None] * len(tensors)
+    by_dev: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tensors):
+        by_dev.setdefault(t.device, []).append(k)
+    for ks in by_dev.values():
+        flat = [tensors[k].detach().contiguous().reshape(-1).view(torch.uint8) for k in ks]
+        host = torch.cat(flat).cpu()
+        at = 0
+        for k, f in zip(ks, flat):
+            n = f.numel()
+            out[k] = host[at : at + n].clone().view(tensors[k].dtype).reshape(tensors[k].shape)
+            at += n
+    return out
+
+
+def run(reader: Reader[T]) -> T:
+    """Drives a reader to its result, one :func:`fetch` per read."""
+    try:
+        ask = next(reader)
+        while True:
+            ask = reader.send(fetch(ask))
+    except StopIteration as stop:
+        return stop.value
+
+
+def gather(*readers: Reader | None) -> Reader[list]:
+    """A reader running ``readers`` side by side (None: an absent one, result None): each round, every reader still
+    running goes on to its next read, and all of their asks are one yield. Returns their results in order."""
+    results: list[Any] = [None] * len(readers)
+    asks: dict[int, list[torch.Tensor]] = {}
+
+    def advance(k: int, sent) -> None:
+        try:
+            asks[k] = next(readers[k]) if sent is None else readers[k].send(sent)
+        except StopIteration as stop:
+            asks.pop(k, None)
+            results[k] = stop.value
+
+    if not MERGE:  # one after the other
+        for k, r in enumerate(readers):
+            if r is not None:
+                results[k] = yield from r
+        return results
+    for k, r in enumerate(readers):
+        if r is not None:
+            advance(k, None)
+    while asks:
+        keys = list(asks)
+        host = yield [t for k in keys for t in asks[k]]
+        at = 0
+        for k in keys:
+            n = len(asks[k])
+            advance(k, host[at : at + n])
+            at += n
+    return results
