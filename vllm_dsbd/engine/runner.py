@@ -22,12 +22,15 @@ Where an engine step goes through it (the methods are vLLM's; ours wrap or repla
 
 A beam request (``extra_args["dsbd_beam"]``, ``beams.py``) takes the same five places with its own branch: its
 scheduled tokens are trie leaves and the draft forest after them (``_plan_beam``: positions and the attention entry
-over trie and forest), ``_beam_step`` steps its beams (``beams.BeamRequest``: the target's beam step, repeated on the
-forest while its layers pass) and moves the kept nodes' K/V (``_move_kv``), its "draft tokens" are its remaining
+over trie and forest), ``_beam_steps`` steps its beams (``beams.BeamRequest``: the target's beam step, repeated on
+the forest while its layers pass) and moves the kept nodes' K/V (``_move_kv``), its "draft tokens" are its remaining
 leaves plus the forest ``beam_drafter.propose_beam_forests`` drafts (``_beam_draft_job``), and ``sample_tokens`` hands
 finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``, read by patch ``beam_scheduler``), and the tokens
 each beam request's step settled (``ModelRunnerOutput.dsbd_settled``: what vLLM outputs for the request, see
 ``BeamRequest.settle``).
+
+Host reads: in 4, plain verification and the T = 0 and T > 0 beam steps, and in 5, plain and beam drafting, run side
+by side as readers (``reads.gather``): each ends with one read of the device for all of them (``engine/reads.py``).
 """
 from __future__ import annotations
 
