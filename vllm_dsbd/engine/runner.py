@@ -371,7 +371,8 @@ class DSBDRunnerMixin:
     def _beam_result(self, i: int, row, out, blocks: int | None, moves: list) -> sampler.RowResult:
         self.dsbd_stats.record_beam(out, blocks)
         row.beam_result = out
-        moves.extend((i, [s], [d]) for s, d in out.moves)  # i: the request's batch row (plan order = batch order)
+        if out.moves:  # i: the request's batch row (plan order = batch order)
+            moves.append((i, [s for s, _ in out.moves], [d for _, d in out.moves]))
         return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
 
     def _dsbd_logprobs(self, logits, plan, results, max_len: int):
@@ -422,12 +423,14 @@ class DSBDRunnerMixin:
         """Moves K/V of every layer (target and draft) within requests: (batch row, src positions, dst positions)."""
         if not moves:
             return
+        rows = np.concatenate([np.full(len(s), i, dtype=np.int64) for i, s, _ in moves])
+        src_pos = np.concatenate([np.asarray(s, dtype=np.int64) for _, s, _ in moves])
+        dst_pos = np.concatenate([np.asarray(d, dtype=np.int64) for _, _, d in moves])
         for gid, planes in self._kv_planes().items():
             bt = self.input_batch.block_table[gid]
             table, bs = bt.block_table.np, bt.block_size
-            src = np.concatenate([kv.slots_of(table[i], s, bs) for i, s, _ in moves])
-            dst = np.concatenate([kv.slots_of(table[i], d, bs) for i, _, d in moves])
-            kv.commit(planes, src, dst)
+            kv.commit(planes, table[rows, src_pos // bs].astype(np.int64) * bs + src_pos % bs,
+                      table[rows, dst_pos // bs].astype(np.int64) * bs + dst_pos % bs)
 
     # ------------------------------------------------------------------------------------------------------------
     # 5. the next forests
