@@ -103,3 +103,17 @@ class SimulatedDevice(TorchFunctionMode):
         if result_on_device:
             tag(out)
         return out
+
+
+def draft_forward(orig, active):
+    """A replacement for the drafter's ``_forward`` in an observer: while ``active()`` and the drafter has a mode
+    (``drafter._sim_mode``, set by the observer around a drafting call), the draft model's own forward (vLLM's, whose
+    weights the test does not tag) runs unobserved and its logits come back tagged as device tensors."""
+    def forward(self, *args, **kwargs):
+        mode = getattr(self, "_sim_mode", None)
+        if not active() or mode is None:
+            return orig(self, *args, **kwargs)
+        with mode.paused():
+            out = orig(self, *args, **kwargs)
+        return tag(out)
+    return forward

@@ -99,14 +99,6 @@ class Observer:
             obs.calls.append(("propose", len(jobs), mode))
             return out
 
-        def forward(self, *args, **kwargs):
-            mode = getattr(self, "_sim_mode", None)
-            if not obs.active or mode is None:
-                return orig_forward(self, *args, **kwargs)
-            with mode.paused():  # the draft model's own forward (vLLM's) is not what this checks
-                out = orig_forward(self, *args, **kwargs)
-            return sim_device.tag(out)
-
         from vllm_dsbd.engine import runner as runner_mod
 
         orig_beam_step = runner_mod.DSBDRunnerMixin._beam_steps
@@ -137,7 +129,7 @@ class Observer:
         monkeypatch.setattr(runner_mod, "propose_beam_forests", propose_beams)
         monkeypatch.setattr(sampler, "verify", verify)
         monkeypatch.setattr(drafter.DSBDDrafter, "propose_forests", propose)
-        monkeypatch.setattr(drafter.DSBDDrafter, "_forward", forward)
+        monkeypatch.setattr(drafter.DSBDDrafter, "_forward", sim_device.draft_forward(orig_forward, lambda: obs.active))
 
 
 @pytest.fixture(scope="module", params=[(2, None), (1, None), (1, True), (2, True)],

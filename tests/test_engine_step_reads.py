@@ -96,17 +96,9 @@ class StepObserver:
             obs.calls.append(("draft", kinds, mode, missed))
             return out
 
-        def forward(self, *args, **kwargs):
-            mode = getattr(self, "_sim_mode", None)
-            if not obs.active or mode is None:
-                return orig_forward(self, *args, **kwargs)
-            with mode.paused():  # the draft model's own forward (vLLM's) is not what this checks
-                out = orig_forward(self, *args, **kwargs)
-            return sim_device.tag(out)
-
         mp.setattr(mixin, "_sample", sample)
         mp.setattr(mixin, "propose_draft_token_ids", propose)
-        mp.setattr(drafter_mod.DSBDDrafter, "_forward", forward)
+        mp.setattr(drafter_mod.DSBDDrafter, "_forward", sim_device.draft_forward(orig_forward, lambda: obs.active))
 
 
 @pytest.fixture(scope="module")
