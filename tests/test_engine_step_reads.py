@@ -13,7 +13,10 @@ simulated device (the draft model's own forward unobserved, its logits tagged as
   (one read per kind, as before) the same steps read once per kind, so the count can tell the two apart;
 * no operation mixes a device tensor with a host one;
 * the outputs (plain tokens, beams and their scores) are the same with and without merging and without the
-  simulated device, and drafts were made and accepted (the engine's counters), so nothing passes vacuously.
+  simulated device, and drafts were made and accepted (the engine's counters), so nothing passes vacuously;
+* with a plain and a beam sampling request at top-k 1 (width 2), the static draft loops' bets fail (counted) and
+  those calls fall back to the general loops inside the gathered readers (several rounds): the outputs are still the
+  same merged, apart and unobserved.
 """
 from __future__ import annotations
 
@@ -30,15 +33,20 @@ STEPS, MAX_TOKENS = 6, 12
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(4)]
 
 
-def _params():
+def _params(narrow: bool = False):
+    """Per prompt: a plain request, a beam search and a beam sampling request. ``narrow``: the first plain and the
+    first beam sampling request draw from top-k 1 at width 2, which breaks the static draft loops' bet (one draw per
+    depth): their calls fall back to the general loops, which read once per depth inside the gathered readers."""
     out = []
     for k in range(len(PROMPTS)):
-        out.append(vllm.SamplingParams(temperature=1.0, seed=k, max_tokens=MAX_TOKENS, ignore_eos=True))
+        top_k = 1 if narrow and k == 0 else 0
+        out.append(vllm.SamplingParams(temperature=1.0, seed=k, top_k=top_k, max_tokens=MAX_TOKENS, ignore_eos=True))
         beam = {"width": 2, "max_tokens": STEPS, "ignore_eos": True}
         n = STEPS * 3 + 2
         out.append(vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
                                        extra_args={"dsbd_beam": beam}))
-        out.append(vllm.SamplingParams(temperature=1.0, seed=20 + k, max_tokens=n, ignore_eos=True, detokenize=False,
+        out.append(vllm.SamplingParams(temperature=1.0, seed=20 + k, top_k=top_k, max_tokens=n, ignore_eos=True,
+                                       detokenize=False,
                                        extra_args={"dsbd_beam": {**beam, "dynamic_width": k % 2 == 1}}))
     return out
 
@@ -117,8 +125,8 @@ def runs():
     obs.install(mp, runner)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
 
-    def gen():
-        outs = llm.generate(prompts, _params(), use_tqdm=False)
+    def gen(narrow: bool = False):
+        outs = llm.generate(prompts, _params(narrow), use_tqdm=False)
         return [list(o.outputs[0].token_ids) if o.kv_transfer_params is None
                 else [(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
 
@@ -136,6 +144,16 @@ def runs():
             out[f"counts_{merge}"] = [metric(llm, c) - b for c, b in zip(
                 ("vllm:spec_decode_num_accepted_tokens", "vllm:dsbd_beam_draft_nodes",
                  "vllm:dsbd_beam_layers_passed"), counts)]
+        drafter = runner.drafter
+        narrow_runs = (("narrow", False, True), ("narrow_True", True, True), ("narrow_False", True, False))
+        for name, active, merge in narrow_runs:
+            obs.active = active
+            mp.setattr(reads, "MERGE", merge)
+            drafter._static_skip = drafter._static_backoff = 0
+            drafter._beam_static_skip = drafter._beam_static_backoff = 0
+            misses = drafter.static_misses, drafter.beam_static_misses
+            out[name] = gen(narrow=True)
+            out[name + "_misses"] = (drafter.static_misses - misses[0], drafter.beam_static_misses - misses[1])
     finally:
         mp.undo()
         shutdown(llm)
@@ -174,3 +192,14 @@ def test_merging_and_observing_change_nothing(runs):
     for merge in (True, False):
         accepted, beam_nodes, layers_passed = runs[f"counts_{merge}"]
         assert accepted > 0 and beam_nodes > 0 and layers_passed > 0, runs[f"counts_{merge}"]
+
+
+def test_failed_bets_fall_back_inside_the_gathered_readers(runs):
+    """Narrow supports (top-k 1 at width 2) break the static draft loops' bets, plain and beam: those calls draft
+    again with the general loops (reading once per depth) inside the gathered readers, and the outputs are the same
+    merged, apart and unobserved."""
+    for name in ("narrow", "narrow_True", "narrow_False"):
+        plain_misses, beam_misses = runs[name + "_misses"]
+        assert plain_misses > 0 and beam_misses > 0, (name, runs[name + "_misses"])
+    assert runs["narrow_True"] == runs["narrow_False"] == runs["narrow"]
+    assert runs["narrow"] != runs["plain"]  # the narrow requests drew otherwise
