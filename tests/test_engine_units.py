@@ -71,6 +71,17 @@ def test_commit_moves_k_and_v_rows():
         kv.slots_of(row, [48], 16, num_blocks=3)
 
 
+def test_batch_slots_are_each_requests_slots():
+    table = np.array([[2, 0, 1, 7], [5, 3, 6, 4]])
+    req = np.array([1, 0, 1, 0, 1])
+    pos = np.array([0, 17, 33, 63, 50])
+    expect = [kv.slots_of(table[r], [p], 16)[0] for r, p in zip(req, pos)]
+    assert kv.batch_slots(table, req, pos, 16).tolist() == expect
+    assert kv.batch_slots(table, req, pos, 16, owned=np.array([4, 4])).tolist() == expect
+    with pytest.raises(RuntimeError, match="position 33 is beyond the request's 2 KV blocks"):
+        kv.batch_slots(table, req, pos, 16, owned=np.array([4, 2]))
+
+
 def test_forest_recompute_equals_attention_over_each_path():
     torch.manual_seed(0)
     nb, kvh, bs, d, h = 8, 2, 16, 64, 4

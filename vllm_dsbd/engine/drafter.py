@@ -38,6 +38,7 @@ from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch, drop_chain_queries, forest_scope
+from .kv import batch_slots
 from .reads import Reader
 from .sampler import _params
 from .state import PendingForest, RequestState
@@ -208,7 +209,7 @@ class DSBDDrafter(DraftModelProposer):
         req = np.repeat(np.arange(R), qlens)  # request of each query token
         ends = np.cumsum(qlens)
         pos = np.arange(len(ids), dtype=np.int64) - np.repeat(ends - qlens, qlens) + start[req]
-        root_logits = self._forward(ids, pos, _slots(brow_np, req, pos, bs, owned), qlens, root_pos + 1,
+        root_logits = self._forward(ids, pos, batch_slots(brow_np, req, pos, bs, owned), qlens, root_pos + 1,
                                     block_rows, ends - 1, None, 0)
         for j in jobs:
             j.state.draft_len = j.root_pos + 1
@@ -291,7 +292,7 @@ class DSBDDrafter(DraftModelProposer):
                                                    parents[i][pv[i]].tolist(), comp_l[t : t + q])))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
-            lg = self._forward(t_np[ri, si], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),
+            lg = self._forward(t_np[ri, si], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
                                qlens, root_pos[sub] + 1 + num_nodes[sub], block_rows[torch.from_numpy(sub)],
                                np.arange(t), fb, d)
             full = torch.zeros(R, W, V, device=dev)
@@ -352,7 +353,7 @@ class DSBDDrafter(DraftModelProposer):
                 continue
             node_pos = root_pos[sub] + d  # a chain's node d sits at position root + d (no forest batch: causal)
             sub_t = torch.from_numpy(sub)
-            lg = self._forward(st.token[sub_t.to(dev), 0], node_pos, _slots(brow_np, sub, node_pos, bs, owned),
+            lg = self._forward(st.token[sub_t.to(dev), 0], node_pos, batch_slots(brow_np, sub, node_pos, bs, owned),
                                np.ones(sub.size, dtype=np.int64), node_pos + 1, block_rows[sub_t], np.arange(sub.size),
                                None, d)
             full = torch.zeros_like(full)
@@ -427,7 +428,7 @@ class DSBDDrafter(DraftModelProposer):
                 par = cpar.reshape(-1)[torch.tensor(gather, dtype=torch.int64, device=dev)]
                 fb = ForestBatch.assemble(req_rows, rows, cu, ctx, flen, par, query, max_nodes=W * G)
             ri_t, si_t = torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)
-            lg = self._forward(st.token[ri_t, si_t], root_pos[ri] + d, _slots(brow_np, ri, node_pos, bs, owned),
+            lg = self._forward(st.token[ri_t, si_t], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
                                wsub, root_pos[sub] + 1 + d * wsub, block_rows[torch.from_numpy(sub)],
                                np.arange(t), fb, d)
             full = torch.zeros(R, W, V, device=dev)
@@ -464,16 +465,6 @@ def _layout_np(valid: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.nd
     parents = np.take_along_axis(prev, np.clip(parent, 0, W - 1), 2)
     parents[:, 0] = -1
     return compact, flat.sum(1), parents
-
-
-def _slots(brow: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int, owned: np.ndarray) -> np.ndarray:
-    """``kv.slots_of`` for many requests at once: slot of position ``pos[k]`` of request ``req[k]`` (its block-table
-    row ``brow[req[k]]``, ``owned[req[k]]`` blocks owned; a position beyond them raises)."""
-    blk = pos // block_size
-    if blk.size and (blk >= owned[req]).any():
-        k = int(np.argmax(blk >= owned[req]))
-        raise RuntimeError(f"DSBD: position {int(pos[k])} is beyond the request's {int(owned[req[k]])} KV blocks")
-    return brow[req, blk].astype(np.int64) * block_size + pos % block_size
 
 
 def _pad_forest(forest: Forest, G: int, W: int, V: int) -> Forest:

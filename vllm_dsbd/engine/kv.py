@@ -40,6 +40,17 @@ def slots_of(block_row: np.ndarray | torch.Tensor, positions: Sequence[int] | np
     return row[pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
+def batch_slots(brow: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int,
+                owned: np.ndarray | None = None) -> np.ndarray:
+    """:func:`slots_of` for many requests at once: slot of position ``pos[k]`` of request ``req[k]`` (its block-table
+    row ``brow[req[k]]``; ``owned[req[k]]`` blocks owned, a position beyond them raises; None: not checked)."""
+    blk = pos // block_size
+    if owned is not None and blk.size and (blk >= owned[req]).any():
+        k = int(np.argmax(blk >= owned[req]))
+        raise RuntimeError(f"DSBD: position {int(pos[k])} is beyond the request's {int(owned[req[k]])} KV blocks")
+    return brow[req, blk].astype(np.int64) * block_size + pos % block_size
+
+
 def cpu_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(K, V) planes ``[num_blocks, block_size, num_kv_heads, head_size]`` of a CPU_ATTN layer cache (views, no copy).
 

@@ -429,8 +429,7 @@ class DSBDRunnerMixin:
         for gid, planes in self._kv_planes().items():
             bt = self.input_batch.block_table[gid]
             table, bs = bt.block_table.np, bt.block_size
-            kv.commit(planes, table[rows, src_pos // bs].astype(np.int64) * bs + src_pos % bs,
-                      table[rows, dst_pos // bs].astype(np.int64) * bs + dst_pos % bs)
+            kv.commit(planes, kv.batch_slots(table, rows, src_pos, bs), kv.batch_slots(table, rows, dst_pos, bs))
 
     # ------------------------------------------------------------------------------------------------------------
     # 5. the next forests
