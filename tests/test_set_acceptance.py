@@ -28,7 +28,8 @@ def _beam_after_one_step():
     forest node one of its best pairs, so the real rule passes no layer."""
     import torch
 
-    from vllm_dsbd.engine.beams import BeamForest, BeamParams, BeamRequest
+    from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest
+    from vllm_dsbd.requests import BeamParams
 
     V, P = 8, 5
     beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0,
@@ -49,12 +50,12 @@ def _beam_after_one_step():
 def test_beam_layers_pass_at_the_set_rate():
     """Rate 1: every forest layer under the live beams passes (the beams become forest nodes, one beam step each);
     rate 0: none passes; uninstall restores the real rule (which passes none here)."""
-    from vllm_dsbd.engine.beams import BeamRequest
+    from vllm_dsbd.engine.beams.trie import BeamRequest
 
-    real = BeamRequest._verify_layers
+    real = BeamRequest.verify_layers
     try:
         set_acceptance.install(1.0)
-        assert BeamRequest._verify_layers is not real
+        assert BeamRequest.verify_layers is not real
         beam, flogits = _beam_after_one_step()
         out = beam.step(None, flogits)
         assert (out.layers_passed, beam.steps) == (2, 4)  # depth 1 then depth 2, then the step on their logits
@@ -66,7 +67,7 @@ def test_beam_layers_pass_at_the_set_rate():
         assert (beam.step(None, flogits).layers_passed, beam.steps) == (0, 2)
     finally:
         set_acceptance.uninstall()
-    assert BeamRequest._verify_layers is real
+    assert BeamRequest.verify_layers is real
     beam, flogits = _beam_after_one_step()
     assert beam.step(None, flogits).layers_passed == 0
 
@@ -77,8 +78,10 @@ def test_beam_sampling_layers_pass_at_the_set_rate():
     (a real pass), makes the last one a pair outside the forest; uninstall restores the real function."""
     import torch
 
-    from vllm_dsbd.engine import beam_sampling, reads
-    from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
+    from vllm_dsbd.engine import reads
+    from vllm_dsbd.engine.beams import sampling as beam_sampling
+    from vllm_dsbd.engine.beams.trie import beam_params, BeamRequest
+    from vllm_dsbd.requests import BeamParams
 
     V = 8
     logits = torch.zeros(2, V)
@@ -116,8 +119,10 @@ def test_beam_forest_layers_pass_at_the_set_rate():
     uninstall restores the real function."""
     import torch
 
-    from vllm_dsbd.engine import beam_sampling, reads
-    from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
+    from vllm_dsbd.engine import reads
+    from vllm_dsbd.engine.beams import sampling as beam_sampling
+    from vllm_dsbd.engine.beams.trie import beam_params, BeamRequest
+    from vllm_dsbd.requests import BeamParams
 
     V = 8
     rows = torch.zeros(6, V)
