@@ -52,7 +52,7 @@ class DSBDConfig:
         min_width: the least width the dynamic-width rule may choose (1 <= min_width <= width).
         width_threshold: tau in (0, 1]; dynamic width picks the largest k with Pr[#accepted >= k] >= tau.
         dynamic_width: choose the width per layer (True) or always use ``width`` (False).
-        mode: what a request gets (DESIGN.md §1). "sample" (default): exact target sampling (temperature 0: plain
+        mode: what a request gets (``docs/design.md`` §1). "sample" (default): exact target sampling (temperature 0: plain
             greedy decoding) for every width; the draft proposes up to ``width`` nodes per depth and each verified
             layer emits one token (K = 1), so ``width`` only changes how many drafts are checked. "single": the
             paper's single-output-beam mode, opt-in: layers keep K <= ``width`` beams (dynamic width) and each

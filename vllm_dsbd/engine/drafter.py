@@ -156,7 +156,7 @@ class DSBDDrafter(DraftModelProposer):
         for group in self.draft_attn_groups:
             # vLLM's own proposers' entry (``llm_base_proposer``): a fast build, which on FlashAttention 3 skips the
             # ahead-of-time schedule. A full build's schedule, made for this batch, was rejected by FA3 on an H100
-            # ("scheduler_metadata must have shape (metadata_size)"; NOTES.md "GPU"). Not yet re-run on a GPU.
+            # ("scheduler_metadata must have shape (metadata_size)"; ``docs/notebook``, GPU). Not yet re-run on a GPU.
             md = group.get_metadata_builder().build_for_drafting(common_attn_metadata=cad, draft_index=draft_index)
             for name in group.layer_names:
                 per_layer[name] = md

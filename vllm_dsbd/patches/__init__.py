@@ -190,7 +190,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    .beam_search`` (``LLM.beam_search``).
    What: on a DSBD engine, one engine request per prompt with ``extra_args["dsbd_beam"]`` instead of vLLM's front-end
    loop (one request per live beam per token); the beams come back as vLLM's ``BeamSearchOutput``. Why: the loop
-   runs at 0.07x plain decoding on an H100 (NOTES "GPU") and cannot use DSBD. How: wrap; other engines call the
+   runs at 0.07x plain decoding on an H100 (``docs/notebook``, GPU) and cannot use DSBD. How: wrap; other engines call the
    original; ``structured_outputs``, a width above the engine's and a trie that may not fit ``max_model_len`` raise
    ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.

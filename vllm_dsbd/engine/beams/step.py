@@ -70,7 +70,7 @@ STATIC_LAYERS = True
 
 
 def _sample_layers(steps: list[PendingStep]) -> reads.Reader[None]:
-    """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1; ``beam_sampling``). Layer d's
+    """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design.md`` §1; ``beam_sampling``). Layer d's
     target joint P (over the request's current beams) and the draft joint Q its depth-d nodes were drawn from give K
     outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so each
     layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits are in the
