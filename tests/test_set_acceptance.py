@@ -7,6 +7,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import set_acceptance  # noqa: E402
+from vllm_dsbd.engine.beams.step import step_one  # noqa: E402
 
 
 def test_chain_is_the_path_to_the_first_deepest_node():
@@ -37,7 +38,7 @@ def _beam_after_one_step():
     first = torch.zeros(V)
     first[3], first[5] = 10.0, 9.5
     beam.partial(first[None])
-    beam.step(None)
+    step_one(beam, None)
     beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
                              drafted=[True, True, False, False])
     leaves = torch.zeros(2, V)
@@ -57,19 +58,19 @@ def test_beam_layers_pass_at_the_set_rate():
         set_acceptance.install(1.0)
         assert BeamRequest.verify_layers is not real
         beam, flogits = _beam_after_one_step()
-        out = beam.step(None, flogits)
+        out = step_one(beam, None, flogits)
         assert (out.layers_passed, beam.steps) == (2, 4)  # depth 1 then depth 2, then the step on their logits
         # the beams run through the forest: "3" -> node "1" (depth 1) -> nodes "4", "6" (depth 2), then the target's
         # own step ("7" on both); leaf "5" and node "2" got no child and are dropped
         assert beam.tokens == [3, 1, 4, 6, 7, 7] and beam.parents == [-1, 0, 1, 1, 2, 3]
         set_acceptance.set_rate(0.0)
         beam, flogits = _beam_after_one_step()
-        assert (beam.step(None, flogits).layers_passed, beam.steps) == (0, 2)
+        assert (step_one(beam, None, flogits).layers_passed, beam.steps) == (0, 2)
     finally:
         set_acceptance.uninstall()
     assert BeamRequest.verify_layers is real
     beam, flogits = _beam_after_one_step()
-    assert beam.step(None, flogits).layers_passed == 0
+    assert step_one(beam, None, flogits).layers_passed == 0
 
 
 def test_beam_sampling_layers_pass_at_the_set_rate():
