@@ -25,7 +25,7 @@ def main(argv=None) -> int:
 
     import demo_vllm
     from harness import load_prompts
-    from vllm_dsbd import models
+    from vllm_dsbd.testing import models
 
     torch.set_num_threads(2)
     target_dir = models.smollm2_dir()

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
 
     from harness import load_prompts
     from harness_runs import shutdown
-    from vllm_dsbd import models
+    from vllm_dsbd.testing import models
 
     if args.tiny:
         target, draft = models.tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1,

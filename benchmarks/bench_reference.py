@@ -107,7 +107,7 @@ def main():
     prompts = [[int(x)] for x in torch.randint(0, 50, (n_prompts,), generator=g)]
     rows += passes_per_token(syn_t, syn_d, prompts, [1, 2, 4], 3, 16 if args.quick else 64, "synthetic V=50")
     if not args.no_smollm:
-        from vllm_dsbd import models
+        from vllm_dsbd.testing import models
         folder = models.smollm2_dir()
         tgt = models.load_hf(folder)
         n_layers = 8

@@ -52,7 +52,7 @@ def draft_folder(target: Path, n_layers: int) -> tuple[Path, str]:
             pass
     out = target.parent / f"smollm2-first{n_layers}"
     if not (out / "config.json").exists():
-        from vllm_dsbd import models
+        from vllm_dsbd.testing import models
         model = models.truncated_draft(models.load_hf(target), n_layers)
         tmp = out.with_name(out.name + ".tmp")
         model.save_pretrained(tmp)
@@ -147,7 +147,7 @@ def main():
 
     import torch
     import vllm
-    from vllm_dsbd import models
+    from vllm_dsbd.testing import models
 
     torch.manual_seed(0)
     target = models.smollm2_dir()

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     import vllm
-    from vllm_dsbd import models
+    from vllm_dsbd.testing import models
 
     if args.profile == "cpu":
         torch.set_num_threads(1)

@@ -16,7 +16,7 @@ def score_outputs(target_dir: str, prompts: list[list[int]], outputs: list[list[
     """Mean log P_target(token | prefix) per generated token of each output (nan for an empty output)."""
     import torch
 
-    from vllm_dsbd.models import load_hf
+    from vllm_dsbd.testing.models import load_hf
 
     model = _MODELS.get(target_dir)
     if model is None:

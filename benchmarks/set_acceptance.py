@@ -12,7 +12,7 @@ forest, layer d is accepted with probability ``rate`` independently, stopping at
 path is a prefix of the path to the first deepest node; the emitted tokens are that path's
 draft tokens plus the real verification's last token.
 
-Beam requests at temperature 0 (``BeamRequest._verify_layers``): after the real beam step on the leaves, each forest
+Beam requests at temperature 0 (``BeamRequest.verify_layers``): after the real beam step on the leaves, each forest
 layer passes with probability ``rate`` (stopping at the first failure); a passing layer makes the forest's nodes under
 the live beams the new beams (as many as the target's candidates, in the forest's order, each with its candidate's
 raw log-probability) and the next beam step runs on their logits from the same target pass, as a real pass does.
@@ -41,17 +41,18 @@ def set_rate(rate: float) -> None:
 
 def _targets():
     """(state key, owner, attribute, replacement) of every function this module replaces."""
-    from vllm_dsbd.engine import beam_sampling, sampler
-    from vllm_dsbd.engine.beams import BeamRequest
+    from vllm_dsbd.engine import sampler
+    from vllm_dsbd.engine.beams import sampling as beam_sampling
+    from vllm_dsbd.engine.beams.trie import BeamRequest
 
     return (("orig", sampler, "verify", _verify_at_set_rate),
-            ("orig_beam", BeamRequest, "_verify_layers", _beam_layers_at_set_rate),
+            ("orig_beam", BeamRequest, "verify_layers", _beam_layers_at_set_rate),
             ("orig_beam_sample", beam_sampling, "verify", _beam_sampling_at_set_rate),
             ("orig_beam_forests", beam_sampling, "verify_forests", _beam_forests_at_set_rate))
 
 
 def install(rate: float, seed: int = 0) -> None:
-    """Replaces ``vllm_dsbd.engine.sampler.verify``, ``BeamRequest._verify_layers``, ``beam_sampling.verify`` and
+    """Replaces ``vllm_dsbd.engine.sampler.verify``, ``BeamRequest.verify_layers``, ``beam_sampling.verify`` and
     ``beam_sampling.verify_forests`` in this process (idempotent; :func:`uninstall` restores them)."""
     set_rate(rate)
     _STATE["rng"] = random.Random(seed)
@@ -103,12 +104,12 @@ def _verify_at_set_rate(logits, rows, cfg):
 
 
 def _beam_layers_at_set_rate(self, cands, forest, top, eos):
-    """``BeamRequest._verify_layers`` (T = 0) with layers passing at the set rate (see the module's docstring).
+    """``BeamRequest.verify_layers`` (T = 0) with layers passing at the set rate (see the module's docstring).
     ``top``: the forest rows' ``beams.TopRows`` (their best tokens, as the real method gets them)."""
-    from vllm_dsbd.engine.beams import _Live
+    from vllm_dsbd.engine.beams.trie import LiveBeam
 
     F = len(top)
-    n0 = self._graft(forest, F)
+    n0 = self.graft(forest, F)
     kids: dict[int, list[int]] = {}
     for c in range(F):
         kids.setdefault(forest.parents[c], []).append(c)
@@ -121,8 +122,8 @@ def _beam_layers_at_set_rate(self, cands, forest, top, eos):
         nodes = [n0 + c for _, c in picks]
         for nd, (_, _, _, v, _) in zip(nodes, cands):
             self.logprobs[nd] = v
-        self.live = [_Live(nd, self.live[b].score + v, ss) for nd, (b, _), (_, _, _, v, ss) in zip(nodes, picks, cands)]
-        cands = self._search(top.pick([nd - n0 for nd in nodes]), eos)
+        self.live = [LiveBeam(nd, self.live[b].score + v, ss) for nd, (b, _), (_, _, _, v, ss) in zip(nodes, picks, cands)]
+        cands = self.search(top.pick([nd - n0 for nd in nodes]), eos)
         self.steps += 1
         passed += 1
     return cands, passed
@@ -131,7 +132,7 @@ def _beam_layers_at_set_rate(self, cands, forest, top, eos):
 def _beam_sampling_at_set_rate(layers, params):
     """``beam_sampling.verify`` (T > 0 beam requests; a reader, as the real one) with layers passing at the set rate
     (see the module's docstring)."""
-    from vllm_dsbd.engine.beam_sampling import Pair
+    from vllm_dsbd.engine.beams.sampling import Pair
 
     pairs, ks = yield from _STATE["orig_beam_sample"](layers, params)
     rng, rate = _STATE["rng"], _STATE["rate"]
@@ -160,7 +161,7 @@ def _beam_forests_at_set_rate(plans, params, fused=None):
     ``rate`` (its first K drafts as outputs, K the real layer's or the layer's width) while a step is left; the first
     that does not keeps the real outputs when the real run reached it, made non-passing, or else one pair outside
     the forest, and ends the request's layers. A layer without drafts (the bonus layer) ends them too."""
-    from vllm_dsbd.engine.beam_sampling import Pair
+    from vllm_dsbd.engine.beams.sampling import Pair
 
     real = yield from _STATE["orig_beam_forests"](plans, params, fused)
     rng, rate = _STATE["rng"], _STATE["rate"]

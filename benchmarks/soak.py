@@ -2,7 +2,7 @@
 
 Starts ``python -m vllm.entrypoints.cli.main serve`` on 127.0.0.1 with ``--speculative-method dsbd`` (engine width 4,
 depth 2, ``--max-num-seqs 16``, the engine core in a child process as ``vllm serve`` runs by default) on the tiny
-random Llama pair of ``vllm_dsbd.models.tiny_llama_pair``, then fires a seeded random mix of requests from a pool of
+random Llama pair of ``vllm_dsbd.testing.models.tiny_llama_pair``, then fires a seeded random mix of requests from a pool of
 ``--concurrency`` client threads (HTTP with the standard library only):
 
 * plain completions and chat completions, streaming and not, per-request widths 1/2/4 (``vllm_xargs.dsbd_width``),
@@ -511,7 +511,7 @@ def _name(p) -> str:
 
 
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_dsbd.models import tiny_llama_pair
+    from vllm_dsbd.testing.models import tiny_llama_pair
 
     t_start = time.monotonic()
     record: dict[str, Any] = {

@@ -70,7 +70,7 @@ def measure(target, draft, config: dict, batch: int, max_tokens: int, prompt_len
             sp = beam_request_params(bp, None, prompt_len, 512, config["width"])
             # the depth pinned by the request: a forest every step at every batch size (unpinned, drafting backs off
             # after forests that pass no layer, and on this random pair the median step at batch 1 drafts nothing)
-            from vllm_dsbd.engine.beams import BEAM_KEY
+            from vllm_dsbd.requests import BEAM_KEY
 
             sp.extra_args[BEAM_KEY]["depth"] = config["depth"]
         for i in range(batch):
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from tqdm import tqdm
 
-    from vllm_dsbd.models import tiny_llama_pair
+    from vllm_dsbd.testing.models import tiny_llama_pair
 
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)

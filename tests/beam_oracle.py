@@ -142,7 +142,7 @@ def hf_next_probs(folder) -> NextProbs:
     """``next_probs`` of a Hugging Face causal LM folder (float64 softmax of its next-token logits, no KV cache)."""
     import torch
 
-    from vllm_dsbd.models import load_hf, next_token_logits_fn
+    from vllm_dsbd.testing.models import load_hf, next_token_logits_fn
 
     fn = next_token_logits_fn(load_hf(folder))
 

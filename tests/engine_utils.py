@@ -70,7 +70,7 @@ def eos_pair_engine(folder, eos: int, width: int, depth: int, max_num_seqs: int)
     layers as the draft) with token ``eos`` as the target's EOS (a copy in ``folder``)."""
     import vllm
 
-    from vllm_dsbd.models import tiny_llama_pair
+    from vllm_dsbd.testing.models import tiny_llama_pair
 
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dsbd.engine.beams import BeamForest, BeamParams, BeamRequest
+from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest
+from vllm_dsbd.engine.beams.step import step_one
+from vllm_dsbd.requests import BeamParams
 
 V, P = 8, 5
 
@@ -45,7 +47,7 @@ def test_full_width_step_passes_a_layer_then_compacts(relayout=False):
                        relayout=relayout)
     # step 1 from the prompt: beams "3" (best) and "5"
     assert beam.partial(_row(t3=10.0, t5=9.5)[None]) is None
-    out = beam.step(None)
+    out = step_one(beam, None)
     assert (out.row, out.next_drafts, beam.tokens) == ([3], [5], [3, 5])
     # step 2: leaves node 0 ("3") and node 1 ("5"); the target's best pairs are (node 0, 1) and (node 0, 2). The
     # forest has both at depth 1 (nodes 2, 3) and two children of node 2 at depth 2 (nodes 4, 5: tokens 4 and 6)
@@ -56,7 +58,7 @@ def test_full_width_step_passes_a_layer_then_compacts(relayout=False):
     assert beam.partial(torch.stack([_row(t1=10.0, t2=9.0), _row()])) is None
     # forest logits: after node 2 the best is 4 (a forest node), after node 3 it is 7 (not one): layer 1 passes,
     # layer 2 does not
-    out = beam.step(None, torch.stack([_row(t4=10.0), _row(t7=10.0), _row(), _row()]))
+    out = step_one(beam, None, torch.stack([_row(t4=10.0), _row(t7=10.0), _row(), _row()]))
     assert (out.stepped, out.draft_nodes, out.layers_passed, beam.steps) == (True, 4, 1, 3)
     # leaf 0 (node 0, vLLM's last token) stays; leaf 1 ("5") got no child: dropped; forest nodes 2, 3 are kept and
     # move down to slots P + 1, P + 2; the new leaves "4" (under "1") and "7" (under "2") follow
@@ -69,7 +71,7 @@ def test_full_width_step_passes_a_layer_then_compacts(relayout=False):
     # a forest that passes no layer: its nodes leave nothing behind, and drafting pauses one step
     beam.forest = BeamForest(tokens=[0, 0], parents=[3, 3], depths=[4, 4], drafted=[False, False])
     beam.partial(torch.stack([_row(t5=10.0), _row(t6=10.0)]))
-    out = beam.step(None, torch.stack([_row(), _row()]))
+    out = step_one(beam, None, torch.stack([_row(), _row()]))
     assert (out.layers_passed, beam.steps, beam.draft_skip) == (0, 4, 1)
     assert beam.tokens == [3, 1, 2, 4, 7, 5, 6] and out.moves == [] and out.row == [7, 5]
 
@@ -77,13 +79,13 @@ def test_full_width_step_passes_a_layer_then_compacts(relayout=False):
 def test_relayout_moves_the_common_prefix_to_linear_context_and_drops_dead_slots():
     beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0)
     beam.partial(_row(t3=10.0, t5=9.5)[None])
-    beam.step(None)
+    step_one(beam, None)
     # step 2 as in the test above: the beams are "3 1 4" and "3 2 7"; their common prefix "3" becomes linear context
     # (slot P, already its slot: no K/V move besides the step's own), vLLM's token list does not change
     beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
                              drafted=[True, True, False, False])
     beam.partial(torch.stack([_row(t1=10.0, t2=9.0), _row()]))
-    out = beam.step(None, torch.stack([_row(t4=10.0), _row(t7=10.0), _row(), _row()]))
+    out = step_one(beam, None, torch.stack([_row(t4=10.0), _row(t7=10.0), _row(), _row()]))
     assert (beam.prefix, beam.base, beam.tokens, beam.parents) == ([3], P + 1, [1, 2, 4, 7], [-1, -1, 0, 1])
     assert beam.depths == [2, 2, 3, 3] and beam.position(P) == P and beam.position(P + 1 + 2) == P + 2
     assert out.moves == [(P + 2, P + 1), (P + 3, P + 2)] and out.tokens is None and out.dropped == 0
@@ -92,13 +94,13 @@ def test_relayout_moves_the_common_prefix_to_linear_context_and_drops_dead_slots
     beam.draft_gap = None  # as after a catch-up pass
     # step 3 without a forest: "3 1 4 5" and "3 2 7 6": no common token past "3", no dead node: nothing to do
     beam.partial(torch.stack([_row(t5=10.0), _row(t6=10.0)]))
-    out = beam.step(None)
+    out = step_one(beam, None)
     assert (beam.prefix, beam.tokens, out.moves, out.tokens) == ([3], [1, 2, 4, 7, 5, 6], [], None)
     # step 4: both new beams extend "3 1 4 5" (tokens 1 and 2); the beam "3 2 7 6" dies. The step drops its leaf
     # "6" (after vLLM's last token); the re-layout makes "1 4 5" linear context (slots P+1..P+3: "4" and "5" move
     # down from P+3 and P+5), drops the dead "2" and "7", and vLLM's list becomes the prefix and leaf 0
     beam.partial(torch.stack([_row(t1=10.0, t2=9.5), _row()]))
-    out = beam.step(None)
+    out = step_one(beam, None)
     assert (beam.prefix, beam.base, beam.tokens, beam.parents) == ([3, 1, 4, 5], P + 4, [1, 2], [-1, -1])
     assert out.moves == [(P + 3, P + 2), (P + 5, P + 3)] and out.dropped == 2
     assert (out.row, out.tokens, out.next_drafts) == ([1], [3, 1, 4, 5, 1], [2])
@@ -117,22 +119,22 @@ def test_settled_prefix_waits_for_finished_beams_that_may_still_be_returned():
     paths = lambda: [beam._path(b.node)[0] for b in beam.live]  # noqa: E731
     # step 1: beams "3" and "5"; "7" (EOS) finishes as a beam of its own
     beam.partial(_row(t3=10.0, t5=9.5, t7=8.0)[None])
-    beam.step(7)
+    step_one(beam, 7)
     assert paths() == [[3], [5]] and [f.tokens for f in beam.finished] == [[7]]
     assert beam.settle() == []
     # step 2: both new beams hang from "3", but the finished [7] is still one of the 2 best: nothing settles
     beam.partial(torch.stack([_row(t1=10.0, t2=9.9, t0=1.0, t4=1.0), _row(t0=1.0, t1=1.0, t2=1.0, t3=1.0)]))
-    beam.step(7)
+    step_one(beam, 7)
     assert paths() == [[3, 1], [3, 2]] and [f.tokens for f in beam.best()] == [[7]]
     assert beam.settle() == []
     # step 3: [3, 1, EOS] and [3, 2, EOS] finish, both better than [7], which drops out of the 2 best: "3" settles
     beam.partial(torch.stack([_row(t7=20.0, t0=1.0, t1=1.0, t2=1.0), _row(t7=20.0, t0=1.0, t1=1.0, t2=1.0)]))
-    beam.step(7)
+    step_one(beam, 7)
     assert [f.tokens for f in beam.best()] == [[3, 1, 7], [3, 2, 7]] and all(p[0] == 3 for p in paths())
     assert beam.settle() == [3] and beam.settle() == []
     # step 4 (max_tokens): the search ends; the rest of the best beam follows
     beam.partial(torch.stack([_row(), _row()]))
-    out = beam.step(7)
+    out = step_one(beam, 7)
     assert out.finished and beam.best()[0].tokens == [3, 1, 7]
     assert beam.settle() == [1, 7] and beam.settled == 3
 

@@ -15,7 +15,7 @@ import pytest
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 import matplotlib  # noqa: E402,F401
 
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from vllm_dsbd import models  # noqa: E402
+from vllm_dsbd.testing import models  # noqa: E402
 from vllm_dsbd.distill import (  # noqa: E402
     DistillConfig,
     PrefixCachedLM,

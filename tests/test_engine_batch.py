@@ -20,7 +20,7 @@ import torch
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 32
 BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 token slots (the least max_model_len allows) for ~1300 tokens of requests

@@ -18,8 +18,8 @@ import pytest
 from engine_utils import greedy_tokens, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.engine.beams import BeamParams  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.requests import BeamParams  # noqa: E402
+from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import finished_beams  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]

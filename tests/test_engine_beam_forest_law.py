@@ -30,9 +30,9 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
-from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
-from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
+from vllm_dsbd.engine.beams import step as beams_mod  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, DEPTH, TOP_K, N = 2, 3, 2, 3, 2000

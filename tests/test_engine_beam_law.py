@@ -24,8 +24,8 @@ from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.sampling import BeamStep  # noqa: E402
-from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, TOP_K, N = 2, 2, 4, 2000

@@ -26,8 +26,9 @@ import torch
 from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.engine import beam_drafter, beams  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.engine.beams import drafter as beam_drafter  # noqa: E402
+from vllm_dsbd.engine.beams import step as beams  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 STEPS, EOS = 8, 166
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]

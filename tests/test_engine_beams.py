@@ -36,7 +36,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
 from vllm_dsbd.engine.state import RELAYOUT_ENV  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 8

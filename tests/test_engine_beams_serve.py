@@ -35,7 +35,7 @@ import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
 
 from engine_utils import with_eos
 from server_utils import running_server
-from vllm_dsbd.models import tiny_llama_pair
+from vllm_dsbd.testing.models import tiny_llama_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak import free_port, server_env

@@ -35,7 +35,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
 from vllm_dsbd.engine import reads  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 DEPTH, MAX_TOKENS = 3, 10
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]
@@ -66,7 +66,7 @@ class Observer:
         from vllm_dsbd.engine import drafter, sampler
 
         orig_verify, orig_propose, orig_forward = sampler.verify, drafter.DSBDDrafter.propose_forests, \
-            drafter.DSBDDrafter._forward
+            drafter.DSBDDrafter.forward_ragged
         orig_fetch = reads.fetch
         obs = self
 
@@ -129,7 +129,7 @@ class Observer:
         monkeypatch.setattr(runner_mod, "propose_beam_forests", propose_beams)
         monkeypatch.setattr(sampler, "verify", verify)
         monkeypatch.setattr(drafter.DSBDDrafter, "propose_forests", propose)
-        monkeypatch.setattr(drafter.DSBDDrafter, "_forward", sim_device.draft_forward(orig_forward, lambda: obs.active))
+        monkeypatch.setattr(drafter.DSBDDrafter, "forward_ragged", sim_device.draft_forward(orig_forward, lambda: obs.active))
 
 
 @pytest.fixture(scope="module", params=[(2, None), (1, None), (1, True), (2, True)],
@@ -180,7 +180,7 @@ def runs(request):
         out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
         out["beams_calls"] = obs.calls[n0:]
         n0 = len(obs.calls)
-        from vllm_dsbd.engine import beams as beams_mod
+        from vllm_dsbd.engine.beams import step as beams_mod
 
         cpu_layers, beams_mod.STATIC_LAYERS = beams_mod.STATIC_LAYERS, True  # what a device runs (the CPU: False)
         try:

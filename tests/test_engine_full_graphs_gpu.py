@@ -19,7 +19,7 @@ from engine_utils import metric, shutdown  # noqa: E402
 import vllm  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [42, 43]]
 MAX_TOKENS = 24

@@ -18,7 +18,7 @@ from engine_utils import metric, shutdown  # sets the CPU engine environment bef
 import vllm
 
 import chisq
-from vllm_dsbd.models import tiny_llama_pair
+from vllm_dsbd.testing.models import tiny_llama_pair
 
 WIDTH, DEPTH = 4, 2
 N_LAW, LAW_TOKENS = 800, 4  # 4 tokens: the prefill's, then an iteration that verifies both draft depths

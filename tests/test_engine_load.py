@@ -21,7 +21,7 @@ import torch
 from engine_utils import greedy_tokens, metric, shutdown  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, BUDGET, MAX_TOKENS = 2, 3, 16, 12
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]

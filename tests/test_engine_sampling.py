@@ -28,7 +28,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 import chisq  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.reference import Settings, dsbd_decode, dsbd_decode_mixed  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MIN_WIDTH = 4, 2, 2
 PROMPT = [5, 6, 7]

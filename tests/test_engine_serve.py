@@ -25,7 +25,7 @@ import pytest
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 from server_utils import running_server  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak import free_port, server_env  # noqa: E402  (one server environment for the soak and these tests)

@@ -17,7 +17,7 @@ from engine_utils import metric, shutdown  # sets the CPU engine environment bef
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
-from vllm_dsbd import models  # noqa: E402
+from vllm_dsbd.testing import models  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import demo_vllm  # noqa: E402

@@ -26,8 +26,9 @@ from engine_utils import metric, shutdown  # sets the CPU engine environment bef
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
-from vllm_dsbd.engine import beams, reads  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.engine import reads  # noqa: E402
+from vllm_dsbd.engine.beams import step as beams  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 STEPS, MAX_TOKENS = 6, 12
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(4)]
@@ -72,7 +73,7 @@ class StepObserver:
 
         mixin = runner_mod.DSBDRunnerMixin
         orig_sample, orig_propose = mixin._sample, mixin.propose_draft_token_ids
-        orig_forward = drafter_mod.DSBDDrafter._forward
+        orig_forward = drafter_mod.DSBDDrafter.forward_ragged
         obs, drafter = self, runner.drafter
         for planes in runner._kv_planes().values():  # the KV cache lives on the device too (the K/V moves)
             sim_device.tag(planes.planes)
@@ -106,7 +107,7 @@ class StepObserver:
 
         mp.setattr(mixin, "_sample", sample)
         mp.setattr(mixin, "propose_draft_token_ids", propose)
-        mp.setattr(drafter_mod.DSBDDrafter, "_forward", sim_device.draft_forward(orig_forward, lambda: obs.active))
+        mp.setattr(drafter_mod.DSBDDrafter, "forward_ragged", sim_device.draft_forward(orig_forward, lambda: obs.active))
 
 
 @pytest.fixture(scope="module")

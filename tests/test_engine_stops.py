@@ -23,7 +23,7 @@ from engine_utils import greedy_tokens, metric, shutdown, with_eos  # sets the C
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 24
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105]]

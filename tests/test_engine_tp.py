@@ -30,8 +30,8 @@ from engine_utils import metric, shutdown  # sets the CPU engine environment bef
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
-from vllm_dsbd.engine.metrics import PROMETHEUS_DIR_ENV  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.engine.prometheus import PROMETHEUS_DIR_ENV  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 2, 3, 16
 # load-aware speculation with the same budget on both engines: 4 requests at full shape need 28 tokens, so the ranks

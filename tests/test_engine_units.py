@@ -230,7 +230,8 @@ def test_dsbd_engines_get_the_dsbd_worker():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from vllm_dsbd import models, plugin
+    from vllm_dsbd import plugin
+    from vllm_dsbd.testing import models
     from vllm_dsbd.engine import worker
 
     plugin.register()

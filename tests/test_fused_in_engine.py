@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from test_verify_forest_static import _random_req, _to, build_wide_step
-from vllm_dsbd.engine import beam_sampling, fused, reads, sampler
-from vllm_dsbd.engine.beams import BeamParams, BeamRequest, beam_params
+from vllm_dsbd.engine import fused, reads, sampler
+from vllm_dsbd.engine.beams import sampling as beam_sampling
+from vllm_dsbd.engine.beams.trie import BeamRequest, beam_params
+from vllm_dsbd.requests import BeamParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel compiled on a GPU
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Triton's interpreter on numpy

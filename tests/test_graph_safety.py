@@ -17,7 +17,8 @@ import pytest
 
 import vllm  # noqa: F401  (a broken vLLM fails the suite)
 
-from vllm_dsbd import models, plugin
+from vllm_dsbd import plugin
+from vllm_dsbd.testing import models
 
 plugin.register()
 

@@ -1,4 +1,4 @@
-"""Tests of vllm_dsbd.models: offline models (SmolLM2 from its GGUF, tiny random pairs) and reference helpers.
+"""Tests of vllm_dsbd.testing.models: offline models (SmolLM2 from its GGUF, tiny random pairs) and reference helpers.
 
 The SmolLM2 folder is built in the default cache ($VLLM_DSBD_CACHE or ~/.cache/vllm-dsbd) so that only the first
 run pays for the GGUF conversion (~25 s on 2 cores); later runs load the cached safetensors (< 1 s).
@@ -14,7 +14,7 @@ import pytest
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from vllm_dsbd import models  # noqa: E402
+from vllm_dsbd.testing import models  # noqa: E402
 
 PROMPT = "The capital of France is"
 

@@ -20,7 +20,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
 from vllm_dsbd import plugin  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7]
 N_LAW, LAW_TOKENS, TOP_K = 600, 3, 30

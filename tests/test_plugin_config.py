@@ -19,8 +19,10 @@ import pytest
 
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd import models, plugin  # noqa: E402
-from vllm_dsbd.config import DSBDConfig, check_request, request_width, uses_dsbd  # noqa: E402
+from vllm_dsbd import plugin  # noqa: E402
+from vllm_dsbd.testing import models  # noqa: E402
+from vllm_dsbd.config import DSBDConfig, uses_dsbd  # noqa: E402
+from vllm_dsbd.requests import check_request, request_width  # noqa: E402
 
 plugin.register()  # as vLLM's plugin loader would; everything below runs with the patches applied
 

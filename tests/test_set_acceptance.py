@@ -7,6 +7,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import set_acceptance  # noqa: E402
+from vllm_dsbd.engine.beams.step import step_one  # noqa: E402
 
 
 def test_chain_is_the_path_to_the_first_deepest_node():
@@ -28,7 +29,8 @@ def _beam_after_one_step():
     forest node one of its best pairs, so the real rule passes no layer."""
     import torch
 
-    from vllm_dsbd.engine.beams import BeamForest, BeamParams, BeamRequest
+    from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest
+    from vllm_dsbd.requests import BeamParams
 
     V, P = 8, 5
     beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0,
@@ -36,7 +38,7 @@ def _beam_after_one_step():
     first = torch.zeros(V)
     first[3], first[5] = 10.0, 9.5
     beam.partial(first[None])
-    beam.step(None)
+    step_one(beam, None)
     beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
                              drafted=[True, True, False, False])
     leaves = torch.zeros(2, V)
@@ -49,26 +51,26 @@ def _beam_after_one_step():
 def test_beam_layers_pass_at_the_set_rate():
     """Rate 1: every forest layer under the live beams passes (the beams become forest nodes, one beam step each);
     rate 0: none passes; uninstall restores the real rule (which passes none here)."""
-    from vllm_dsbd.engine.beams import BeamRequest
+    from vllm_dsbd.engine.beams.trie import BeamRequest
 
-    real = BeamRequest._verify_layers
+    real = BeamRequest.verify_layers
     try:
         set_acceptance.install(1.0)
-        assert BeamRequest._verify_layers is not real
+        assert BeamRequest.verify_layers is not real
         beam, flogits = _beam_after_one_step()
-        out = beam.step(None, flogits)
+        out = step_one(beam, None, flogits)
         assert (out.layers_passed, beam.steps) == (2, 4)  # depth 1 then depth 2, then the step on their logits
         # the beams run through the forest: "3" -> node "1" (depth 1) -> nodes "4", "6" (depth 2), then the target's
         # own step ("7" on both); leaf "5" and node "2" got no child and are dropped
         assert beam.tokens == [3, 1, 4, 6, 7, 7] and beam.parents == [-1, 0, 1, 1, 2, 3]
         set_acceptance.set_rate(0.0)
         beam, flogits = _beam_after_one_step()
-        assert (beam.step(None, flogits).layers_passed, beam.steps) == (0, 2)
+        assert (step_one(beam, None, flogits).layers_passed, beam.steps) == (0, 2)
     finally:
         set_acceptance.uninstall()
-    assert BeamRequest._verify_layers is real
+    assert BeamRequest.verify_layers is real
     beam, flogits = _beam_after_one_step()
-    assert beam.step(None, flogits).layers_passed == 0
+    assert step_one(beam, None, flogits).layers_passed == 0
 
 
 def test_beam_sampling_layers_pass_at_the_set_rate():
@@ -77,8 +79,10 @@ def test_beam_sampling_layers_pass_at_the_set_rate():
     (a real pass), makes the last one a pair outside the forest; uninstall restores the real function."""
     import torch
 
-    from vllm_dsbd.engine import beam_sampling, reads
-    from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
+    from vllm_dsbd.engine import reads
+    from vllm_dsbd.engine.beams import sampling as beam_sampling
+    from vllm_dsbd.engine.beams.trie import beam_params, BeamRequest
+    from vllm_dsbd.requests import BeamParams
 
     V = 8
     logits = torch.zeros(2, V)
@@ -116,8 +120,10 @@ def test_beam_forest_layers_pass_at_the_set_rate():
     uninstall restores the real function."""
     import torch
 
-    from vllm_dsbd.engine import beam_sampling, reads
-    from vllm_dsbd.engine.beams import beam_params, BeamParams, BeamRequest
+    from vllm_dsbd.engine import reads
+    from vllm_dsbd.engine.beams import sampling as beam_sampling
+    from vllm_dsbd.engine.beams.trie import beam_params, BeamRequest
+    from vllm_dsbd.requests import BeamParams
 
     V = 8
     rows = torch.zeros(6, V)

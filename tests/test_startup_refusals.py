@@ -18,7 +18,8 @@ import torch
 from engine_utils import shutdown  # noqa: F401  (sets the CPU engine environment before vllm is imported)
 import vllm  # noqa: E402  (a broken vLLM fails the suite)
 
-from vllm_dsbd import models, plugin  # noqa: E402
+from vllm_dsbd import plugin  # noqa: E402
+from vllm_dsbd.testing import models  # noqa: E402
 
 plugin.register()
 

@@ -17,8 +17,7 @@ Without a ``model`` (``speculative_config={"method": "dsbd", "width": 4}``) the 
 are sampled from the target, one target pass per token. Its ``num_speculative_tokens`` is ``max(1, width - 1)``
 (a beam request's leaves; vLLM needs at least 1).
 
-Per request, ``SamplingParams(extra_args={"dsbd_width": k})`` (OpenAI API: ``"vllm_xargs": {"dsbd_width": k}``) caps
-the width of that request at ``k`` (``1 <= k <= width``); see :func:`request_width`.
+Per-request settings and checks (``extra_args["dsbd_width"]``, ``["dsbd_beam"]``) are in ``vllm_dsbd/requests.py``.
 
 This module imports no vLLM.
 """
@@ -29,13 +28,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["METHOD", "REQUEST_WIDTH_KEY", "DSBDConfig", "check_request", "request_width", "uses_dsbd"]
+__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "DEFAULT_DEPTH", "METHOD", "DSBDConfig", "uses_dsbd"]
 
 METHOD = "dsbd"  # the value of --speculative-method / speculative_config["method"]
 ADDITIONAL_CONFIG_KEY = "dsbd"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]
-REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
-BEAM_KEY = "dsbd_beam"  # SamplingParams.extra_args[BEAM_KEY]: a beam request (engine/beams.py BeamParams)
-REQUEST_KEYS = (REQUEST_WIDTH_KEY, BEAM_KEY)
 MODES = ("sample", "single", "full")
 AUTO_BUDGET = "auto"  # verify_budget: measured at start-up (engine/load.py)
 DEFAULT_DEPTH = 3  # the draft depth when an engine with a draft model is given none
@@ -47,7 +43,7 @@ def _is_int(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DSBDConfig:
-    """DSBD settings for one engine (the contract: ``../shared/DESIGN.md`` §1).
+    """DSBD settings for one engine (the contract: ``docs/design.md`` §1).
 
     Attributes:
         width: W, the most beams / draft nodes per depth (>= 1).
@@ -56,7 +52,7 @@ class DSBDConfig:
         min_width: the least width the dynamic-width rule may choose (1 <= min_width <= width).
         width_threshold: tau in (0, 1]; dynamic width picks the largest k with Pr[#accepted >= k] >= tau.
         dynamic_width: choose the width per layer (True) or always use ``width`` (False).
-        mode: what a request gets (DESIGN.md §1). "sample" (default): exact target sampling (temperature 0: plain
+        mode: what a request gets (``docs/design.md`` §1). "sample" (default): exact target sampling (temperature 0: plain
             greedy decoding) for every width; the draft proposes up to ``width`` nodes per depth and each verified
             layer emits one token (K = 1), so ``width`` only changes how many drafts are checked. "single": the
             paper's single-output-beam mode, opt-in: layers keep K <= ``width`` beams (dynamic width) and each
@@ -234,94 +230,3 @@ class DSBDConfig:
 def uses_dsbd(vllm_config: Any) -> bool:
     """Whether the engine was configured with ``--speculative-method dsbd``."""
     return getattr(getattr(vllm_config, "speculative_config", None), "method", None) == METHOD
-
-
-def request_width(sampling_params: Any, cfg: DSBDConfig) -> int:
-    """The width of one request: ``sampling_params.extra_args["dsbd_width"]`` if given, else ``cfg.width``.
-
-    Raises:
-        ValueError: the value is not an integer with ``1 <= value <= cfg.width`` (the message names
-            ``extra_args['dsbd_width']``).
-    """
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    if REQUEST_WIDTH_KEY not in extra or extra[REQUEST_WIDTH_KEY] is None:
-        return cfg.width
-    value = extra[REQUEST_WIDTH_KEY]
-    if not _is_int(value) or not 1 <= value <= cfg.width:
-        raise ValueError(
-            f"extra_args[{REQUEST_WIDTH_KEY!r}] must be an integer in [1, {cfg.width}] (the engine's DSBD width), "
-            f"got {value!r}"
-        )
-    return value
-
-
-# SamplingParams a DSBD request may not set: (attribute, what counts as set). The DSBD sampler draws from the target's
-# and the draft's joints with temperature, top-k and top-p only; these would have to act on every forest node with
-# that node's own history (and on the draft alike, for exactness), which is not built. Refused, never ignored.
-_REFUSED = (
-    ("presence_penalty", lambda v: (v or 0.0) != 0.0),
-    ("frequency_penalty", lambda v: (v or 0.0) != 0.0),
-    ("repetition_penalty", lambda v: (1.0 if v is None else v) != 1.0),
-    ("min_p", lambda v: (v or 0.0) > 0.0),
-    ("min_tokens", lambda v: (v or 0) > 0),
-    ("logit_bias", bool),
-    ("allowed_token_ids", lambda v: v is not None),
-    ("bad_words", bool),
-    ("structured_outputs", lambda v: v is not None),
-    ("logprob_token_ids", lambda v: v is not None),
-    ("prompt_logprobs", lambda v: v is not None),
-    ("thinking_token_budget", lambda v: v is not None),
-    ("repetition_detection", lambda v: v is not None),
-)
-
-
-def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
-    """Validates one request for a DSBD engine; returns its width (:func:`request_width`).
-
-    Raises:
-        ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
-            (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
-            a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
-            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``, or
-            ``logprobs``.
-    """
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
-    if unknown:
-        raise ValueError(f"extra_args: unknown DSBD key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are {list(REQUEST_KEYS)}")
-    if extra.get(BEAM_KEY) is not None:
-        from vllm_dsbd.engine.beams import BeamParams
-
-        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width)  # ValueError naming extra_args['dsbd_beam'][key]
-        if not cfg.draft and beam.depth:
-            raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
-                             "so its beam requests have no draft forest; leave 'depth' out (or 0)")
-        need, mt = beam.engine_tokens(), getattr(sampling_params, "max_tokens", None)
-        if mt is not None and mt < need:
-            raise ValueError(f"max_tokens: a beam request of width {beam.width} and {beam.max_tokens} tokens needs "
-                             f"max_tokens >= {need} on its SamplingParams (its trie takes up to width + 1 slots per "
-                             f"step; DSBD ends the request itself), got {mt}")
-        if not getattr(sampling_params, "ignore_eos", False) and (beam.ignore_eos or beam.eos_token_id is None):
-            raise ValueError(f"ignore_eos: a beam request needs ignore_eos=True on its SamplingParams unless "
-                             f"extra_args[{BEAM_KEY!r}]['eos_token_id'] names its EOS (EOS would otherwise be an "
-                             "ordinary beam token, and vLLM stops a request whose tokens reach EOS before DSBD "
-                             "returns any beam)")
-        for name in ("stop", "stop_token_ids"):
-            if getattr(sampling_params, name, None):
-                raise ValueError(f"{name}: not supported on a beam request (extra_args[{BEAM_KEY!r}]): vLLM checks it "
-                                 "on the request's trie slots and settled text, not on each beam; a beam ends at "
-                                 f"extra_args[{BEAM_KEY!r}]['eos_token_id'] or its max_tokens")
-        if getattr(sampling_params, "logprobs", None) is not None:
-            raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
-                             "are its beams' settled prefix, then the best beam; each beam's per-token "
-                             f"log-probabilities are in kv_transfer_params[{BEAM_KEY!r}]")
-    bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
-    if bad:
-        names = ", ".join(bad)
-        raise ValueError(
-            f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
-            "top_p, seed, stop conditions and logprobs only); leave "
-            f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
-        )
-    return request_width(sampling_params, cfg)

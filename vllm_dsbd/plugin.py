@@ -73,7 +73,7 @@ def register() -> None:
         from vllm_dsbd import patches
 
         patches.apply_all()
-        from vllm_dsbd.engine.metrics import setup_frontend
+        from vllm_dsbd.engine.prometheus import setup_frontend
 
         setup_frontend()  # DSBD metrics of engine cores in child processes reach this process's /metrics
         _registered = True

@@ -14,7 +14,7 @@ import triton
 
 from .._utils import check_device, check_launchable, require
 from .batched import forest_attention_batched
-from .dummy import ForestAttentionInputs, beam_forest_parents
+from .inputs import ForestAttentionInputs, beam_forest_parents
 from .kernel import forest_attention_kernel
 from .mask import WORD_BITS, ancestor_bitmask, num_mask_words, unpack_bitmask
 from .naive import forest_attention_ref

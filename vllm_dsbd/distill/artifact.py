@@ -149,7 +149,7 @@ def assemble(target_dir: str | os.PathLike, artifact_dir: str | os.PathLike, out
     import torch
     from safetensors.torch import load_file
 
-    from .. import models
+    from ..testing import models
 
     target_dir = check_target_dir(target_dir)
     artifact_dir = pathlib.Path(artifact_dir).expanduser()

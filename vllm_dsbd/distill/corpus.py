@@ -212,7 +212,7 @@ def _make_shard(model, prompt_ids, k, cache_dir, *, seq_len, gen_batch_size, tem
 
 
 def _load_gen_model(target_dir: str, dtype: str, device: str):
-    from .. import models
+    from ..testing import models
 
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     return models.load_hf(target_dir, dtype=torch.float32).to(dt).to(device).eval()

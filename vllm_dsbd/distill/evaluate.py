@@ -125,7 +125,7 @@ def evaluate(target_dir: str, drafts: dict[str, Any], *, prompts: str = "sharegp
              seed: int = 0, progress: bool = True, log=print) -> dict:
     """Acceptance of each draft in ``drafts`` (name -> HF folder, or an int n for the untrained
     ``truncated_draft(target, n)``) on the first ``num_prompts`` held-out prompts of ``prompts``."""
-    from .. import models
+    from ..testing import models
     from . import data
 
     target = models.load_hf(target_dir)

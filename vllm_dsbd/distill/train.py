@@ -231,7 +231,7 @@ def lr_at(step: int, total: int, cfg: DistillConfig) -> float:
 def build_draft(target: Any, n_layers: int) -> Any:
     """The target's first ``n_layers`` layers (trainable copies) with the target's embedding, final norm and LM
     head (shared, frozen)."""
-    from .. import models
+    from ..testing import models
 
     n_target = target.config.num_hidden_layers
     if not 1 <= n_layers <= n_target:
@@ -274,7 +274,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
     """Runs (or resumes) a distillation; returns the output folder. See the module docstring."""
     from tqdm.auto import tqdm
 
-    from .. import models
+    from ..testing import models
 
     cfg.validate()
     if cfg.threads:

@@ -1,4 +1,5 @@
-"""The DSBD engine inside vLLM 0.26.0 (single-output-beam mode, and beam requests without a draft).
+"""The DSBD engine inside vLLM 0.26.0: plain requests verified against draft forests, and beam requests (beam search
+and beam sampling) whose beams live inside the engine, with or without a draft model.
 
 Following one request from the plugin to the kernels:
 
@@ -14,13 +15,16 @@ Following one request from the plugin to the kernels:
   on a device the host-read-free ``core.verify_static`` / ``core.chain_static``)
   followed by the KV commit (:mod:`.kv`), and the next forests (:mod:`.drafter`, over ``core.beam_step``).
 * :mod:`.attention` and :mod:`.kv` call ``dsbd_kernels`` (forest attention, KV commit): their torch references on CPU.
-* :mod:`.beams`: beam requests (``extra_args["dsbd_beam"]``, or ``LLM.beam_search`` / OpenAI ``use_beam_search``
-  through patches ``beam_search_route`` / ``beam_serving_route``): the W beams of one vLLM request as a trie in its
-  own KV slots, stepped by the runner (vLLM's beam search at T = 0 from each row's best tokens, beam sampling at
-  T > 0 on the device for all beam requests of a step: :mod:`.beam_sampling`), drafted by :mod:`.beam_drafter`;
-  patch ``beam_scheduler`` finishes the request and carries the beams to the front end.
+* :mod:`.beams`: beam requests (``extra_args["dsbd_beam"]``, parsed by ``vllm_dsbd.requests``, or
+  ``LLM.beam_search`` / OpenAI ``use_beam_search`` through patches ``beam_search_route`` / ``beam_serving_route``):
+  the W beams of one vLLM request as a trie in its own KV slots (:mod:`.beams.trie`), stepped by the runner
+  (:mod:`.beams.step`: vLLM's beam search at T = 0 from each row's best tokens, beam sampling at T > 0 on the device
+  for all beam requests of a step: :mod:`.beams.sampling`), drafted by :mod:`.beams.drafter`; patch
+  ``beam_scheduler`` finishes the request and carries the beams to the front end.
+* :mod:`.reads`: the readers protocol: code that reads the device yields the tensors it needs and gets their host
+  copies back, so that a step's kinds of work share one copy per round.
 * :mod:`.metrics`: layers passed per iteration and width per layer; beam passes, steps and KV blocks; the draft
-  depth load-aware speculation allowed.
+  depth load-aware speculation allowed; :mod:`.prometheus` carries them to the front end's ``/metrics``.
 * :mod:`.load`: load-aware speculation, each request's draft width and depth per step from the batch's shapes and a
   verified-token budget (``verify_budget``); :mod:`.load_probe` measures the ``"auto"`` budget at start-up.
 * :mod:`.graphs`: no CUDA graph replays over forest attention (PIECEWISE split at attention, or NONE), set when the

@@ -46,7 +46,7 @@ from .state import PendingForest, RequestState
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
-# the draft loops with one host read per call (``DSBDDrafter._draft_static``, ``beam_drafter._draft_static``): "1"
+# the draft loops with one host read per call (``DSBDDrafter._draft_static``, ``beams.drafter._draft_static``): "1"
 # (default, every device) or "0" (the general loops, one read per draft depth: a fallback)
 STATIC_DRAFT_ENV = "VLLM_DSBD_STATIC_DRAFT"
 
@@ -121,17 +121,18 @@ class DSBDDrafter(DraftModelProposer):
         self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
         self._static_skip = 0
         self._static_backoff = 0
-        # the same for beam requests' forests (``beam_drafter._draft_static``)
+        # the same for beam requests' forests (``beams.drafter._draft_static``)
         self.beam_static_misses = 0
-        self._beam_static_skip = 0
-        self._beam_static_backoff = 0
+        self.beam_static_skip = 0
+        self.beam_static_backoff = 0
 
     # ------------------------------------------------------------------------------------------------------------
-    def _block_table(self):
+    def block_table_host(self):
+        """The host block table of the draft's KV group, its block size and the blocks each row owns."""
         bt = self.runner.input_batch.block_table[self.kv_cache_gid]
         return bt.block_table.cpu, bt.block_size, bt.num_blocks_per_row
 
-    def _forward(self, input_ids, positions, slots: np.ndarray, query_lens, seq_lens, block_rows: torch.Tensor,
+    def forward_ragged(self, input_ids, positions, slots: np.ndarray, query_lens, seq_lens, block_rows: torch.Tensor,
                  sample_idx, forest: ForestBatch | None, draft_index: int) -> torch.Tensor:
         """One draft forward pass over a ragged batch (``draft_index``: the forest depth it drafts, 0 = catch-up);
         returns the draft logits [len(sample_idx), V] (float32, on the device). The index arguments are int sequences
@@ -155,7 +156,7 @@ class DSBDDrafter(DraftModelProposer):
         for group in self.draft_attn_groups:
             # vLLM's own proposers' entry (``llm_base_proposer``): a fast build, which on FlashAttention 3 skips the
             # ahead-of-time schedule. A full build's schedule, made for this batch, was rejected by FA3 on an H100
-            # ("scheduler_metadata must have shape (metadata_size)"; NOTES.md "GPU"). Not yet re-run on a GPU.
+            # ("scheduler_metadata must have shape (metadata_size)"; ``docs/notebook``, GPU). Not yet re-run on a GPU.
             md = group.get_metadata_builder().build_for_drafting(common_attn_metadata=cad, draft_index=draft_index)
             for name in group.layer_names:
                 per_layer[name] = md
@@ -187,7 +188,7 @@ class DSBDDrafter(DraftModelProposer):
             return []
         dev = self.device
         R, W, G = len(jobs), self.cfg.width, max(j.depth for j in jobs)
-        table, bs, owned = self._block_table()
+        table, bs, owned = self.block_table_host()
         rows_np = np.array([j.row for j in jobs], dtype=np.int64)
         owned = np.asarray(owned)[rows_np].astype(np.int64)
         block_rows = table[torch.from_numpy(rows_np)]
@@ -209,7 +210,7 @@ class DSBDDrafter(DraftModelProposer):
         req = np.repeat(np.arange(R), qlens)  # request of each query token
         ends = np.cumsum(qlens)
         pos = np.arange(len(ids), dtype=np.int64) - np.repeat(ends - qlens, qlens) + start[req]
-        root_logits = self._forward(ids, pos, batch_slots(brow_np, req, pos, bs, owned), qlens, root_pos + 1,
+        root_logits = self.forward_ragged(ids, pos, batch_slots(brow_np, req, pos, bs, owned), qlens, root_pos + 1,
                                     block_rows, ends - 1, None, 0)
         for j in jobs:
             j.state.draft_len = j.root_pos + 1
@@ -292,7 +293,7 @@ class DSBDDrafter(DraftModelProposer):
                                                    parents[i][pv[i]].tolist(), comp_l[t : t + q])))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
-            lg = self._forward(t_np[ri, si], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
+            lg = self.forward_ragged(t_np[ri, si], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
                                qlens, root_pos[sub] + 1 + num_nodes[sub], block_rows[torch.from_numpy(sub)],
                                np.arange(t), fb, d)
             full = torch.zeros(R, W, V, device=dev)
@@ -353,7 +354,7 @@ class DSBDDrafter(DraftModelProposer):
                 continue
             node_pos = root_pos[sub] + d  # a chain's node d sits at position root + d (no forest batch: causal)
             sub_t = torch.from_numpy(sub)
-            lg = self._forward(st.token[sub_t.to(dev), 0], node_pos, batch_slots(brow_np, sub, node_pos, bs, owned),
+            lg = self.forward_ragged(st.token[sub_t.to(dev), 0], node_pos, batch_slots(brow_np, sub, node_pos, bs, owned),
                                np.ones(sub.size, dtype=np.int64), node_pos + 1, block_rows[sub_t], np.arange(sub.size),
                                None, d)
             full = torch.zeros_like(full)
@@ -428,7 +429,7 @@ class DSBDDrafter(DraftModelProposer):
                 par = cpar.reshape(-1)[torch.tensor(gather, dtype=torch.int64, device=dev)]
                 fb = ForestBatch.assemble(req_rows, rows, cu, ctx, flen, par, query, max_nodes=W * G)
             ri_t, si_t = torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)
-            lg = self._forward(st.token[ri_t, si_t], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
+            lg = self.forward_ragged(st.token[ri_t, si_t], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
                                wsub, root_pos[sub] + 1 + d * wsub, block_rows[torch.from_numpy(sub)],
                                np.arange(t), fb, d)
             full = torch.zeros(R, W, V, device=dev)

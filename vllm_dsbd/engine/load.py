@@ -1,4 +1,4 @@
-"""Load-aware speculation (DESIGN.md §2): how wide and deep each request of a step drafts, from the batch alone.
+"""Load-aware speculation (``docs/design.md`` §2): how wide and deep each request of a step drafts, from the batch alone.
 
 Verifying a forest costs the target almost nothing while the step's scheduled tokens stay under the device's compute
 knee (a few hundred on an H100) and real time past it. So a step has a *verified-token budget* B, and the draft shape
@@ -16,7 +16,7 @@ of every request shrinks as the batch grows, down to no draft at all (depth 0):
 
 The plan is a function of the shapes of the batch's requests and of B only: never of a random draw, an acceptance or
 a timing, so every tensor-parallel rank computes the same plan, and the output law of every request is unchanged
-(a forest's shape is fixed before its coins are drawn; DESIGN.md §1).
+(a forest's shape is fixed before its coins are drawn; ``docs/design.md`` §1).
 
 B comes from the config (``verify_budget``: an integer, ``"auto"``, or ``None`` = pinned, always the configured
 shape). ``"auto"``: the target's forward pass is timed once at start-up at 1, 2, 4, ... tokens (``load_probe.py``),

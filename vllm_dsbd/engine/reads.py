@@ -1,4 +1,4 @@
-"""A step's host reads of the device, one copy for all its kinds of work (issue 15 item 2).
+"""A step's host reads of the device, one copy for all its kinds of work (the device-resident step: one read per round).
 
 A DSBD step has several kinds of work that each end by reading a few small device tensors on the host: plain
 requests' verification, beam requests' steps (T = 0 best tokens, T > 0 draws and verified layers), then drafting

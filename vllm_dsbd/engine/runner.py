@@ -42,9 +42,11 @@ import torch
 
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, beams, kv, load, reads, sampler
-from .beam_drafter import BeamDraftJob, catch_up_start, propose_beam_forests
-from .beams import step_beams, top_rows
+from . import attention, kv, load, reads, sampler
+from .beams import step as beam_step
+from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
+from .beams.sampling import top_rows
+from .beams.step import step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
 from .fused import fused_default
 from .metrics import DSBDStats
@@ -67,7 +69,7 @@ class DSBDRunnerMixin:
         # beam sampling's layers in one read (every layer computed for every request) with the other static paths:
         # on a device by default; on the CPU, where a read costs nothing, one read per layer (stopping at the first
         # layer that fails: measured 4-9 ms a step cheaper there, results/step_overhead/2026-11-24-static-drafting)
-        beams.STATIC_LAYERS = static
+        beam_step.STATIC_LAYERS = static
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)

@@ -12,10 +12,11 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from vllm_dsbd.config import DSBDConfig, request_width
+from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.forest import Forest
+from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
-from .beams import BEAM_KEY, BeamParams, BeamRequest
+from .beams.trie import BeamRequest
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout, as before it was

@@ -85,7 +85,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    its own runner hooks).
 
 9. ``request_validation`` - target ``vllm.v1.engine.input_processor.InputProcessor._validate_params``.
-   What: for a "dsbd" engine, also validate ``SamplingParams.extra_args["dsbd_width"]`` (``config.request_width``).
+   What: for a "dsbd" engine, also validate ``SamplingParams.extra_args["dsbd_width"]`` (``requests.request_width``).
    Why: checked only in the worker, a bad width raised inside the engine core and killed it (HTTP 500, server down);
    in the front end it is a ``ValueError``: 400 from the server, an exception offline, and the engine keeps serving.
    How: wrap the method; other methods and pooling params pass through unchanged. When it can go: vLLM lets a
@@ -179,7 +179,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    processes, sees only the latter): a streamed beam request (``DELTA`` / ``CUMULATIVE``, the server's ``"stream":
    true`` with ``vllm_xargs``) streams the settled prefix, never retracted, and every beam request's final
    ``CompletionOutput`` is its best beam (``tests/test_engine_beam_stream.py``). Engine ``logprobs`` are refused for
-   beam requests (``config.check_request``): vLLM slices them by the number of tokens output. vLLM's token list only
+   beam requests (``requests.check_request``): vLLM slices them by the number of tokens output. vLLM's token list only
    grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
    keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
    the three; requests without ``dsbd_beam`` and non-DSBD engines are untouched. When it can go: vLLM gains in-engine
@@ -190,7 +190,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    .beam_search`` (``LLM.beam_search``).
    What: on a DSBD engine, one engine request per prompt with ``extra_args["dsbd_beam"]`` instead of vLLM's front-end
    loop (one request per live beam per token); the beams come back as vLLM's ``BeamSearchOutput``. Why: the loop
-   runs at 0.07x plain decoding on an H100 (NOTES "GPU") and cannot use DSBD. How: wrap; other engines call the
+   runs at 0.07x plain decoding on an H100 (``docs/notebook``, GPU) and cannot use DSBD. How: wrap; other engines call the
    original; ``structured_outputs``, a width above the engine's and a trie that may not fit ``max_model_len`` raise
    ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.

@@ -15,7 +15,7 @@ the runner of other engines ignores them):
   ``BeamRequest.settle``): the beams' common prefix while they run, never retracted, and at the finish the rest of the
   best beam. So a streamed beam request (``DELTA`` / ``CUMULATIVE``, or the server's ``"stream": true``) streams the
   settled prefix, and every beam request's final ``CompletionOutput`` is its best beam (tokens, text). Engine
-  logprobs are refused for beam requests (``config.check_request``): vLLM slices them by the number of tokens
+  logprobs are refused for beam requests (``requests.check_request``): vLLM slices them by the number of tokens
   output, and those are not the step's sampled rows.
 * ``_update_request_with_output`` also **shrinks** a beam request at a re-layout (``ModelRunnerOutput
   .dsbd_relayout``, ``BeamRequest._relayout``): after vLLM appended the step's row, the request's output tokens
@@ -105,7 +105,7 @@ def ignore_token_stops(sp) -> None:
     request are trie slots, not a sequence: off for it (the engine's copy of its ``SamplingParams``). A beam's own EOS
     never enters the trie (it finishes the beam), but a request that does not ignore EOS gets the generation config's
     other EOS ids as ``stop_token_ids`` (``SamplingParams.update_from_generation_config``), which are ordinary trie
-    tokens; user-given ``stop_token_ids`` are refused in the front end (``config.check_request``)."""
+    tokens; user-given ``stop_token_ids`` are refused in the front end (``requests.check_request``)."""
     sp._eos_token_id = None
     if sp.stop_token_ids:
         sp.stop_token_ids = []

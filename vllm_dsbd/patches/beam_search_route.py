@@ -36,7 +36,7 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request)."""
     from vllm.sampling_params import SamplingParams
 
-    from vllm_dsbd.engine.beams import BEAM_KEY, BeamParams
+    from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
     if getattr(params, "structured_outputs", None) is not None:
         raise ValueError("structured_outputs: not supported for beam search on a DSBD engine")
@@ -54,7 +54,7 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
 
 def finished_beams(out) -> list[dict]:
     """The beams a finished DSBD beam request carries (``kv_transfer_params["dsbd_beam"]``, best first)."""
-    from vllm_dsbd.engine.beams import BEAM_KEY
+    from vllm_dsbd.requests import BEAM_KEY
 
     params = out.kv_transfer_params or {}
     if BEAM_KEY not in params:

@@ -1,5 +1,5 @@
 """Patch: a DSBD engine rejects a bad request in the front end, before the request reaches the engine: a bad
-per-request width, or a sampling setting the DSBD sampler does not apply (``config.check_request``: penalties, min_p,
+per-request width, or a sampling setting the DSBD sampler does not apply (``requests.check_request``: penalties, min_p,
 min_tokens, logit_bias, allowed_token_ids, bad_words, structured outputs, prompt logprobs, ...).
 
 ``InputProcessor._validate_params`` (v1/engine/input_processor.py) is where vLLM raises ``ValueError`` for bad
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import types
 
-from vllm_dsbd.config import METHOD, DSBDConfig, check_request
+from vllm_dsbd.config import METHOD, DSBDConfig
+from vllm_dsbd.requests import check_request
 from vllm_dsbd.patches._patching import when_imported, wrap_method
 
 PATCH_ID = "request_validation"

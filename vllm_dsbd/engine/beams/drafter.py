@@ -10,12 +10,12 @@ few steps ahead of the W live beams of every beam request of the step, in one dr
   them (cumulative log-probabilities, EOS finishing a beam so never continued), the W best (beam, token) pairs of the
   joint. T > 0: W pairs drawn without replacement from the draft's beam-sampling joint Q (``core.beam_step``, keyed
   by the request's seed and the tokens' position), in draw order, with Q kept for the exact verification
-  (``BeamRequest.step``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths
+  (``step.py``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths
   (node c of the forest at slot ``base + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under
   forest attention.
 
 The forest goes back to the request (``BeamRequest.forest``); its tokens follow the remaining leaves as the request's
-draft tokens, so the target computes them with the leaves in the next pass and ``BeamRequest.step`` verifies them.
+draft tokens, so the target computes them with the leaves in the next pass and ``step.py`` verifies them.
 A forest is cut (deepest nodes first) to what fits in the scheduler's draft slots and in the KV blocks the request
 owns now (the drafter may not write beyond them).
 """
@@ -29,11 +29,12 @@ import torch
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.sampling import beam_step
 
-from . import beam_sampling, reads
-from .attention import ForestBatch
-from .beams import BeamForest, beam_params
-from .kv import slots_of
-from .state import RequestState
+from .. import reads
+from ..attention import ForestBatch
+from ..kv import slots_of
+from ..state import RequestState
+from . import sampling as beam_sampling
+from .trie import BeamForest, beam_params
 
 
 @dataclass
@@ -93,7 +94,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     (``engine/reads.py``): the runner drives it beside the plain requests' drafting, one read for both."""
     if not jobs:
         return
-    table, bs, owned = drafter._block_table()
+    table, bs, owned = drafter.block_table_host()
     rows = torch.tensor([j.row for j in jobs], dtype=torch.int64)
     block_rows = table[rows]
     brow = block_rows.numpy()
@@ -118,7 +119,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
     # the draft logits stay on the device: each depth's beam step runs there for all requests at once, and what the
     # tries and forests (host lists) need comes over in one copy per depth
-    logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
+    logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
     leaf_logits, at = [], 0
     for job in jobs:
         beam = job.state.beam
@@ -135,12 +136,12 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
                  for b in job.state.beam.live] for job in jobs]
     forests = None
     if drafter.static_drafting and _static_layout(jobs):
-        if drafter._beam_static_skip:
-            drafter._beam_static_skip -= 1
+        if drafter.beam_static_skip:
+            drafter.beam_static_skip -= 1
         else:
             forests = yield from _draft_static(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
-            drafter._beam_static_backoff = 0 if forests else min(max(2 * drafter._beam_static_backoff, 1), 16)
-            drafter._beam_static_skip = drafter._beam_static_backoff
+            drafter.beam_static_backoff = 0 if forests else min(max(2 * drafter.beam_static_backoff, 1), 16)
+            drafter.beam_static_skip = drafter.beam_static_backoff
             drafter.beam_static_misses += forests is None
     if forests is None:
         forests = _draft_loop(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
@@ -182,7 +183,7 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
                 f.drafted[nd - n] = True
         sub = list(layer_of)
         fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
-        logits = drafter._forward(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
+        logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
                                   list(range(t0)), fb, d)
         at = 0
         for k in sub:
@@ -348,7 +349,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
                                   torch.cat([trie_par, fpar])[torch.tensor(gather, dtype=torch.int64, device=dev)],
                                   query, max(flen))
         ids_t = torch.tensor(ids_at, dtype=torch.int64, device=dev)
-        logits = drafter._forward(token.flatten()[ids_t], pos, np.concatenate(slots), qlens, seqs,
+        logits = drafter.forward_ragged(token.flatten()[ids_t], pos, np.concatenate(slots), qlens, seqs,
                                   block_rows[torch.tensor(sub)], list(range(t0)), fb, d)
         rows = torch.zeros(R * W, V, device=dev).index_copy_(0, ids_t, logits).reshape(R, W, V)
         sc, live = torch.where(planned, score, -torch.inf), cont

@@ -1,143 +1,21 @@
-"""Beams inside one vLLM request (DESIGN.md §2, "Full width lives inside one vLLM request"), with or without DSBD's
-draft forest.
+"""One beam request's trie, its draft forest and its answer (:class:`BeamRequest`; the story is in ``__init__.py``).
 
-A beam request keeps its W live beams as a trie of nodes stored in the request's own KV slots, after its linear
-context (the prompt, then the beams' common prefix; ``base`` slots). vLLM's token list of the request is always
-``linear context + trie node tokens in slot order`` (node j at slot ``base + j``), so vLLM's tokens, block hashes
-and recomputation after a preemption see the true token of every slot. The trie's leaves (the live beams' last
-tokens) are always its last nodes: leaf 0 is vLLM's last token (not yet in the cache) and leaves 1.. are scheduled as
-the request's "draft tokens". A node's RoPE position is ``P - 1 + depth`` (P = prompt length, depth counted from
-the prompt) and its attention sees the linear context and its own ancestors (``attention.ForestBatch`` with context
-``base`` over the trie).
-
-After each step the draft model beam-searches (T = 0) or beam-samples (T > 0) a forest a few steps ahead of the live
-beams (``beam_drafter.py``): W nodes per depth, stored after the trie (forest node c at slot
-``base + len(trie) + c``) and scheduled as draft tokens after the leaves, so one target pass computes the leaves and
-the forest together.
-
-One beam step, when the logits of every leaf are in (:meth:`BeamRequest.step`):
-
-* T = 0: vLLM's ``LLM.beam_search``: each live beam's top ``2W`` tokens are candidates (raw log-probabilities,
-  cumulative scores summed in float64 as vLLM sums Python floats); a candidate ending in EOS finishes (unless EOS is
-  ignored); the ``W`` best other candidates (stable sort, as vLLM's ``sorted``) are the new live beams. With a
-  forest: while the W new beams are all forest nodes, their logits are in this pass too, so the next beam step runs
-  on them at once (a forest layer *passed*); the first step whose beams are not all forest nodes ends the pass. The
-  draft only decides how many steps one target pass makes: every step is the target's own, so the beams are vLLM's.
-* T > 0: target beam sampling: ``W`` (beam, token) pairs drawn without replacement from the joint
-  (``core.beam_step``); a drawn pair ending in EOS finishes. With a forest (drawn by the draft's beam sampling, its
-  joint Q kept per depth), each layer is DSBD's exact verification (``core.verify_layer``'s decisions, computed on
-  the device without host reads by ``core.verify_static``: recursive rejection sampling without replacement, so the
-  W outputs are W draws without replacement from the target joint): while the new beams are all forest nodes the
-  next layer runs on their logits. The beams' law is target beam sampling
-  whatever the draft (with ``dynamic_width`` the paper's rule picks each drafted layer's width from P and Q).
-
-Then the nodes the new beams hang from (leaves and passed forest nodes) are kept and moved down in slot order to
-the first free slots (:class:`StepResult` says which slots move), except that the leaves already in vLLM's token
-list never move (a pruned one stays as a dead node), so vLLM's token at every slot stays true. What goes back to
-vLLM is the row ``[kept nodes after vLLM's last token] + [new leaf 0]``: vLLM appends it, counts ``len(row) - 1``
-accepted drafts and rolls back the rest, which lands exactly on the new layout. When vLLM scheduled (or, after a
-preemption, recomputed) only some of the leaves, the step waits: the logits of the computed leaves are kept and the
-row is the next leaves (:meth:`BeamRequest.partial`); the forest is dropped.
-
-Then the request is *re-laid out* (:meth:`BeamRequest._relayout`, DESIGN.md §2): the live beams' common prefix
-leaves the trie and becomes linear context after the prompt (slots ``[prompt_len, base)``, position = slot, attended
-causally like the prompt), every dead node (on no live beam: pruned beams, finished beams' tokens) is dropped, and
-the kept nodes move down in slot order; vLLM's token list of the request is rewritten to match (runner and scheduler,
-patch ``beam_scheduler``), so the request holds ``base + live trie`` slots instead of every slot it ever kept, and
-forest attention runs over the live trie only. ``VLLM_DSBD_BEAM_RELAYOUT=0`` turns it off (for comparisons).
-
-What vLLM outputs for the request is not its token list (trie slots) but its *settled prefix*
-(:meth:`BeamRequest.settle`, after every step): the longest common prefix of the live beams and the ``n`` best
-finished beams so far. Every beam the request can still return is one of those or descends from a live beam, so a
-settled token is never retracted (a finished beam that drops out of the ``n`` best never comes back). When the
-search ends, the rest of the best beam follows.
-
-This module imports no vLLM.
+The batched step that drives it is ``step.py``; this module imports no vLLM.
 """
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vllm_dsbd.core import rng
 from vllm_dsbd.core.params import BatchParams
+from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
-from . import beam_sampling, reads
-
-from vllm_dsbd.config import BEAM_KEY  # SamplingParams.extra_args[BEAM_KEY]: the beam request's settings (a dict)
+from .. import reads
+from .sampling import TopRows, top_rows
 
 MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
-_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width")
-
-
-@dataclass(frozen=True)
-class BeamParams:
-    """What a beam request asks for (``extra_args["dsbd_beam"]``); temperature and seed are the request's own."""
-
-    width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-    eos_token_id: int | None = None
-    n: int | None = None  # beams returned (default: width)
-    depth: int | None = None  # draft depth of the request's forests (default: the engine's; 0: no draft)
-    dynamic_width: bool = False  # T > 0: the paper's dynamic width per drafted layer (default: fixed width W)
-
-    @staticmethod
-    def parse(value: Any, max_width: int) -> "BeamParams":
-        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise."""
-        name = f"extra_args[{BEAM_KEY!r}]"
-        if isinstance(value, str):  # the OpenAI server's vllm_xargs carry strings and numbers, never mappings
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ValueError(f"{name} must be a mapping (or a JSON object string) with keys "
-                                 f"{list(_BEAM_FIELDS)}, got {value!r}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a mapping with keys {list(_BEAM_FIELDS)}, got {value!r}")
-        unknown = [k for k in value if k not in _BEAM_FIELDS]
-        if unknown:
-            raise ValueError(f"{name}: unknown key(s) {unknown}; allowed keys: {list(_BEAM_FIELDS)}")
-
-        def integer(key, lo, hi=None, required=True):
-            v = value.get(key)
-            if v is None and not required:
-                return None
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-                rng_ = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-                raise ValueError(f"{name}[{key!r}] must be an integer in {rng_}, got {v!r}")
-            return v
-
-        width = value.get("width")
-        if isinstance(width, int) and not isinstance(width, bool) and width > max_width:
-            raise ValueError(f"{name}['width'] = {width} is above the engine's DSBD width {max_width} "
-                             "(start the engine with a larger 'width')")
-        width = integer("width", 1, max_width)
-        n = integer("n", 1, width, required=False)
-        lp = value.get("length_penalty", 1.0)
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
-            raise ValueError(f"{name}['length_penalty'] must be a finite number, got {lp!r}")
-        ign, dyn = value.get("ignore_eos", False), value.get("dynamic_width", False)
-        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn)):
-            if not isinstance(v, bool):
-                raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
-        return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
-                          ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
-                          depth=integer("depth", 0, required=False), dynamic_width=dyn)
-
-    def engine_tokens(self) -> int:
-        """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
-        ``width + 1`` per step), so that vLLM never finishes the request itself; DSBD finishes it."""
-        return self.max_tokens * (self.width + 1) + 2
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _BEAM_FIELDS}
-
-
 @dataclass
 class Finished:
     tokens: list[int]
@@ -165,47 +43,6 @@ class StepResult:
 
 
 @dataclass
-class TopRows:
-    """What a deterministic beam step (T = 0) reads of logits rows: each row's ``2W`` best tokens and their
-    log-probabilities (float32 ``log_softmax`` of the logits, then ``topk``: vLLM's beam search gets the same from its
-    sampler), as host lists. The runner computes them on the logits' device for every such request of a step and
-    copies them over at once (:func:`top_rows`), so no logits row leaves the device."""
-
-    vals: list[list[float]]
-    idx: list[list[int]]
-
-    def __len__(self) -> int:
-        return len(self.vals)
-
-    def __getitem__(self, rows: slice) -> "TopRows":
-        return TopRows(self.vals[rows], self.idx[rows])
-
-    def pick(self, rows: list[int]) -> "TopRows":
-        return TopRows([self.vals[r] for r in rows], [self.idx[r] for r in rows])
-
-    @staticmethod
-    def cat(parts: list["TopRows"]) -> "TopRows":
-        return TopRows([v for p in parts for v in p.vals], [i for p in parts for i in p.idx])
-
-
-def top_rows(logits: torch.Tensor, ks: list[int], counts: list[int]) -> reads.Reader[list[TopRows]]:
-    """The :class:`TopRows` of consecutive groups of logits rows ([sum counts, V], on any device): group g has
-    ``counts[g]`` rows and keeps its rows' ``ks[g]`` best tokens. One ``log_softmax`` and one ``topk`` for all rows
-    (both exact per row: a row's results do not depend on the other rows), one read (a reader: ``engine/reads.py``)."""
-    V = logits.shape[-1]
-    kk = min(max(ks, default=1), V)
-    vals, idx = torch.topk(torch.log_softmax(logits.float(), dim=-1), kk, dim=-1)
-    host, = yield [torch.stack([vals.double(), idx.double()])]  # float32 values and token ids are exact in float64
-    v_l, i_l = host[0].tolist(), host[1].long().tolist()
-    out, at = [], 0
-    for k, n in zip(ks, counts):
-        k = min(k, V)
-        out.append(TopRows([r[:k] for r in v_l[at : at + n]], [r[:k] for r in i_l[at : at + n]]))
-        at += n
-    return out
-
-
-@dataclass
 class BeamForest:
     """A draft forest hanging off the live beams, stored after the trie: node c at slot ``base + len(trie) + c``, in
     depth-major order (``beam_drafter``). Its nodes are numbered after the trie's (``len(trie) + c``)."""
@@ -223,7 +60,7 @@ class BeamForest:
 
 
 @dataclass
-class _Live:
+class LiveBeam:
     node: int  # trie index of the beam's last token (-1: the prompt)
     score: float  # float64 cumulative raw log-probability (what vLLM reports and ranks by)
     sample_score: float  # the beam-sampling score log P (T > 0)
@@ -256,7 +93,7 @@ class BeamRequest:
         # are not drafted for (1, 2, 4, .. up to MAX_BACKOFF steps; back to every step when a layer passes)
         self.draft_skip = 0
         self._backoff = 0
-        self.live: list[_Live] = [_Live(-1, 0.0, 0.0)]
+        self.live: list[LiveBeam] = [LiveBeam(-1, 0.0, 0.0)]
         self.finished: list[Finished] = []
         self.steps = 0
         # what the beam step reads of the leaves computed so far this step: T = 0 their TopRows, T > 0 their logits
@@ -314,7 +151,7 @@ class BeamRequest:
     def partial(self, logits: torch.Tensor | TopRows) -> StepResult | None:
         """Records the next computed leaves (their logits rows [m, V] on any device, or their :class:`TopRows` at
         T = 0); returns the row that moves on to the leaves still missing, or None when every leaf is now in (call
-        :meth:`step`)."""
+        ``step.step_one``)."""
         rows = self.rows_of(logits)
         if len(rows):
             self.leaf_rows.append(rows)
@@ -330,15 +167,7 @@ class BeamRequest:
         self.fixed = m + 1
         return StepResult(row=row, next_drafts=nxt[1:])
 
-    def step(self, eos_score_token: int | None, forest_logits: torch.Tensor | TopRows | None = None) -> StepResult:
-        """One beam step over the collected leaves, then (a forest verified) more steps while the target's new beams
-        are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V] on any device, or their
-        :class:`TopRows` at T = 0; the first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS
-        id vLLM's length penalty looks at (the tokenizer's, even when EOS is ignored). :func:`step_beams` steps
-        several requests at once."""
-        return reads.run(step_beams([(self, eos_score_token, forest_logits)]))[0]
-
-    def _begin(self, eos_score_token: int | None, forest_logits) -> "_Step":
+    def begin_step(self, eos_score_token: int | None, forest_logits) -> PendingStep:
         parts, self.leaf_rows = self.leaf_rows, []
         logits = TopRows.cat(parts) if self.temperature <= 0.0 else torch.cat(parts)  # [Wl, V] or Wl rows
         forest, self.forest = self.forest, None
@@ -349,9 +178,9 @@ class BeamRequest:
             forest, forest_logits = None, None
         else:
             forest_logits = self.rows_of(forest_logits)
-        return _Step(self, logits, forest, forest_logits, None if p.ignore_eos else p.eos_token_id)
+        return PendingStep(self, logits, forest, forest_logits, None if p.ignore_eos else p.eos_token_id)
 
-    def _end(self, st: "_Step") -> StepResult:
+    def end_step(self, st: PendingStep) -> StepResult:
         nodes = 0
         if st.forest is not None:
             nodes = len(st.flogits)
@@ -361,7 +190,7 @@ class BeamRequest:
         out.stepped, out.draft_nodes, out.layers_passed, out.widths = True, nodes, st.passed, st.widths
         return out
 
-    def _graft(self, forest: BeamForest, F: int) -> int:
+    def graft(self, forest: BeamForest, F: int) -> int:
         """Adds the forest's first F nodes (the ones vLLM scheduled) to the node lists (node ``len(trie) + c`` at its
         slot); the ones that end up on no beam are dropped by :meth:`_apply`. Returns ``len(trie)`` before."""
         n0 = len(self.tokens)
@@ -372,12 +201,12 @@ class BeamRequest:
         self.has_draft += forest.drafted[:F]
         return n0
 
-    def _verify_layers(self, cands, forest: BeamForest, top: TopRows, eos: int | None):
+    def verify_layers(self, cands, forest: BeamForest, top: TopRows, eos: int | None):
         """T = 0: while the target's W new beams are all nodes of the forest, they become the live beams (their
         logits' best tokens are known) and the target's next beam step runs on them. Returns the last candidates
         and the layers passed."""
         F = len(top)
-        n0 = self._graft(forest, F)
+        n0 = self.graft(forest, F)
         index = {(forest.parents[c], forest.tokens[c]): n0 + c for c in range(F)}
         passed = 0
         while cands and self.steps < self.params.max_tokens:
@@ -386,23 +215,23 @@ class BeamRequest:
                 break
             for nd, (_, _, _, v, _) in zip(nodes, cands):
                 self.logprobs[nd] = v
-            self.live = [_Live(nd, cum, ss) for nd, (_, _, cum, _, ss) in zip(nodes, cands)]
-            cands = self._search(top.pick([nd - n0 for nd in nodes]), eos)
+            self.live = [LiveBeam(nd, cum, ss) for nd, (_, _, cum, _, ss) in zip(nodes, cands)]
+            cands = self.search(top.pick([nd - n0 for nd in nodes]), eos)
             self.steps += 1
             passed += 1
         return cands, passed
 
-    def _search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
+    def search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width
         cands = []
         for b, beam in enumerate(self.live):
             for v, t in zip(top.vals[b], top.idx[b]):
-                if (c := self._pair(b, t, v, beam.score + v, eos)) is not None:
+                if (c := self.pair(b, t, v, beam.score + v, eos)) is not None:
                     cands.append(c)
         cands = sorted(cands, key=lambda c: c[2], reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
 
-    def _pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
+    def pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
         """Live beam b extended by token t (raw log-probability v): a pair ending in EOS finishes the beam (None);
         any other is a candidate ``(beam, token, cumulative raw score, v, sampling score)``."""
         beam = self.live[b]
@@ -460,7 +289,7 @@ class BeamRequest:
             self.depths.append(1 if par < 0 else self.depths[par] + 1)
             self.logprobs.append(v)
             self.has_draft.append(False)
-            live.append(_Live(len(self.tokens) - 1, cum, ss))
+            live.append(LiveBeam(len(self.tokens) - 1, cum, ss))
         self.live = live
         first = self.tokens[live[0].node]
         out = StepResult(row=row_kept + [first], moves=moves, next_drafts=self.leaf_tokens(1))
@@ -532,7 +361,7 @@ class BeamRequest:
             node = self.parents[node]
         return self.prefix + toks[::-1], self.prefix_logprobs + lps[::-1]
 
-    def _finish(self, beam: _Live, extra: list[int], extra_lp: list[float], cum: float, reason: str) -> None:
+    def _finish(self, beam: LiveBeam, extra: list[int], extra_lp: list[float], cum: float, reason: str) -> None:
         toks, lps = self._path(beam.node)
         self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason))
 
@@ -593,10 +422,9 @@ def beam_params(beams: list[BeamRequest], device=None) -> BatchParams:
     return p if device is None else p.to(device)
 
 
-
 @dataclass
-class _Step:
-    """One request's beam step in progress (:func:`step_beams`)."""
+class PendingStep:
+    """One request's beam step in progress (``step.step_beams``)."""
 
     beam: BeamRequest
     logits: Any  # the leaves' TopRows (T = 0) or float32 logits rows [Wl, V] on the device (T > 0)
@@ -612,139 +440,3 @@ class _Step:
     rows: torch.Tensor | None = None
     drafts: list[int] = field(default_factory=list)
     n0: int = 0
-
-
-def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> reads.Reader[list[StepResult]]:
-    """:meth:`BeamRequest.step` of several beam requests whose leaves are all in (``(request, eos_score_token,
-    forest_logits)`` each); a reader (``engine/reads.py``). T = 0 steps are host work on their rows' best tokens; the
-    T > 0 steps' device work runs for all of them together (``beam_sampling``): one beam-sampling draw for the
-    requests without a forest and, side by side with it (one read for both), the verified layers of the requests
-    with one (:func:`_sample_layers`)."""
-    steps = [b._begin(eos, flogits) for b, eos, flogits in items]
-    plain = []
-    for st in steps:
-        b = st.beam
-        if b.temperature <= 0.0:
-            st.cands = b._search(st.logits, st.eos)
-            b.steps += 1
-            if st.forest is not None:
-                st.cands, st.passed = b._verify_layers(st.cands, st.forest, st.flogits, st.eos)
-        elif st.forest is None:
-            plain.append(st)
-    yield from reads.gather(_sample_plain(plain) if plain else None,
-                            _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None]))
-    return [st.beam._end(st) for st in steps]
-
-
-def _sample_plain(plain: list[_Step]) -> reads.Reader[None]:
-    """T > 0 without a forest: one beam-sampling step of every such request at once."""
-    beams = [st.beam for st in plain]
-    dev = plain[0].logits.device
-    pairs, _ = yield from beam_sampling.sample([st.logits for st in plain],
-                                               [[x.sample_score for x in b.live] for b in beams],
-                                               [[True] * len(b.live) for b in beams], beam_params(beams, dev),
-                                               [b.prompt_len + b.steps for b in beams], rng.Stream.TARGET_DRAW)
-    for st, ps in zip(plain, pairs):
-        st.cands = [c for p in ps if (c := st.beam._pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None]
-        st.beam.steps += 1
-
-
-# all of a step's verified layers in one read of the device (``beam_sampling.verify_forests``); False: one read per
-# layer (``beam_sampling.verify`` on the requests still passing, stopping when none passes). The runner sets it with
-# the other static paths (``sampler.static_default``: on a device, not on the CPU, unless VLLM_DSBD_STATIC_VERIFY
-# says otherwise); the tests compare the two.
-STATIC_LAYERS = True
-
-
-def _sample_layers(steps: list[_Step]) -> reads.Reader[None]:
-    """T > 0 with a forest: DSBD's exact layer-by-layer verification (DESIGN.md §1; ``beam_sampling``). Layer d's
-    target joint P (over the request's current beams) and the draft joint Q its depth-d nodes were drawn from give K
-    outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so each
-    layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits are in the
-    forest's rows), the next layer runs on them; the first layer that has a beam outside the forest, or no drafts
-    (the bonus layer), ends the request's pass. Sets each step's last candidates, layers passed and widths of
-    drafted layers. The device work runs for every request at once: all layers in one call and one read
-    (``STATIC_LAYERS``, where whether a layer passed is decided on the device too), or one call per layer."""
-    for st in steps:
-        st.n0 = st.beam._graft(st.forest, len(st.flogits))
-        st.rows = st.logits
-    if not steps:
-        return
-    if STATIC_LAYERS:
-        results = yield from beam_sampling.verify_forests(
-            [_plan(st) for st in steps], beam_params([st.beam for st in steps], steps[0].logits.device))
-        for st, layers in zip(steps, results):
-            passed = False
-            for n, (pairs, k) in enumerate(layers):
-                st.drafts = _layer_drafts(st)
-                passed = _take(st, pairs, k, rows=False)
-                if passed != (n + 1 < len(layers)):
-                    raise RuntimeError(f"DSBD beams: layer {n + 1} of a static verification "
-                                       f"{'passed' if passed else 'ended'} on the host, not on the device")
-        return
-    active = list(steps)
-    while active:
-        layers = []
-        for st in active:
-            b, f, V = st.beam, st.forest, st.rows.shape[-1]
-            st.drafts = _layer_drafts(st)
-            layers.append(beam_sampling.Layer(
-                logits=st.rows, scores=[x.sample_score for x in b.live],
-                drafts=[f.slots[c] * V + f.tokens[c] for c in st.drafts],
-                logq=f.q[f.layers[st.drafts[0]] - 1] if st.drafts else None, position=b.prompt_len + b.steps,
-                dynamic=b.params.dynamic_width))
-        pairs, ks = yield from beam_sampling.verify(layers, beam_params([st.beam for st in active],
-                                                                       active[0].rows.device))
-        active = [st for st, ps, k in zip(active, pairs, ks) if _take(st, ps, k)]
-
-
-def _layer_drafts(st: _Step) -> list[int]:
-    """The forest nodes (numbers c, in draw order) of the layer the step verifies next."""
-    return [c for c in range(len(st.flogits)) if st.forest.layers[c] == st.layer]
-
-
-def _plan(st: _Step) -> beam_sampling.Plan:
-    """A step's forest as ``beam_sampling.verify_forests`` takes it."""
-    b, f, V = st.beam, st.forest, st.logits.shape[-1]
-    by_depth: dict[int, list[int]] = {}
-    for c in range(len(st.flogits)):
-        by_depth.setdefault(f.layers[c], []).append(c)
-    drafts = [by_depth.get(d, []) for d in range(1, max(by_depth, default=0) + 1)]
-    return beam_sampling.Plan(
-        leaves=st.logits, scores=[x.sample_score for x in b.live], nodes=st.flogits, drafts=drafts,
-        joint=[[f.slots[c] * V + f.tokens[c] for c in ds] for ds in drafts], logq=f.q[: len(drafts)],
-        position=b.prompt_len + b.steps, layers=b.params.max_tokens - b.steps, dynamic=b.params.dynamic_width,
-        eos=-1 if st.eos is None else st.eos)
-
-
-def _take(st: _Step, pairs: list, k: int, rows: bool = True) -> bool:
-    """Applies one verified layer's outputs (``st.drafts`` its drafts) to the request: EOS pairs finish beams, the
-    others are the step's candidates. Returns whether the layer passed (drafts there, a candidate, every candidate a
-    draft, a step left): then the drafts become the live beams, scored by the candidates they are (the others dead
-    slots), and (``rows``) their logits rows the next layer's."""
-    b, f, V = st.beam, st.forest, st.logits.shape[-1]
-    node_of = {f.slots[c] * V + f.tokens[c]: st.n0 + c for c in st.drafts}
-    cands, nodes = [], []
-    for p in pairs:
-        if (c := b._pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None:
-            cands.append(c)
-            nodes.append(node_of.get(p.beam * V + p.token))
-    b.steps += 1
-    if st.drafts:
-        st.widths.append(k)
-    st.cands = cands
-    if not st.drafts or not cands or None in nodes or b.steps >= b.params.max_tokens:
-        return False
-    st.passed += 1
-    # the layer passed: the next layer's beams are forest nodes; its parent slots are this depth's nodes (what the
-    # deeper drafts were drawn from), the ones that are not beams stay in as dead slots
-    live = [_Live(st.n0 + c, -math.inf, -math.inf) for c in st.drafts]
-    slot_of = {st.n0 + c: i for i, c in enumerate(st.drafts)}
-    for nd, (_, _, cum, v, ss) in zip(nodes, cands):
-        b.logprobs[nd] = v
-        live[slot_of[nd]] = _Live(nd, cum, ss)
-    b.live = live
-    if rows:
-        st.rows = st.flogits[torch.tensor(st.drafts, device=st.flogits.device)]
-    st.layer += 1
-    return True

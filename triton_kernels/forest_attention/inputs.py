@@ -1,4 +1,4 @@
-"""Random forest-attention inputs in a paged cache: the shared fixture of the kernel tests and the benchmark."""
+"""Forest-attention inputs in a paged cache (one typed batch, and random ones by `make_dummy`): what the kernel tests and the kernel benchmark feed the kernel and its references."""
 
 from __future__ import annotations
 

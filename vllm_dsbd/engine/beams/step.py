@@ -1,0 +1,163 @@
+"""The beam step of several beam requests at once (:func:`step_beams`), and its verified forest layers.
+
+T = 0 steps are host work on each row's best tokens; the T > 0 steps' device work runs for all of them together
+(``sampling.py``): one beam-sampling draw for the requests without a forest and, beside it in the same read, the
+verified layers of the requests with one. This module imports no vLLM.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from vllm_dsbd.core import rng
+
+from .. import reads
+from . import sampling as beam_sampling
+from .trie import BeamRequest, LiveBeam, PendingStep, StepResult, beam_params
+
+def step_one(beam: BeamRequest, eos_score_token: int | None,
+             forest_logits: torch.Tensor | Any | None = None) -> StepResult:
+    """One beam step of one request over its collected leaves, then (a forest verified) more steps while the target's
+    new beams are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V] on any device, or their
+    ``TopRows`` at T = 0; the first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS id vLLM's
+    length penalty looks at (the tokenizer's, even when EOS is ignored). :func:`step_beams` steps several requests at
+    once."""
+    return reads.run(step_beams([(beam, eos_score_token, forest_logits)]))[0]
+
+
+def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> reads.Reader[list[StepResult]]:
+    """:func:`step_one` of several beam requests whose leaves are all in (``(request, eos_score_token,
+    forest_logits)`` each); a reader (``engine/reads.py``). T = 0 steps are host work on their rows' best tokens; the
+    T > 0 steps' device work runs for all of them together (``beam_sampling``): one beam-sampling draw for the
+    requests without a forest and, side by side with it (one read for both), the verified layers of the requests
+    with one (:func:`_sample_layers`)."""
+    steps = [b.begin_step(eos, flogits) for b, eos, flogits in items]
+    plain = []
+    for st in steps:
+        b = st.beam
+        if b.temperature <= 0.0:
+            st.cands = b.search(st.logits, st.eos)
+            b.steps += 1
+            if st.forest is not None:
+                st.cands, st.passed = b.verify_layers(st.cands, st.forest, st.flogits, st.eos)
+        elif st.forest is None:
+            plain.append(st)
+    yield from reads.gather(_sample_plain(plain) if plain else None,
+                            _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None]))
+    return [st.beam.end_step(st) for st in steps]
+
+
+def _sample_plain(plain: list[PendingStep]) -> reads.Reader[None]:
+    """T > 0 without a forest: one beam-sampling step of every such request at once."""
+    beams = [st.beam for st in plain]
+    dev = plain[0].logits.device
+    pairs, _ = yield from beam_sampling.sample([st.logits for st in plain],
+                                               [[x.sample_score for x in b.live] for b in beams],
+                                               [[True] * len(b.live) for b in beams], beam_params(beams, dev),
+                                               [b.prompt_len + b.steps for b in beams], rng.Stream.TARGET_DRAW)
+    for st, ps in zip(plain, pairs):
+        st.cands = [c for p in ps if (c := st.beam.pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None]
+        st.beam.steps += 1
+
+
+# all of a step's verified layers in one read of the device (``beam_sampling.verify_forests``); False: one read per
+# layer (``beam_sampling.verify`` on the requests still passing, stopping when none passes). The runner sets it with
+# the other static paths (``sampler.static_default``: on a device, not on the CPU, unless VLLM_DSBD_STATIC_VERIFY
+# says otherwise); the tests compare the two.
+STATIC_LAYERS = True
+
+
+def _sample_layers(steps: list[PendingStep]) -> reads.Reader[None]:
+    """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design.md`` §1; ``beam_sampling``). Layer d's
+    target joint P (over the request's current beams) and the draft joint Q its depth-d nodes were drawn from give K
+    outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so each
+    layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits are in the
+    forest's rows), the next layer runs on them; the first layer that has a beam outside the forest, or no drafts
+    (the bonus layer), ends the request's pass. Sets each step's last candidates, layers passed and widths of
+    drafted layers. The device work runs for every request at once: all layers in one call and one read
+    (``STATIC_LAYERS``, where whether a layer passed is decided on the device too), or one call per layer."""
+    for st in steps:
+        st.n0 = st.beam.graft(st.forest, len(st.flogits))
+        st.rows = st.logits
+    if not steps:
+        return
+    if STATIC_LAYERS:
+        results = yield from beam_sampling.verify_forests(
+            [_plan(st) for st in steps], beam_params([st.beam for st in steps], steps[0].logits.device))
+        for st, layers in zip(steps, results):
+            passed = False
+            for n, (pairs, k) in enumerate(layers):
+                st.drafts = _layer_drafts(st)
+                passed = _take(st, pairs, k, rows=False)
+                if passed != (n + 1 < len(layers)):
+                    raise RuntimeError(f"DSBD beams: layer {n + 1} of a static verification "
+                                       f"{'passed' if passed else 'ended'} on the host, not on the device")
+        return
+    active = list(steps)
+    while active:
+        layers = []
+        for st in active:
+            b, f, V = st.beam, st.forest, st.rows.shape[-1]
+            st.drafts = _layer_drafts(st)
+            layers.append(beam_sampling.Layer(
+                logits=st.rows, scores=[x.sample_score for x in b.live],
+                drafts=[f.slots[c] * V + f.tokens[c] for c in st.drafts],
+                logq=f.q[f.layers[st.drafts[0]] - 1] if st.drafts else None, position=b.prompt_len + b.steps,
+                dynamic=b.params.dynamic_width))
+        pairs, ks = yield from beam_sampling.verify(layers, beam_params([st.beam for st in active],
+                                                                       active[0].rows.device))
+        active = [st for st, ps, k in zip(active, pairs, ks) if _take(st, ps, k)]
+
+
+def _layer_drafts(st: PendingStep) -> list[int]:
+    """The forest nodes (numbers c, in draw order) of the layer the step verifies next."""
+    return [c for c in range(len(st.flogits)) if st.forest.layers[c] == st.layer]
+
+
+def _plan(st: PendingStep) -> beam_sampling.Plan:
+    """A step's forest as ``beam_sampling.verify_forests`` takes it."""
+    b, f, V = st.beam, st.forest, st.logits.shape[-1]
+    by_depth: dict[int, list[int]] = {}
+    for c in range(len(st.flogits)):
+        by_depth.setdefault(f.layers[c], []).append(c)
+    drafts = [by_depth.get(d, []) for d in range(1, max(by_depth, default=0) + 1)]
+    return beam_sampling.Plan(
+        leaves=st.logits, scores=[x.sample_score for x in b.live], nodes=st.flogits, drafts=drafts,
+        joint=[[f.slots[c] * V + f.tokens[c] for c in ds] for ds in drafts], logq=f.q[: len(drafts)],
+        position=b.prompt_len + b.steps, layers=b.params.max_tokens - b.steps, dynamic=b.params.dynamic_width,
+        eos=-1 if st.eos is None else st.eos)
+
+
+def _take(st: PendingStep, pairs: list, k: int, rows: bool = True) -> bool:
+    """Applies one verified layer's outputs (``st.drafts`` its drafts) to the request: EOS pairs finish beams, the
+    others are the step's candidates. Returns whether the layer passed (drafts there, a candidate, every candidate a
+    draft, a step left): then the drafts become the live beams, scored by the candidates they are (the others dead
+    slots), and (``rows``) their logits rows the next layer's."""
+    b, f, V = st.beam, st.forest, st.logits.shape[-1]
+    node_of = {f.slots[c] * V + f.tokens[c]: st.n0 + c for c in st.drafts}
+    cands, nodes = [], []
+    for p in pairs:
+        if (c := b.pair(p.beam, p.token, p.logprob, p.score, st.eos)) is not None:
+            cands.append(c)
+            nodes.append(node_of.get(p.beam * V + p.token))
+    b.steps += 1
+    if st.drafts:
+        st.widths.append(k)
+    st.cands = cands
+    if not st.drafts or not cands or None in nodes or b.steps >= b.params.max_tokens:
+        return False
+    st.passed += 1
+    # the layer passed: the next layer's beams are forest nodes; its parent slots are this depth's nodes (what the
+    # deeper drafts were drawn from), the ones that are not beams stay in as dead slots
+    live = [LiveBeam(st.n0 + c, -math.inf, -math.inf) for c in st.drafts]
+    slot_of = {st.n0 + c: i for i, c in enumerate(st.drafts)}
+    for nd, (_, _, cum, v, ss) in zip(nodes, cands):
+        b.logprobs[nd] = v
+        live[slot_of[nd]] = LiveBeam(nd, cum, ss)
+    b.live = live
+    if rows:
+        st.rows = st.flogits[torch.tensor(st.drafts, device=st.flogits.device)]
+    st.layer += 1
+    return True

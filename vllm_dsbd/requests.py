@@ -1,0 +1,186 @@
+"""Per-request DSBD settings and checks: what ``SamplingParams.extra_args`` may carry on a DSBD engine and which
+sampling settings it refuses.
+
+* ``extra_args["dsbd_width"] = k`` (OpenAI API: ``"vllm_xargs": {"dsbd_width": k}``) caps one request's width at
+  ``k`` (``1 <= k <= width``): :func:`request_width`.
+* ``extra_args["dsbd_beam"] = {...}`` makes the request a beam request (beam search or beam sampling inside the
+  engine): :class:`BeamParams`.
+* :func:`check_request` validates a request when vLLM admits it (patch ``request_validation``), so a bad request is
+  refused with a message naming the parameter and the engine keeps serving.
+
+This module imports no torch and no vLLM.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_dsbd.config import METHOD, DSBDConfig
+
+__all__ = ["BEAM_KEY", "REQUEST_KEYS", "REQUEST_WIDTH_KEY", "BeamParams", "check_request", "request_width"]
+
+REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
+BEAM_KEY = "dsbd_beam"  # SamplingParams.extra_args[BEAM_KEY]: a beam request (BeamParams)
+REQUEST_KEYS = (REQUEST_WIDTH_KEY, BEAM_KEY)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width")
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """What a beam request asks for (``extra_args["dsbd_beam"]``); temperature and seed are the request's own."""
+
+    width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    eos_token_id: int | None = None
+    n: int | None = None  # beams returned (default: width)
+    depth: int | None = None  # draft depth of the request's forests (default: the engine's; 0: no draft)
+    dynamic_width: bool = False  # T > 0: the paper's dynamic width per drafted layer (default: fixed width W)
+
+    @staticmethod
+    def parse(value: Any, max_width: int) -> "BeamParams":
+        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise."""
+        name = f"extra_args[{BEAM_KEY!r}]"
+        if isinstance(value, str):  # the OpenAI server's vllm_xargs carry strings and numbers, never mappings
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"{name} must be a mapping (or a JSON object string) with keys "
+                                 f"{list(_BEAM_FIELDS)}, got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping with keys {list(_BEAM_FIELDS)}, got {value!r}")
+        unknown = [k for k in value if k not in _BEAM_FIELDS]
+        if unknown:
+            raise ValueError(f"{name}: unknown key(s) {unknown}; allowed keys: {list(_BEAM_FIELDS)}")
+
+        def integer(key, lo, hi=None, required=True):
+            v = value.get(key)
+            if v is None and not required:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                rng_ = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ValueError(f"{name}[{key!r}] must be an integer in {rng_}, got {v!r}")
+            return v
+
+        width = value.get("width")
+        if isinstance(width, int) and not isinstance(width, bool) and width > max_width:
+            raise ValueError(f"{name}['width'] = {width} is above the engine's DSBD width {max_width} "
+                             "(start the engine with a larger 'width')")
+        width = integer("width", 1, max_width)
+        n = integer("n", 1, width, required=False)
+        lp = value.get("length_penalty", 1.0)
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ValueError(f"{name}['length_penalty'] must be a finite number, got {lp!r}")
+        ign, dyn = value.get("ignore_eos", False), value.get("dynamic_width", False)
+        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
+        return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
+                          ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
+                          depth=integer("depth", 0, required=False), dynamic_width=dyn)
+
+    def engine_tokens(self) -> int:
+        """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
+        ``width + 1`` per step), so that vLLM never finishes the request itself; DSBD finishes it."""
+        return self.max_tokens * (self.width + 1) + 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _BEAM_FIELDS}
+
+
+def request_width(sampling_params: Any, cfg: DSBDConfig) -> int:
+    """The width of one request: ``sampling_params.extra_args["dsbd_width"]`` if given, else ``cfg.width``.
+
+    Raises:
+        ValueError: the value is not an integer with ``1 <= value <= cfg.width`` (the message names
+            ``extra_args['dsbd_width']``).
+    """
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    if REQUEST_WIDTH_KEY not in extra or extra[REQUEST_WIDTH_KEY] is None:
+        return cfg.width
+    value = extra[REQUEST_WIDTH_KEY]
+    if not _is_int(value) or not 1 <= value <= cfg.width:
+        raise ValueError(
+            f"extra_args[{REQUEST_WIDTH_KEY!r}] must be an integer in [1, {cfg.width}] (the engine's DSBD width), "
+            f"got {value!r}"
+        )
+    return value
+
+
+# SamplingParams a DSBD request may not set: (attribute, what counts as set). The DSBD sampler draws from the target's
+# and the draft's joints with temperature, top-k and top-p only; these would have to act on every forest node with
+# that node's own history (and on the draft alike, for exactness), which is not built. Refused, never ignored.
+_REFUSED = (
+    ("presence_penalty", lambda v: (v or 0.0) != 0.0),
+    ("frequency_penalty", lambda v: (v or 0.0) != 0.0),
+    ("repetition_penalty", lambda v: (1.0 if v is None else v) != 1.0),
+    ("min_p", lambda v: (v or 0.0) > 0.0),
+    ("min_tokens", lambda v: (v or 0) > 0),
+    ("logit_bias", bool),
+    ("allowed_token_ids", lambda v: v is not None),
+    ("bad_words", bool),
+    ("structured_outputs", lambda v: v is not None),
+    ("logprob_token_ids", lambda v: v is not None),
+    ("prompt_logprobs", lambda v: v is not None),
+    ("thinking_token_budget", lambda v: v is not None),
+    ("repetition_detection", lambda v: v is not None),
+)
+
+
+def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
+    """Validates one request for a DSBD engine; returns its width (:func:`request_width`).
+
+    Raises:
+        ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
+            (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
+            a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
+            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``, or
+            ``logprobs``.
+    """
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
+    if unknown:
+        raise ValueError(f"extra_args: unknown DSBD key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are {list(REQUEST_KEYS)}")
+    if extra.get(BEAM_KEY) is not None:
+        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width)  # ValueError naming extra_args['dsbd_beam'][key]
+        if not cfg.draft and beam.depth:
+            raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
+                             "so its beam requests have no draft forest; leave 'depth' out (or 0)")
+        need, mt = beam.engine_tokens(), getattr(sampling_params, "max_tokens", None)
+        if mt is not None and mt < need:
+            raise ValueError(f"max_tokens: a beam request of width {beam.width} and {beam.max_tokens} tokens needs "
+                             f"max_tokens >= {need} on its SamplingParams (its trie takes up to width + 1 slots per "
+                             f"step; DSBD ends the request itself), got {mt}")
+        if not getattr(sampling_params, "ignore_eos", False) and (beam.ignore_eos or beam.eos_token_id is None):
+            raise ValueError(f"ignore_eos: a beam request needs ignore_eos=True on its SamplingParams unless "
+                             f"extra_args[{BEAM_KEY!r}]['eos_token_id'] names its EOS (EOS would otherwise be an "
+                             "ordinary beam token, and vLLM stops a request whose tokens reach EOS before DSBD "
+                             "returns any beam)")
+        for name in ("stop", "stop_token_ids"):
+            if getattr(sampling_params, name, None):
+                raise ValueError(f"{name}: not supported on a beam request (extra_args[{BEAM_KEY!r}]): vLLM checks it "
+                                 "on the request's trie slots and settled text, not on each beam; a beam ends at "
+                                 f"extra_args[{BEAM_KEY!r}]['eos_token_id'] or its max_tokens")
+        if getattr(sampling_params, "logprobs", None) is not None:
+            raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
+                             "are its beams' settled prefix, then the best beam; each beam's per-token "
+                             f"log-probabilities are in kv_transfer_params[{BEAM_KEY!r}]")
+    bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
+    if bad:
+        names = ", ".join(bad)
+        raise ValueError(
+            f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
+            "top_p, seed, stop conditions and logprobs only); leave "
+            f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
+        )
+    return request_width(sampling_params, cfg)
