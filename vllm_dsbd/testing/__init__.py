@@ -1,0 +1,1 @@
+"""Tooling shared by the benchmarks and the tests; nothing in the engine or the plugin imports it."""
