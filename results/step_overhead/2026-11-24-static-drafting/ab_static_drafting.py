@@ -10,7 +10,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch; torch.set_num_threads(1)
 _spec = importlib.util.spec_from_file_location(  # the benchmark, loaded from its file
     "step_overhead", pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "engine" / "step_overhead.py")
-so = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(so)
+so = sys.modules["step_overhead"] = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(so)
 from vllm_dsbd.engine import drafter as dm
 static = sys.argv[3] == "1"
 init = dm.DSBDDrafter.__init__
