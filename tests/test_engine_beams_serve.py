@@ -28,7 +28,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
@@ -37,8 +36,7 @@ from engine_utils import with_eos
 from server_utils import running_server
 from vllm_dsbd.testing.models import tiny_llama_pair
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from soak import free_port, server_env
+from vllm_dsbd.testing.server import free_port, server_env
 
 STARTUP_TIMEOUT_S = 240
 MODEL_NAME = "tiny-dsbd"

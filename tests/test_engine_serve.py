@@ -18,7 +18,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -27,8 +26,7 @@ import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip i
 from server_utils import running_server  # noqa: E402
 from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from soak import free_port, server_env  # noqa: E402  (one server environment for the soak and these tests)
+from vllm_dsbd.testing.server import free_port, server_env  # noqa: E402  (the soak's server environment too)
 
 STARTUP_TIMEOUT_S = 240
 MODEL_NAME = "tiny-dsbd"

@@ -8,8 +8,6 @@ engine has width 2; the requests ask for width 1 (``extra_args``).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +17,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.testing import models  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import demo_vllm  # noqa: E402
+from vllm_dsbd.testing.drafts import draft_folder  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Write a haiku about autumn.", "def add(a, b):"]
 MAX_TOKENS = 24
@@ -29,7 +26,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def models_and_prompts():
     target = models.smollm2_dir()
-    draft, kind = demo_vllm.draft_folder(target, 8)
+    draft, kind = draft_folder(target, 8)
     assert kind.startswith("distilled"), kind
     tok = models.load_tokenizer(target)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)

@@ -1,12 +1,10 @@
 """The benchmark-only set-rate acceptance (``benchmarks/set_acceptance.py``): its accepted path is a real
 root-to-leaf path of the forest, and the package never imports it (the serving path cannot reach it)."""
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import set_acceptance  # noqa: E402
+from vllm_dsbd.testing import set_acceptance  # noqa: E402
 from vllm_dsbd.engine.beams.step import step_one  # noqa: E402
 
 

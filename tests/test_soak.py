@@ -23,7 +23,8 @@ REQUESTS, CONCURRENCY, SEED = 60, 8, 3  # seed 3: this mix has every kind of req
 
 def test_soak_ci(tmp_path):
     out, log = tmp_path / "soak.json", tmp_path / "server.log"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--requests", str(REQUESTS),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "soak.py"),
+                           "--requests", str(REQUESTS),
                            "--concurrency", str(CONCURRENCY), "--seed", str(SEED), "--out", str(out),
                            "--log", str(log), "--no-progress"],
                           capture_output=True, text=True, timeout=900)

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_step_overhead_smoke(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_overhead.py"), "--batches", "1", "2",
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "step_overhead.py"),
+                          "--batches", "1", "2",
                           "--max-tokens", "6", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

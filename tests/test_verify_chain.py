@@ -9,16 +9,13 @@ synchronisation; what a GPU runs) is compared on the same steps and must answer 
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_verify_chain import Req, build_step  # noqa: E402
+from vllm_dsbd.testing.chain_steps import Req, build_step  # noqa: E402
 
 from vllm_dsbd.config import DSBDConfig  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402

@@ -3,7 +3,7 @@
 # kernel benchmarks, and the engine's end-to-end tests through vLLM on the GPU. Logs and CSVs go to $OUT; a short
 # table comes last. Run on the GPU machine from the repository root after
 #   source .gpu/gpu_setup.sh && pip install --no-deps --no-build-isolation -e .
-# (see ../shared/ENV.md "GPU runs"; pytest comes from .gpu/wheels when the image lacks it).
+# (see docs/environment.md, GPU runs; pytest comes from .gpu/wheels when the image lacks it).
 set -u
 OUT=${OUT:-/tmp/dsbd-gpu-out}
 mkdir -p "$OUT"
@@ -33,8 +33,8 @@ python -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton
 
 step kernel_tests "${DSBD_KERNEL_TEST_S:-240}" "${PYTEST[@]}" tests/test_kernel_forest_attention.py \
   tests/test_kernel_kv_commit.py tests/test_kernel_verify.py
-step bench_kernels 120 python benchmarks/bench_kernels.py --quick --csv "$OUT/bench_kernels.csv"
-step bench_verify 90 python benchmarks/bench_verify.py --quick --out "$OUT/verify"
+step bench_kernels 120 python benchmarks/kernels/attention_kv.py --quick --csv "$OUT/bench_kernels.csv"
+step bench_verify 90 python benchmarks/kernels/verify.py --quick --out "$OUT/verify"
 # on CUDA the sampler takes the static verification paths and beam requests their device steps (beams equal to vLLM's
 # LLM.beam_search in test_engine_beams; the static layer and forest paths equal to the general ones on CUDA tensors)
 step engine_tests "${DSBD_ENGINE_TEST_S:-540}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \

@@ -14,6 +14,7 @@ timeout "${DSBD_DISTILL_S:-420}" python -P -m vllm_dsbd.distill --target "$T" --
 echo "distill rc=$? $(( $(date +%s) - t0 ))s"; tail -15 "$OUT/distill.log"
 if [[ -f $OUT/draft/layers.safetensors && ${DSBD_DEMO:-1} == 1 ]]; then
   rm -rf drafts/smollm2-135m-2l && cp -r "$OUT/draft" drafts/smollm2-135m-2l  # this machine's copy only
-  timeout "${DSBD_DEMO_S:-150}" python -P benchmarks/demo_vllm.py --width 2 --depth 3 > "$OUT/demo.log" 2>&1
+  # a script run by path: its own folder on sys.path, never the repository root (no -P needed, see bench.sh)
+  timeout "${DSBD_DEMO_S:-150}" python benchmarks/engine/demo_vllm.py --width 2 --depth 3 > "$OUT/demo.log" 2>&1
   echo "demo rc=$?"; grep -A6 "^method" "$OUT/demo.log"
 fi

@@ -5,7 +5,7 @@ made on the machine from config files only, with a word-level tokenizer of one w
 search needs a tokenizer; prompts are random token ids). Random weights make real acceptance near zero, so the
 speculative rows run at a **set per-layer acceptance rate** (benchmark only): vLLM ``draft_model`` with vLLM's own
 ``rejection_sample_method="synthetic"`` (unconditional rates r, r^2, r^3, ...), DSBD with
-``benchmarks/set_acceptance.py`` (DSBD's verification still runs, so its cost counts; the accepted path's length
+``vllm_dsbd.testing.set_acceptance`` (DSBD's verification still runs, so its cost counts; the accepted path's length
 follows the rate). The numbers are system speed at a given acceptance, not quality, and not DSBD's output law.
 
 Rows, on the same prompts, one process, engines one after the other (``--engines`` picks), at each ``--batches``
@@ -40,8 +40,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # set_acceptance must act in the engine's process
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (for set_acceptance)
-import set_acceptance  # noqa: E402
+from vllm_dsbd.testing import set_acceptance  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False)

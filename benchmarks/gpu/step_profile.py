@@ -3,12 +3,12 @@ flow on CPU as a smoke test, without the synchronisation count).
 
 The models of ``large_model.py`` (random-weight Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped draft, bf16, CUDA
 graphs as vLLM and the plugin set them unless ``--eager``), B requests decoding together (``--batches``), DSBD at a
-set acceptance rate (``set_acceptance.py``) and vLLM's draft_model at the same rate (its synthetic rejection sampler)
-for comparison, plus plain vLLM. Engine ``dsbd`` has width ``max(--widths)`` (its width-1 rows are width-1 requests in
-that engine: the general verification path); engine ``dsbd_chain`` is a width-1 engine with ``full_cuda_graphs``
-(chain drafting with one host copy, the static chain verification, full graphs over its decode passes). An engine
-that fails is reported and the others still run. For each engine and batch size, after the prefill and two warm-up
-steps, three runs of ``--steps`` engine steps each:
+set acceptance rate (``vllm_dsbd.testing.set_acceptance``) and vLLM's draft_model at the same rate (its synthetic
+rejection sampler) for comparison, plus plain vLLM. Engine ``dsbd`` has width ``max(--widths)`` (its width-1 rows
+are width-1 requests in that engine: the general verification path); engine ``dsbd_chain`` is a width-1 engine with
+``full_cuda_graphs`` (chain drafting with one host copy, the static chain verification, full graphs over its decode
+passes). An engine that fails is reported and the others still run. For each engine and batch size, after the
+prefill and two warm-up steps, three runs of ``--steps`` engine steps each:
 
 1. **step time**: ``LLMEngine.step`` wall time, nothing added (median);
 2. **breakdown**: the runner's phases timed with ``torch.cuda.synchronize()`` around each (median per step):
@@ -36,9 +36,8 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # large_model (which puts benchmarks/ on the path)
-import large_model as lm  # noqa: E402
-import set_acceptance  # noqa: E402
+import large_model as lm  # beside this script (run by path: its folder is importable)
+from vllm_dsbd.testing import set_acceptance
 
 PHASES = ("target forward", "sampling / verification", "draft forward", "drafting work", "rest")
 

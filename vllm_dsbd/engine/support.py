@@ -15,7 +15,7 @@
     ``VllmConfig.reasoning_config``, whose only consumer in vLLM 0.26 is that budget): a reasoning config with
     thinking delimiters (``--reasoning-config``) is refused. The one ``--reasoning-parser`` creates on its own stays
     (the parser also serves the front end); requests that set ``thinking_token_budget`` are refused one by one
-    (``config.check_request``, patch ``request_validation``).
+    (``requests.check_request``, patch ``request_validation``).
 """
 from __future__ import annotations
 

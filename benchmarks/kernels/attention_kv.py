@@ -1,7 +1,7 @@
 """Kernel benchmark: forest attention vs vLLM's Triton unified attention, and the KV commit; gated on correctness.
 
-    python benchmarks/bench_kernels.py [--dtype bf16] [--quick] [--csv results/bench_kernels.csv]   # CUDA GPU
-    python benchmarks/bench_kernels.py --smoke     # CPU: Triton interpreter, tiny shapes, correctness gates only
+    python benchmarks/kernels/attention_kv.py [--dtype bf16] [--quick] [--csv results/bench_kernels.csv]  # CUDA GPU
+    python benchmarks/kernels/attention_kv.py --smoke  # CPU: Triton interpreter, tiny shapes, correctness gates only
 
 Attention rows (default shapes: one Llama-3.1-8B layer, 32 heads, 8 kv heads, head_dim 128, block 16):
   verify  target verification: the queries are all W * depth forest nodes of each request (ancestor masks)
@@ -50,7 +50,7 @@ if ARGS.smoke:
 import torch  # noqa: E402
 
 if not ARGS.smoke and not torch.cuda.is_available():
-    print("bench_kernels: needs a CUDA GPU (no GPU here); run with --smoke for the CPU correctness gates",
+    print("kernels/attention_kv.py: needs a CUDA GPU (no GPU here); run with --smoke for the CPU correctness gates",
           file=sys.stderr)
     sys.exit(2)
 

@@ -1,4 +1,4 @@
-"""Soak test of a DSBD OpenAI server (issue 14, item 5): bounded, loopback only, stops by itself.
+"""Soak test of a DSBD OpenAI server: bounded, loopback only, stops by itself.
 
 Starts ``python -m vllm.entrypoints.cli.main serve`` on 127.0.0.1 with ``--speculative-method dsbd`` (engine width 4,
 depth 2, ``--max-num-seqs 16``, the engine core in a child process as ``vllm serve`` runs by default) on the tiny
@@ -31,7 +31,7 @@ Checks (any failure makes the exit status non-zero):
 
 A short table of counts is printed last; ``--out FILE`` writes the whole record (every request) as JSON.
 
-    .venv/bin/python benchmarks/soak.py --requests 200 --concurrency 16 --seed 0 --out results/soak/soak.json
+    .venv/bin/python benchmarks/engine/soak.py --requests 200 --concurrency 16 --seed 0 --out results/soak/soak.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import argparse
 import concurrent.futures as cf
 import http.client
 import json
-import os
 import pathlib
 import random
 import re
@@ -53,6 +52,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from vllm_dsbd.testing.server import free_port, server_env
 
 MODEL_NAME = "tiny-dsbd"
 ENGINE_WIDTH = 4
@@ -76,27 +77,6 @@ BAD_KINDS = (
 # ----------------------------------------------------------------------------------------------------------------
 # server
 # ----------------------------------------------------------------------------------------------------------------
-def server_env(multiprocessing: bool = True) -> dict[str, str]:
-    """The environment of a DSBD server started from here (also the serve tests'). ``multiprocessing``: the engine core
-    in a child process, as `vllm serve` runs by default (False: in the server's process, faster to start)."""
-    env = dict(os.environ)
-    for key in ("VLLM_DSBD_PROMETHEUS_DIR", "VLLM_DSBD_PROMETHEUS_PID"):  # the server is its own front end
-        env.pop(key, None)
-    # One torch thread and no OpenMP binding: on a few shared CPU cores OpenMP spin-waits make generation far slower
-    # otherwise.
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind",
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               PYTHONUNBUFFERED="1")
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_cmd(target, draft, port: int, chat_template) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(target),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
@@ -739,7 +719,7 @@ def table(record: dict[str, Any]) -> str:
 
 def scrub(text: str) -> str:
     """Machine-local paths (server log excerpts) become placeholders, so a record can be committed."""
-    repo = str(pathlib.Path(__file__).resolve().parent.parent)
+    repo = str(pathlib.Path(__file__).resolve().parents[2])
     for path, name in sorted([(repo, "<repo>"), (sys.prefix, "<venv>"), (tempfile.gettempdir(), "<tmp>"),
                               (str(pathlib.Path.home()), "<home>")], key=lambda x: -len(x[0])):
         if len(path) > 1:

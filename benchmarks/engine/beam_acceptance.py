@@ -3,15 +3,13 @@ search (W beams), is the target's set of W best (beam, token) pairs inside the d
 beams? K = W is DSBD's forest (W nodes per depth); larger K shows what wider forests would buy. Hugging Face models,
 no vLLM, no KV cache (every step recomputes): a quick offline check of a draft, not a speed benchmark.
 
-    python benchmarks/beam_acceptance.py              # SmolLM2-135M and its distilled draft, 6 prompts, 16 steps
+    python benchmarks/engine/beam_acceptance.py            # SmolLM2-135M and its distilled draft, 6 prompts, 16 steps
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv=None) -> int:
@@ -23,13 +21,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    import demo_vllm
-    from harness import load_prompts
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, as demo_vllm.py runs
     from vllm_dsbd.testing import models
+    from vllm_dsbd.testing.drafts import draft_folder
+    from vllm_dsbd.testing.prompts import load_prompts
 
     torch.set_num_threads(2)
     target_dir = models.smollm2_dir()
-    draft_dir, draft_desc = demo_vllm.draft_folder(target_dir, 8)
+    draft_dir, draft_desc = draft_folder(target_dir, 8)
     T = models.next_token_logits_fn(models.load_hf(target_dir))
     D = models.next_token_logits_fn(models.load_hf(draft_dir))
     tok = models.load_tokenizer(target_dir)

@@ -2,9 +2,10 @@
 DSBD's verification, so the system's speed can be measured at realistic model sizes with random weights (whose real
 acceptance would be near zero). The output is NOT DSBD's law and is meaningless as text.
 
-It lives under ``benchmarks/``, not in the package, and acts only when a benchmark calls :func:`install` in the
-process that runs the engine (in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); nothing in ``vllm_dsbd``
-imports it, so the serving path cannot reach it.
+It lives in ``vllm_dsbd.testing`` (tooling of the benchmarks, here ``benchmarks/gpu/large_model.py`` and
+``step_profile.py``, and of the tests) and acts only when a benchmark calls :func:`install` in the process that runs
+the engine (in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); nothing in the engine or the plugin imports
+it, so the serving path cannot reach it.
 
 What stays real: the draft passes, the target's forest pass, DSBD's verification itself (it still runs, so its cost
 is counted), the KV commit of the accepted path and vLLM's rollback. What is replaced: which path is accepted. Per

@@ -1,6 +1,6 @@
 """Non-model time of an engine step: step wall time minus the target's and the draft's forward time, per batch size.
 
-    .venv/bin/python benchmarks/step_overhead.py [--batches 1 8 32] [--max-tokens 24] [--out results/step_overhead]
+    python benchmarks/engine/step_overhead.py [--batches 1 8 32] [--max-tokens 24] [--out results/step_overhead]
 
 A tiny random Llama pair (the target's first layers as the draft), so that the forward passes are cheap and the
 engine's own work (scheduling, input preparation, drafting and verification bookkeeping, KV commit) shows. For each
@@ -11,8 +11,8 @@ measured steps, and the non-model time is the median of each step's (step - targ
 Rows: plain vLLM (no speculation, the floor of vLLM's own per-step work), DSBD at width 1 and 2, depth 3, default
 mode, DSBD beam search (W = 4, T = 0, depth 3 pinned by the request, so a forest is drafted every step; one engine
 request per beam search) and beam sampling (the same at T = 1); ``--configs`` picks rows by a regular expression.
-Issue 15's CPU goal reads this table: DSBD's non-model time at batch 32 <= 3x that at batch 1, and 5x below today's
-at batch 32.
+The CPU goal of the step-overhead work reads this table: DSBD's non-model time at batch 32 <= 3x that at batch 1,
+and 5x below its batch-32 value before that work.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _timer(module, acc: list[float]):
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     summary = "; ".join(f"{k}: non-model time at batch {max(args.batches)} = {v:.1f}x batch 1"
                         for k, v in ratio.items())
     (out / "README.md").write_text(
-        "# Non-model time of an engine step (CPU)\n\n`.venv/bin/python benchmarks/step_overhead.py`"
+        "# Non-model time of an engine step (CPU)\n\n`.venv/bin/python benchmarks/engine/step_overhead.py`"
         f" on {machine}; tiny random Llama pair (3-layer target, its first 2 layers as the draft), "
         f"{args.max_tokens} tokens per request, T = 1.\n\n{text}\n\n{summary}\n")
     print(text)

@@ -25,8 +25,8 @@ shared prompt blocks counted once: computed from the outputs, stated as such), a
 prompt and length, and the quality of the best beam (its target log-probability per token). Whether the T = 0 rows
 return vLLM's beams is checked and printed.
 
-    python benchmarks/beams.py                 # SmolLM2-135M-Instruct, 8 ShareGPT prompts, W = 4, 32 tokens
-    python benchmarks/beams.py --tiny          # the tiny random Llama (a smoke run)
+    python benchmarks/engine/beams.py                 # SmolLM2-135M-Instruct, 8 ShareGPT prompts, W = 4, 32 tokens
+    python benchmarks/engine/beams.py --tiny          # the tiny random Llama (a smoke run)
 """
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -131,19 +130,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import vllm
 
-    from harness import load_prompts
-    from harness_runs import shutdown
     from vllm_dsbd.testing import models
+    from vllm_dsbd.testing.drafts import draft_folder
+    from vllm_dsbd.testing.engines import shutdown
+    from vllm_dsbd.testing.prompts import load_prompts
 
     if args.tiny:
         target, draft = models.tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1,
                                                target_layers=3, draft_layers=2)
         name, draft_desc = "tiny random Llama (3 layers)", "its first 2 layers"
     else:
-        import demo_vllm
-
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, as demo_vllm.py runs
         target = models.smollm2_dir()
-        draft, draft_desc = demo_vllm.draft_folder(target, 8)
+        draft, draft_desc = draft_folder(target, 8)
         name = "SmolLM2-135M-Instruct"
     tok = models.load_tokenizer(target)
     prompts, prompt_desc, _ = load_prompts(tok, args.num_prompts, 128, args.tiny)
@@ -235,7 +234,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{r['label']} {n}" for r, n in zip(rows[1:], same) if n is not None)
               + f". One plain request of the same prompt and length holds {plain_blocks:.1f} blocks. Draft: "
               f"{draft_desc}.", "",
-              f"Command: `python benchmarks/beams.py {' '.join(argv if argv is not None else sys.argv[1:])}`"]
+              f"Command: `python benchmarks/engine/beams.py {' '.join(argv if argv is not None else sys.argv[1:])}`"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text("\n".join(lines) + "\n")

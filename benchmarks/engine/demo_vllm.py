@@ -2,7 +2,7 @@
 sampling on the same prompts, printing the outputs and a table of speed and acceptance.
 
     scripts/demo.sh            (sets up the environment, then runs this)
-    .venv/bin/python benchmarks/demo_vllm.py [--width 2] [--depth 3] [--max-tokens 48] [--temperature 1.0]
+    .venv/bin/python benchmarks/engine/demo_vllm.py [--width 2] [--depth 3] [--max-tokens 48] [--temperature 1.0]
     scripts/demo.sh --paths    (builds the model folders, prints them and a `vllm serve` command, and exits)
 
 vLLM's own log lines are hidden unless --verbose is given.
@@ -25,6 +25,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from vllm_dsbd.testing.drafts import draft_folder  # noqa: E402
+
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -35,30 +37,6 @@ PROMPTS = [
     "The best way to learn a new language is",
     "Translate to French: Good morning, how are you?",
 ]
-
-
-def draft_folder(target: Path, n_layers: int) -> tuple[Path, str]:
-    """The best draft available offline: the distilled one if its artifact is committed, else truncated layers."""
-    root = Path(__file__).resolve().parents[1]
-    artifacts = sorted((root / "drafts").glob("smollm2-*")) if (root / "drafts").exists() else []
-    if artifacts:
-        try:
-            from vllm_dsbd.distill import assemble
-            out = target.parent / f"draft-{artifacts[0].name}"
-            if not (out / "config.json").exists():
-                assemble(target, artifacts[0], out)
-            return out, f"distilled ({artifacts[0].name})"
-        except ImportError:
-            pass
-    out = target.parent / f"smollm2-first{n_layers}"
-    if not (out / "config.json").exists():
-        from vllm_dsbd.testing import models
-        model = models.truncated_draft(models.load_hf(target), n_layers)
-        tmp = out.with_name(out.name + ".tmp")
-        model.save_pretrained(tmp)
-        models.load_tokenizer(target).save_pretrained(tmp)
-        tmp.rename(out)
-    return out, f"first {n_layers} layers of the target, untrained"
 
 
 def metric(llm, name):
@@ -219,7 +197,7 @@ def print_beams(tok, texts, loop, engine, width: int) -> None:
     na, nb = sum(len(x[0]) for x in a), sum(len(y[0]) for y in b)
     print(f"\nsame {width} beams (tokens, order) for {same} of {len(a)} prompts; best-beam tokens/s: vLLM loop "
           f"{na / ta:.1f}, DSBD engine {nb / tb:.1f} ({(nb / tb) / (na / ta):.1f}x; prefix caching "
-          f"{'on' if cached else 'off'}, vLLM's default here; benchmarks/beams.py has the longer runs)")
+          f"{'on' if cached else 'off'}, vLLM's default here; benchmarks/engine/beams.py has the longer runs)")
 
 
 if __name__ == "__main__":

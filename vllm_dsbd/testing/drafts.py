@@ -1,0 +1,30 @@
+"""The SmolLM2-135M draft of the demo, the benchmarks and the SmolLM2 tests, offline: the distilled draft when its
+artifact is committed in the repository's ``drafts/`` folder, else the target's first layers, untrained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def draft_folder(target: Path, n_layers: int) -> tuple[Path, str]:
+    """The best draft available offline: the distilled one if its artifact is committed, else truncated layers.
+    The artifacts are looked for in the checkout this package runs from (an editable install)."""
+    root = Path(__file__).resolve().parents[2]
+    artifacts = sorted((root / "drafts").glob("smollm2-*")) if (root / "drafts").exists() else []
+    if artifacts:
+        try:
+            from vllm_dsbd.distill import assemble
+            out = target.parent / f"draft-{artifacts[0].name}"
+            if not (out / "config.json").exists():
+                assemble(target, artifacts[0], out)
+            return out, f"distilled ({artifacts[0].name})"
+        except ImportError:
+            pass
+    out = target.parent / f"smollm2-first{n_layers}"
+    if not (out / "config.json").exists():
+        from vllm_dsbd.testing import models
+        model = models.truncated_draft(models.load_hf(target), n_layers)
+        tmp = out.with_name(out.name + ".tmp")
+        model.save_pretrained(tmp)
+        models.load_tokenizer(target).save_pretrained(tmp)
+        tmp.rename(out)
+    return out, f"first {n_layers} layers of the target, untrained"
