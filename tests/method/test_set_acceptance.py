@@ -3,7 +3,7 @@ root-to-leaf path of the forest, and the package never imports it (the serving p
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import set_acceptance  # noqa: E402

@@ -17,7 +17,7 @@ import sys
 
 import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUESTS, CONCURRENCY, SEED = 60, 8, 3  # seed 3: this mix has every kind of request (asserted below)
 
 

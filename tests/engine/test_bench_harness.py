@@ -17,7 +17,7 @@ import matplotlib  # noqa: E402,F401
 
 from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_harness(tmp_path: Path, *args: str) -> Path:
