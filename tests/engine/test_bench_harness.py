@@ -15,7 +15,7 @@ import pytest
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 import matplotlib  # noqa: E402,F401
 
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
+from engine_utils import tiny_pair  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run_harness(tmp_path: Path, *args: str) -> Path:
     """Runs the harness in a subprocess on a tiny random pair with 1 + 1 token prompts; returns its output folder.
     Flat next-token laws (init_std 0.1): the draft's proposals are often accepted at temperature 1."""
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
+    target, draft = tiny_pair()
     out = tmp_path / "bench"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "harness.py"), "--target", str(target), "--draft", str(draft),
            "--token-prompts", "--num-prompts", "1", "--out", str(out), *args]

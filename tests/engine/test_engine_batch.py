@@ -17,10 +17,8 @@ import random
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
-
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 32
 BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 token slots (the least max_model_len allows) for ~1300 tokens of requests
@@ -33,11 +31,6 @@ PROMPTS = [LONG[0], SHORT[0], LONG[1], SHORT[1], LONG[2], SHORT[2], LONG[3], SHO
 REQS = [(p, w) for p, w in zip(PROMPTS, [1, 2, 4, 4, 2, 1, 4, 2])] + [(LONG[0], 4), (SHORT[0], 1)]
 
 
-def _llm(target, **kw):
-    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                    disable_log_stats=False, enable_prefix_caching=False, **kw)
-
-
 def _params(width=None):
     extra = {"dsbd_width": width} if width is not None else None
     return vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args=extra)
@@ -48,18 +41,11 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_token
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                           draft_layers=2)
-
-
-@pytest.fixture(scope="module")
-def dsbd_runs(pair):
-    target, draft = pair
-    llm = _llm(target, block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=64,
-               speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                   "width": WIDTH})
-    try:
+def dsbd_runs(tiny_pair):
+    target, draft = tiny_pair
+    with dsbd_llm(target, block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=64,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in REQS], [_params(w) for _, w in REQS])
         batch = [list(o.outputs[0].token_ids) for o in outs]
         preempted = metric(llm, "vllm:num_preemptions")  # 35 with these settings
@@ -87,21 +73,17 @@ def dsbd_runs(pair):
         (after,) = llm.generate([{"prompt_token_ids": SHORT[0]}], _params(1))
         yield {"batch": batch, "one_by_one": one_by_one, "preempted": preempted, "w1": w1, "spec": spec,
                "bad": bad, "after_bad": list(after.outputs[0].token_ids)}
-    finally:
-        shutdown(llm)
 
 
 @pytest.fixture(scope="module")
-def draft_model_run(pair, dsbd_runs):  # after dsbd_runs: one engine at a time
-    target, draft = pair
-    llm = _llm(target, max_num_seqs=8,
-               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": DEPTH})
-    try:
+def draft_model_run(tiny_pair, dsbd_runs):  # after dsbd_runs: one engine at a time
+    target, draft = tiny_pair
+    with dsbd_llm(target, max_num_seqs=8,
+                  speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": DEPTH}
+                  ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in SHORT], _params())
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         yield tokens, {name: metric(llm, name) for name in SPEC_METRICS}
-    finally:
-        shutdown(llm)
 
 
 def test_preemption_happened(dsbd_runs):

@@ -15,11 +15,12 @@ import json
 
 import pytest
 
-from engine_utils import greedy_tokens, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    dsbd_llm, greedy_tokens, tiny_pair, with_eos)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.engine.beams import BeamParams  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import finished_beams  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -28,16 +29,14 @@ WIDTH, MAX_TOKENS = 2, 8
 
 @pytest.fixture(scope="module")
 def beams(tmp_path_factory):
-    target, _ = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                draft_layers=2)
+    target, _ = tiny_pair()
     g = greedy_tokens(next_token_logits_fn(load_hf(target)), PROMPT, 8)[len(PROMPT):]
     second_eos = g[0]  # the greedy first token: in the trie from the first step on
     eos = next(t for t in g[1:] if t != second_eos)  # a token greedy decoding reaches: some beams end on it
     folder = with_eos(target, tmp_path_factory.mktemp("eos_ids") / "target", eos)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, second_eos]}))
-    llm = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   speculative_config={"method": "dsbd", "width": WIDTH})
-    try:
+    with dsbd_llm(folder, enable_prefix_caching=None, disable_log_stats=True,  # vLLM's defaults
+                  speculative_config={"method": "dsbd", "width": WIDTH}) as llm:
         beam = {"width": WIDTH, "max_tokens": MAX_TOKENS, "eos_token_id": eos}
         engine_tokens = BeamParams.parse(beam, WIDTH).engine_tokens()
         out = {"eos": eos, "second_eos": second_eos}
@@ -47,8 +46,6 @@ def beams(tmp_path_factory):
             (o,) = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)
             out[ignore] = [(list(b["token_ids"]), b["cum_logprob"], b["finish_reason"]) for b in finished_beams(o)]
         return out
-    finally:
-        shutdown(llm)
 
 
 def test_generation_config_eos_ids_do_not_stop_a_beam_request(beams):

@@ -24,7 +24,7 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -32,7 +32,6 @@ from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
 from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, DEPTH, TOP_K, N = 2, 3, 2, 3, 2000
@@ -81,17 +80,14 @@ def _sharpened(draft, folder, factor: float):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
+    target, draft = tiny_pair()
     draft = _sharpened(draft, tmp_path_factory.mktemp("draft") / "sharp", SHARPEN)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=2048, disable_log_stats=False,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                       "width": WIDTH})
-    # the path a device runs: every verified layer of the step in one call (``beam_sampling.verify_forests``; the
-    # CPU's default, one call per layer, gives the same beams: ``test_engine_beam_static_drafting``)
-    beams_mod.STATIC_LAYERS = True
-    try:
+    with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH}) as llm:
+        # the path a device runs: every verified layer of the step in one call (``beam_sampling.verify_forests``; the
+        # CPU's default, one call per layer, gives the same beams: ``test_engine_beam_static_drafting``)
+        beams_mod.STATIC_LAYERS = True
         exact = _run(llm)
         real = beam_sampling_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)
         beam_sampling_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)
@@ -99,8 +95,6 @@ def runs(tmp_path_factory):
             planted = _run(llm)
         finally:
             beam_sampling_mod.verify_layer_static = real
-    finally:
-        shutdown(llm)
     law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
     return exact, planted, law
 

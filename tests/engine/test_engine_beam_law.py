@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -25,7 +25,6 @@ from chisq import goodness_of_fit, report  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.sampling import BeamStep  # noqa: E402
 from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, TOP_K, N = 2, 2, 4, 2000
@@ -71,21 +70,16 @@ _REAL_STEP = beam_sampling_mod.beam_step
 
 @pytest.fixture(scope="module")
 def runs():
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=2048,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
-                                       "width": 4})
-    try:
+    target, draft = tiny_pair()
+    with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048, disable_log_stats=True,  # vLLM's default
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
+                                      "width": 4}) as llm:
         exact = _outcomes(llm)
         beam_sampling_mod.beam_step = _per_beam_step
         try:
             planted = _outcomes(llm)
         finally:
             beam_sampling_mod.beam_step = _REAL_STEP
-    finally:
-        shutdown(llm)
     law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
     return exact, planted, law
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    dsbd_llm, metric, runner_of, tiny_pair)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.engine import beam_drafter, beams  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 STEPS, EOS = 8, 166
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
@@ -63,64 +63,61 @@ def _same_forest(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def runs():
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 2, disable_log_stats=False,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
-                                       "width": 3, "verify_budget": None})
-    drafter = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
-    static, loop = beam_drafter._draft_static, beam_drafter._draft_loop
-    seen = {"answered": 0, "compared": 0, "same": 0, "forests": 0, "loop_calls": 0}
+    target, draft = tiny_pair()
+    with dsbd_llm(target, max_model_len=512, max_num_seqs=len(PROMPTS) * 2,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
+                                      "width": 3, "verify_budget": None}) as llm:
+        drafter = runner_of(llm).drafter
+        static, loop = beam_drafter._draft_static, beam_drafter._draft_loop
+        seen = {"answered": 0, "compared": 0, "same": 0, "forests": 0, "loop_calls": 0}
 
-    def count_loop(*args):  # the engine's own calls of the loop (not this test's comparisons)
-        seen["loop_calls"] += 1
-        return loop(*args)
+        def count_loop(*args):  # the engine's own calls of the loop (not this test's comparisons)
+            seen["loop_calls"] += 1
+            return loop(*args)
 
-    def check(*args):  # a reader, as the static loop is (``engine/reads.py``)
-        got = yield from static(*args)
-        if got is not None:
-            seen["answered"] += 1
-            again = loop(*args)
-            seen["compared"] += 1
-            seen["same"] += all(_same_forest(a, b) for a, b in zip(got, again))
-            seen["forests"] += sum(bool(f.tokens) for f in got)
-        return got
+        def check(*args):  # a reader, as the static loop is (``engine/reads.py``)
+            got = yield from static(*args)
+            if got is not None:
+                seen["answered"] += 1
+                again = loop(*args)
+                seen["compared"] += 1
+                seen["same"] += all(_same_forest(a, b) for a, b in zip(got, again))
+                seen["forests"] += sum(bool(f.tokens) for f in got)
+            return got
 
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(2)]
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(2)]
 
-    def gen(params):
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [[(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
+        def gen(params):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [[(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
 
-    out = {}
-    try:
-        beam_drafter._draft_static, beam_drafter._draft_loop = check, count_loop
-        for name, narrow in (("mixed", False), ("narrow", True)):
-            drafter.static_drafting, drafter._beam_static_skip, drafter._beam_static_backoff = True, 0, 0
-            m0, nodes0 = drafter.beam_static_misses, metric(llm, "vllm:dsbd_beam_draft_nodes") or 0
-            out[name] = gen(_params(narrow))
-            out[name + "_misses"] = drafter.beam_static_misses - m0
-            out[name + "_seen"] = dict(seen)
-            drafter.static_drafting = False
-            nodes1 = metric(llm, "vllm:dsbd_beam_draft_nodes")
-            passed1 = metric(llm, "vllm:dsbd_beam_layers_passed") or 0
-            out[name + "_loop"] = gen(_params(narrow))
-            out[name + "_loop_counts"] = (nodes1 - nodes0, metric(llm, "vllm:dsbd_beam_draft_nodes") - nodes1,
-                                          metric(llm, "vllm:dsbd_beam_layers_passed") - passed1)
-            for k in seen:
-                seen[k] = 0
-        drafter.static_drafting = True
-        counts = ("vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
-        for layers in (True, False):  # the mixed batch again, all layers in one read, then one read per layer
-            beams.STATIC_LAYERS = layers
-            before = [metric(llm, c) for c in counts]
-            out[f"layers_{layers}"] = (gen(_params()), [metric(llm, c) - b for c, b in zip(counts, before)])
-    finally:
-        beams.STATIC_LAYERS = True
-        beam_drafter._draft_static, beam_drafter._draft_loop = static, loop
-        shutdown(llm)
-    return out
+        out = {}
+        try:
+            beam_drafter._draft_static, beam_drafter._draft_loop = check, count_loop
+            for name, narrow in (("mixed", False), ("narrow", True)):
+                drafter.static_drafting, drafter._beam_static_skip, drafter._beam_static_backoff = True, 0, 0
+                m0, nodes0 = drafter.beam_static_misses, metric(llm, "vllm:dsbd_beam_draft_nodes") or 0
+                out[name] = gen(_params(narrow))
+                out[name + "_misses"] = drafter.beam_static_misses - m0
+                out[name + "_seen"] = dict(seen)
+                drafter.static_drafting = False
+                nodes1 = metric(llm, "vllm:dsbd_beam_draft_nodes")
+                passed1 = metric(llm, "vllm:dsbd_beam_layers_passed") or 0
+                out[name + "_loop"] = gen(_params(narrow))
+                out[name + "_loop_counts"] = (nodes1 - nodes0, metric(llm, "vllm:dsbd_beam_draft_nodes") - nodes1,
+                                              metric(llm, "vllm:dsbd_beam_layers_passed") - passed1)
+                for k in seen:
+                    seen[k] = 0
+            drafter.static_drafting = True
+            counts = ("vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
+            for layers in (True, False):  # the mixed batch again, all layers in one read, then one read per layer
+                beams.STATIC_LAYERS = layers
+                before = [metric(llm, c) for c in counts]
+                out[f"layers_{layers}"] = (gen(_params()), [metric(llm, c) - b for c, b in zip(counts, before)])
+        finally:
+            beams.STATIC_LAYERS = True
+            beam_drafter._draft_static, beam_drafter._draft_loop = static, loop
+        return out
 
 
 def test_static_forests_equal_the_loops(runs):

@@ -28,11 +28,11 @@ import json
 
 import pytest
 
-from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import test_engine_beams  # noqa: E402
-from test_engine_beams import SHORT, _llm  # noqa: E402
+from test_engine_beams import SHORT  # noqa: E402
 from vllm.sampling_params import BeamSearchParams, RequestOutputKind  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_request_params  # noqa: E402
 
@@ -115,10 +115,9 @@ def _final_run(llm, params):
 @pytest.fixture(scope="module")
 def runs(setup):
     folder, draft, eos = setup
-    llm = _llm(folder, max_num_seqs=16,
-               speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                   "width": WIDTH})
-    try:
+    with dsbd_llm(folder, max_num_seqs=16,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH}) as llm:
         out = {}
         for name, width, n, temp in CASES:
             streamed = _streamed_run(llm, [_params(width, n, temp, RequestOutputKind.DELTA, eos) for _ in PROMPTS],
@@ -141,8 +140,6 @@ def runs(setup):
         out["after_bad"] = _final_run(llm, [_params(4, None, 0.0, RequestOutputKind.FINAL_ONLY, eos)
                                             for _ in PROMPTS])
         yield out
-    finally:
-        shutdown(llm)
 
 
 def _beams(final_output):

@@ -31,12 +31,13 @@ import random
 import pytest
 import torch
 
-from engine_utils import greedy_tokens, metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    dsbd_llm, greedy_tokens, metric, tiny_pair, with_eos)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
 from vllm_dsbd.engine.state import RELAYOUT_ENV  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 8
@@ -51,19 +52,12 @@ CACHED = LONG[0] + LONG[1][:2]  # 112 tokens: 7 full blocks; the trie starts on 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
+    target, draft = tiny_pair()
     g0 = greedy_tokens(next_token_logits_fn(load_hf(target)), SHORT[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 1 and t not in g0[:i])  # the second greedy token
     folder = tmp_path_factory.mktemp("beams") / "target"
     with_eos(target, folder, eos)
     return folder, draft, eos
-
-
-def _llm(target, **kw):
-    kw.setdefault("enable_prefix_caching", False)
-    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                    disable_log_stats=False, **kw)
 
 
 def _beam_search(llm, prompts, width, lp):
@@ -125,15 +119,12 @@ def _greedy_params():
 @pytest.fixture(scope="module")
 def plain(setup):
     folder, _, _ = setup
-    llm = _llm(folder, max_num_seqs=8)
-    try:
+    with dsbd_llm(folder, max_num_seqs=8) as llm:
         beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
         long_beams = _beam_search(llm, LONG, WIDTH, 1.0)
         greedy = [list(o.outputs[0].token_ids) for o in
                   llm.generate([{"prompt_token_ids": p} for p in SHORT + LONG], _greedy_params(), use_tqdm=False)]
         yield {"beams": beams, "long_beams": long_beams, "greedy": greedy}
-    finally:
-        shutdown(llm)
 
 
 def _mixed(llm, eos):
@@ -222,11 +213,10 @@ def dsbd(setup, plain):  # after plain: one engine at a time
     folder, draft, eos = setup
     # pinned (verify_budget null): test_beam_sampling_fixed_and_dynamic_width counts drafted layers of 4 concurrent
     # beam requests (16 leaves), which a measured budget of 16 tokens leaves without forests
-    llm = _llm(folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=16,
-               enable_prefix_caching=True,
-               speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                   "width": WIDTH, "verify_budget": None})
-    try:
+    with dsbd_llm(folder, block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=16,
+                  enable_prefix_caching=True,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH, "verify_budget": None}) as llm:
         out = {}
         steps0 = metric(llm, "vllm:dsbd_beam_steps") or 0
         out["beams"] = {case: _beam_search(llm, SHORT, *case) for case in CASES}
@@ -280,8 +270,6 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         out["t1_fixed"] = _sampled_beams(llm, eos, 0)
         out["t1_dynamic"] = _sampled_beams(llm, eos, 0, dynamic=True)
         yield out
-    finally:
-        shutdown(llm)
 
 
 def _assert_same_beams(got, expected):
@@ -382,16 +370,13 @@ def self_draft(setup, dsbd):  # after dsbd: one engine at a time
     rounding between the draft's and the target's passes) every forest layer passes."""
     folder, _, eos = setup
     # pinned (verify_budget null): the tests count full forests passing; load-aware speculation would shrink them
-    llm = _llm(folder, max_num_seqs=8,
-               speculative_config={"method": "dsbd", "model": str(folder), "num_speculative_tokens": DEPTH,
-                                   "width": WIDTH, "verify_budget": None})
-    try:
+    with dsbd_llm(folder, max_num_seqs=8,
+                  speculative_config={"method": "dsbd", "model": str(folder), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH, "verify_budget": None}) as llm:
         beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
         m = {k: metric(llm, f"vllm:dsbd_beam_{k}") for k in ("target_passes", "steps", "draft_nodes", "layers_passed")}
         t1 = [_sampled_beams(llm, eos, 7) for _ in range(2)]  # the same seeds twice
         yield beams, m, t1
-    finally:
-        shutdown(llm)
 
 
 def test_full_width_forest_with_a_perfect_draft(self_draft, plain):
@@ -436,14 +421,11 @@ def small_budget(setup, self_draft):  # after self_draft: one engine at a time
     """A DSBD engine whose token budget (6 per step) cannot schedule every leaf of the 5 beam requests at once:
     vLLM schedules some leaves of a request in one pass and the rest in later passes (the beam step waits)."""
     folder, draft, _ = setup
-    llm = _llm(folder, max_num_batched_tokens=6, max_num_seqs=4,
-               speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                   "width": WIDTH})
-    try:
+    with dsbd_llm(folder, max_num_batched_tokens=6, max_num_seqs=4,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH}) as llm:
         beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
         yield beams, metric(llm, "vllm:dsbd_beam_target_passes"), metric(llm, "vllm:dsbd_beam_steps")
-    finally:
-        shutdown(llm)
 
 
 def test_leaves_split_across_passes_give_the_same_beams(small_budget, plain):

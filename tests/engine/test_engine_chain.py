@@ -18,7 +18,8 @@ import functools
 
 import pytest
 
-from engine_utils import eos_pair_engine, metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    eos_pair_engine, metric, runner_of, shutdown)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.engine import attention, sampler  # noqa: E402
@@ -66,7 +67,7 @@ def runs(tmp_path_factory):
         general_calls = calls["called"] - fast_calls["called"]
         accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
         sampler.verify = verify
-        drafter = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+        drafter = runner_of(llm).drafter
         drafter.chain_drafting = False
         loop = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, _params(), use_tqdm=False)]
         loop_accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens") - accepted

@@ -30,12 +30,11 @@ import collections
 
 import pytest
 
-from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
 from vllm_dsbd.engine import reads  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 DEPTH, MAX_TOKENS = 3, 10
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]
@@ -136,64 +135,63 @@ class Observer:
                 ids=["width2", "width1", "width1-static", "width2-static"])
 def runs(request):
     width, static = request.param
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=16,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                       "width": width, "verify_budget": None})
-    mp = pytest.MonkeyPatch()
-    obs = Observer(static)
-    obs.install(mp)
+    target, draft = tiny_pair()
+    with dsbd_llm(target, max_num_seqs=16, disable_log_stats=True,  # vLLM's default
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": width, "verify_budget": None}) as llm:
+        mp = pytest.MonkeyPatch()
+        obs = Observer(static)
+        obs.install(mp)
 
-    def gen(prompts, temperature, eos_stop):
-        sp = [vllm.SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=k, ignore_eos=not eos_stop)
-              for k in range(len(prompts))]
-        return [list(o.outputs[0].token_ids) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+        def gen(prompts, temperature, eos_stop):
+            sp = [vllm.SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=k, ignore_eos=not eos_stop)
+                  for k in range(len(prompts))]
+            return [list(o.outputs[0].token_ids) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
 
-    def beams(prompts):  # beam search (T = 0)
-        from vllm.sampling_params import BeamSearchParams
+        def beams(prompts):  # beam search (T = 0)
+            from vllm.sampling_params import BeamSearchParams
 
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=2, max_tokens=6))
-        return [[list(s.tokens) for s in o.sequences] for o in outs]
+            outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                                   BeamSearchParams(beam_width=2, max_tokens=6))
+            return [[list(s.tokens) for s in o.sequences] for o in outs]
 
-    def sampled_beams(prompts):  # seeded beam sampling (T = 1), fixed and dynamic width
-        sp = [vllm.SamplingParams(temperature=1.0, seed=k, max_tokens=6 * 3 + 2, ignore_eos=True, detokenize=False,
-                                  extra_args={"dsbd_beam": {"width": 2, "max_tokens": 6, "dynamic_width": k % 2 == 1}})
-              for k in range(len(prompts))]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return [[(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
+        def sampled_beams(prompts):  # seeded beam sampling (T = 1), fixed and dynamic width
+            beam = {"width": 2, "max_tokens": 6}
+            sp = [vllm.SamplingParams(temperature=1.0, seed=k, max_tokens=6 * 3 + 2, ignore_eos=True, detokenize=False,
+                                      extra_args={"dsbd_beam": {**beam, "dynamic_width": k % 2 == 1}})
+                  for k in range(len(prompts))]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            return [[(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
 
-    cases = [("one", PROMPTS[:1], 1.0, False), ("many", PROMPTS, 1.0, False), ("greedy", PROMPTS[:4], 0.0, True)]
-    try:
-        plain = {name: gen(p, t, e) for name, p, t, e in cases}
-        plain["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
-        plain["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
-        obs.active = True
-        out = {}
-        for name, p, t, e in cases:
-            n0 = len(obs.calls)
-            out[name] = gen(p, t, e)
-            out[name + "_calls"] = obs.calls[n0:]
-        n0 = len(obs.calls)
-        out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
-        out["beams_calls"] = obs.calls[n0:]
-        n0 = len(obs.calls)
-        from vllm_dsbd.engine import beams as beams_mod
-
-        cpu_layers, beams_mod.STATIC_LAYERS = beams_mod.STATIC_LAYERS, True  # what a device runs (the CPU: False)
+        cases = [("one", PROMPTS[:1], 1.0, False), ("many", PROMPTS, 1.0, False), ("greedy", PROMPTS[:4], 0.0, True)]
         try:
-            out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
+            plain = {name: gen(p, t, e) for name, p, t, e in cases}
+            plain["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
+            plain["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
+            obs.active = True
+            out = {}
+            for name, p, t, e in cases:
+                n0 = len(obs.calls)
+                out[name] = gen(p, t, e)
+                out[name + "_calls"] = obs.calls[n0:]
+            n0 = len(obs.calls)
+            out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
+            out["beams_calls"] = obs.calls[n0:]
+            n0 = len(obs.calls)
+            from vllm_dsbd.engine import beams as beams_mod
+
+            cpu_layers, beams_mod.STATIC_LAYERS = beams_mod.STATIC_LAYERS, True  # what a device runs (the CPU: False)
+            try:
+                out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
+            finally:
+                beams_mod.STATIC_LAYERS = cpu_layers
+            out["sampled_beams_calls"] = obs.calls[n0:]
+            out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
+            out["static"] = static
+            return out
         finally:
-            beams_mod.STATIC_LAYERS = cpu_layers
-        out["sampled_beams_calls"] = obs.calls[n0:]
-        out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
-        out["static"] = static
-        return out
-    finally:
-        mp.undo()
-        shutdown(llm)
+            mp.undo()
 
 
 def test_no_operation_mixes_device_and_host_tensors(runs):

@@ -15,44 +15,39 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("full CUDA graphs need a GPU", allow_module_level=True)
 
-from engine_utils import metric, shutdown  # noqa: E402
+from engine_utils import dsbd_llm, metric, runner_of, tiny_pair  # noqa: E402
 import vllm  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
-
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [42, 43]]
 MAX_TOKENS = 24
 
 
 def _run(width: int, graphs: bool):
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
+    target, draft = tiny_pair()
     spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3, "width": width,
             "verify_budget": None, "full_cuda_graphs": graphs}
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=not graphs, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS), disable_log_stats=False,
-                   gpu_memory_utilization=0.3, speculative_config=spec,
-                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]} if graphs else None)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    dispatcher = runner.cudagraph_dispatcher
-    dispatch = dispatcher.dispatch
-    modes: list[tuple[bool, CUDAGraphMode]] = []  # (the pass has a forest batch, the mode vLLM replays)
+    with dsbd_llm(target, enforce_eager=not graphs, max_num_seqs=len(PROMPTS), gpu_memory_utilization=0.3,
+                  speculative_config=spec,
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]} if graphs else None) as llm:
+        runner = runner_of(llm)
+        dispatcher = runner.cudagraph_dispatcher
+        dispatch = dispatcher.dispatch
+        modes: list[tuple[bool, CUDAGraphMode]] = []  # (the pass has a forest batch, the mode vLLM replays)
 
-    def spy(*args, **kwargs):
-        mode, desc = dispatch(*args, **kwargs)
-        modes.append((runner._dsbd_forest is not None, mode))
-        return mode, desc
+        def spy(*args, **kwargs):
+            mode, desc = dispatch(*args, **kwargs)
+            modes.append((runner._dsbd_forest is not None, mode))
+            return mode, desc
 
-    try:
-        mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
-        dispatcher.dispatch = spy
-        sp = vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
-    finally:
-        dispatcher.dispatch = dispatch
-        shutdown(llm)
+        try:
+            mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+            dispatcher.dispatch = spy
+            sp = vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+            accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        finally:
+            dispatcher.dispatch = dispatch
     return [list(o.outputs[0].token_ids) for o in outs], modes, accepted, mode
 
 

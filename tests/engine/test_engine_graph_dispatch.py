@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    dsbd_llm, metric, runner_of, tiny_pair)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
-
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [42, 43]]
 MAX_TOKENS = 16
@@ -27,55 +26,52 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def runs():
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS), disable_log_stats=False,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
-                                       "width": 2, "verify_budget": None})
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    dispatcher = runner.cudagraph_dispatcher
-    dispatch = dispatcher.dispatch
-    calls: list[tuple[bool, object]] = []  # (the pass has a forest batch, invalid_modes asked)
+    target, draft = tiny_pair()
+    with dsbd_llm(target, max_num_seqs=len(PROMPTS),
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
+                                      "width": 2, "verify_budget": None}) as llm:
+        runner = runner_of(llm)
+        dispatcher = runner.cudagraph_dispatcher
+        dispatch = dispatcher.dispatch
+        calls: list[tuple[bool, object]] = []  # (the pass has a forest batch, invalid_modes asked)
 
-    def spy(*args, **kwargs):
-        calls.append((runner._dsbd_forest is not None, kwargs.get("invalid_modes")))
-        return dispatch(*args, **kwargs)
+        def spy(*args, **kwargs):
+            calls.append((runner._dsbd_forest is not None, kwargs.get("invalid_modes")))
+            return dispatch(*args, **kwargs)
 
-    out = {}
-    drafter = runner.drafter
-    chains = drafter._draft_chains
-    chain_calls = []
+        out = {}
+        drafter = runner.drafter
+        chains = drafter._draft_chains
+        chain_calls = []
 
-    def count_chains(*args, **kwargs):  # a reader, as the chain loop is (``engine/reads.py``)
-        chain_calls.append(1)
-        return (yield from chains(*args, **kwargs))
+        def count_chains(*args, **kwargs):  # a reader, as the chain loop is (``engine/reads.py``)
+            chain_calls.append(1)
+            return (yield from chains(*args, **kwargs))
 
-    try:
-        drafter._draft_chains = count_chains
-        seeded = [vllm.SamplingParams(temperature=1.0, seed=10 + k, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                      extra_args={"dsbd_width": 1}) for k in range(len(PROMPTS))]
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        sampled = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded, use_tqdm=False)]
-        out["chain_calls"] = len(chain_calls)
-        drafter.chain_drafting = False
-        out["sampled"] = (sampled, [list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded,
-                                                                                       use_tqdm=False)])
-        out["loop_chain_calls"] = len(chain_calls) - out["chain_calls"]
-        drafter.chain_drafting = True
-        dispatcher.dispatch = spy
-        for width in (1, 2):
-            before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
-            start = len(calls)
-            sp = vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                     extra_args={"dsbd_width": width})
-            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-            out[width] = (calls[start:], metric(llm, "vllm:spec_decode_num_accepted_tokens") - before)
-    finally:
-        dispatcher.dispatch = dispatch
-        drafter._draft_chains = chains
-        shutdown(llm)
-    return out
+        try:
+            drafter._draft_chains = count_chains
+            seeded = [vllm.SamplingParams(temperature=1.0, seed=10 + k, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                          extra_args={"dsbd_width": 1}) for k in range(len(PROMPTS))]
+            prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+            sampled = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded, use_tqdm=False)]
+            out["chain_calls"] = len(chain_calls)
+            drafter.chain_drafting = False
+            out["sampled"] = (sampled, [list(o.outputs[0].token_ids) for o in llm.generate(prompts, seeded,
+                                                                                           use_tqdm=False)])
+            out["loop_chain_calls"] = len(chain_calls) - out["chain_calls"]
+            drafter.chain_drafting = True
+            dispatcher.dispatch = spy
+            for width in (1, 2):
+                before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
+                start = len(calls)
+                sp = vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                         extra_args={"dsbd_width": width})
+                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+                out[width] = (calls[start:], metric(llm, "vllm:spec_decode_num_accepted_tokens") - before)
+        finally:
+            dispatcher.dispatch = dispatch
+            drafter._draft_chains = chains
+        return out
 
 
 def test_full_graphs_are_excluded_exactly_for_passes_with_forest_attention(runs):

@@ -24,12 +24,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 24
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9]]
@@ -43,11 +43,6 @@ def _beams(llm):
     return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
 
 
-def _llm(target, **kw):
-    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                    disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=4, **kw)
-
-
 def reference_tokens(target_fn, draft_fn, prompt, width, n, *, temperature=0.0, seed=0, dynamic=False):
     """``dsbd_decode`` with vLLM's iteration structure: one depth-0 step (the prefill), then DSBD from there."""
     kw = dict(width=width, depth=DEPTH, temperature=temperature, mode="sample", seed=seed, dynamic_width=dynamic)
@@ -57,60 +52,54 @@ def reference_tokens(target_fn, draft_fn, prompt, width, n, *, temperature=0.0, 
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                           draft_layers=2)
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(pair):
-    target, _ = pair
-    llm = _llm(target)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=LOGPROBS))
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [o.outputs[0].logprobs for o in outs]
-    beams = _beams(llm)
-    shutdown(llm)
+def plain_greedy(tiny_pair):
+    target, _ = tiny_pair
+    with dsbd_llm(target, max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                logprobs=LOGPROBS))
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        logprobs = [o.outputs[0].logprobs for o in outs]
+        beams = _beams(llm)
     return tokens, logprobs, beams
 
 
 @pytest.fixture(scope="module")
-def dsbd_run(pair, plain_greedy):  # plain_greedy first: one engine at a time
-    target, draft = pair
+def dsbd_run(tiny_pair, plain_greedy):  # plain_greedy first: one engine at a time
+    target, draft = tiny_pair
     # pinned (verify_budget null): test_not_vacuous compares the acceptance of widths 4 and 1, and at a measured
     # budget of 16 tokens load-aware speculation would draft 4 requests of width 4 at width 1
-    llm = _llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                           "width": WIDTH, "verify_budget": None})
-    reqs = [(w, p) for w in WIDTHS for p in PROMPTS]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for _, p in reqs],
-        [vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"dsbd_width": w},
-                             logprobs=LOGPROBS) for w, _ in reqs])
-    tokens = {(w, tuple(p)): list(o.outputs[0].token_ids) for (w, p), o in zip(reqs, outs)}
-    logprobs = {(w, tuple(p)): o.outputs[0].logprobs for (w, p), o in zip(reqs, outs)}
-    # per-width acceptance, one width at a time (the counters are engine-wide)
-    accepted = {}
-    for w in (1, WIDTH):
-        before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
-        llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                     vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                         extra_args={"dsbd_width": w}))
-        accepted[w] = metric(llm, "vllm:spec_decode_num_accepted_tokens") - before
-    metrics = {name: metric(llm, name) for name in (
-        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-        "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens", "vllm:dsbd_draft_nodes", "vllm:dsbd_target_passes")}
-    metrics["layers_passed"] = metric(llm, "vllm:dsbd_layers_passed")
-    metrics["per_pos"] = metric(llm, "vllm:spec_decode_num_accepted_tokens_per_pos")
-    metrics["accepted_by_width"] = accepted
-    beams = _beams(llm)
-    yield tokens, metrics, logprobs, beams
-    shutdown(llm)
+    with dsbd_llm(target, max_num_seqs=4,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH, "verify_budget": None}) as llm:
+        reqs = [(w, p) for w in WIDTHS for p in PROMPTS]
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for _, p in reqs],
+            [vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, extra_args={"dsbd_width": w},
+                                 logprobs=LOGPROBS) for w, _ in reqs])
+        tokens = {(w, tuple(p)): list(o.outputs[0].token_ids) for (w, p), o in zip(reqs, outs)}
+        logprobs = {(w, tuple(p)): o.outputs[0].logprobs for (w, p), o in zip(reqs, outs)}
+        # per-width acceptance, one width at a time (the counters are engine-wide)
+        accepted = {}
+        for w in (1, WIDTH):
+            before = metric(llm, "vllm:spec_decode_num_accepted_tokens") or 0
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                         vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                             extra_args={"dsbd_width": w}))
+            accepted[w] = metric(llm, "vllm:spec_decode_num_accepted_tokens") - before
+        metrics = {name: metric(llm, name) for name in (
+            "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+            "vllm:dsbd_iterations", "vllm:dsbd_emitted_tokens", "vllm:dsbd_draft_nodes", "vllm:dsbd_target_passes")}
+        metrics["layers_passed"] = metric(llm, "vllm:dsbd_layers_passed")
+        metrics["per_pos"] = metric(llm, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        metrics["accepted_by_width"] = accepted
+        beams = _beams(llm)
+        yield tokens, metrics, logprobs, beams
 
 
 @pytest.fixture(scope="module")
-def hf_fns(pair):
-    target, draft = pair
+def hf_fns(tiny_pair):
+    target, draft = tiny_pair
     return next_token_logits_fn(load_hf(target)), next_token_logits_fn(load_hf(draft))
 
 

@@ -14,27 +14,15 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, peaky_pair  # sets the CPU engine environment before vllm is imported
 import vllm
 
 import chisq
-from vllm_dsbd.models import tiny_llama_pair
 
 WIDTH, DEPTH = 4, 2
 N_LAW, LAW_TOKENS = 800, 4  # 4 tokens: the prefill's, then an iteration that verifies both draft depths
 TEMP, HOT = 0.6, 0.9
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(100)]  # 100 tokens: 7 blocks of 16 with the forest's lookahead
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=300, seed=0, draft_init="truncate", init_std=0.3, target_layers=4,
-                           draft_layers=3)
-
-
-def _llm(target, **kw):
-    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                    disable_log_stats=False, enable_prefix_caching=False, **kw)
 
 
 def _sample(llm, seed0, temperature=TEMP, width=None):
@@ -50,12 +38,10 @@ def _sample(llm, seed0, temperature=TEMP, width=None):
 
 
 @pytest.fixture(scope="module")
-def plain(pair):
+def plain():
     """Plain vLLM samples: at TEMP (the oracle) and at HOT (the power check)."""
-    llm = _llm(pair[0])
-    out = {"t1": _sample(llm, None), "hot": _sample(llm, None, temperature=HOT)}
-    shutdown(llm)
-    return out
+    with dsbd_llm(peaky_pair()[0]) as llm:
+        return {"t1": _sample(llm, None), "hot": _sample(llm, None, temperature=HOT)}
 
 
 def _counters(llm):
@@ -63,34 +49,32 @@ def _counters(llm):
 
 
 @pytest.fixture(scope="module")
-def dsbd(pair, plain):  # after plain: one engine at a time
-    target, draft = pair
+def dsbd(plain):  # after plain: one engine at a time
+    target, draft = peaky_pair()
     # pinned (verify_budget null): 800 requests at once would leave no room for forests under load-aware speculation,
     # and this is the law of verified forests (the preempted engine below keeps the default, load-aware)
-    llm = _llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                           "width": WIDTH, "verify_budget": None})
-    out, counts = {}, {}
-    for w in (1, WIDTH):
-        before = _counters(llm)
-        out[w] = _sample(llm, 10_000 * w, width=w)
-        after = _counters(llm)
-        counts[w] = {k: after[k] - (before[k] or 0) for k in after}
-    shutdown(llm)
+    with dsbd_llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                              "width": WIDTH, "verify_budget": None}) as llm:
+        out, counts = {}, {}
+        for w in (1, WIDTH):
+            before = _counters(llm)
+            out[w] = _sample(llm, 10_000 * w, width=w)
+            after = _counters(llm)
+            counts[w] = {k: after[k] - (before[k] or 0) for k in after}
     return out, counts
 
 
 @pytest.fixture(scope="module")
-def dsbd_preempted(pair, dsbd):
+def dsbd_preempted(dsbd):
     """Default-mode DSBD, width 4, on 16 KV blocks of 16 slots: a 100-token prompt plus its forest needs 7-8 blocks,
     and up to 8 requests are scheduled at once, so requests are preempted and recomputed mid-generation."""
-    target, draft = pair
-    llm = _llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                           "width": WIDTH},
-               block_size=16, num_gpu_blocks_override=16, max_num_seqs=8, max_num_batched_tokens=256)
-    counts = _sample(llm, 90_000)
-    preemptions = metric(llm, "vllm:num_preemptions")
-    accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
-    shutdown(llm)
+    target, draft = peaky_pair()
+    with dsbd_llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                              "width": WIDTH},
+                  block_size=16, num_gpu_blocks_override=16, max_num_seqs=8, max_num_batched_tokens=256) as llm:
+        counts = _sample(llm, 90_000)
+        preemptions = metric(llm, "vllm:num_preemptions")
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
     return counts, preemptions, accepted
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_utils import greedy_tokens, metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, greedy_tokens, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 
 WIDTH, DEPTH, BUDGET, MAX_TOKENS = 2, 3, 16, 12
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]
@@ -29,8 +29,9 @@ SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")
 
 
 def _llm(target, **spec):
-    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                    disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=16,
+    """The DSBD engine of these tests (a context manager: ``with _llm(...) as llm``), ``spec`` added to its
+    speculative config."""
+    return dsbd_llm(target, max_num_seqs=16,
                     speculative_config={"num_speculative_tokens": DEPTH, "width": WIDTH, "method": "dsbd", **spec})
 
 
@@ -50,31 +51,22 @@ def run_batches(llm, batches) -> dict:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                           draft_layers=2)
-
-
-@pytest.fixture(scope="module")
-def greedy(pair):
-    fn = next_token_logits_fn(load_hf(pair[0]))
+def greedy(tiny_pair):
+    fn = next_token_logits_fn(load_hf(tiny_pair[0]))
     with torch.no_grad():
         return [greedy_tokens(fn, p, MAX_TOKENS) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def runs(pair):
-    target, draft = pair
-    llm = _llm(target, model=str(draft), verify_budget=BUDGET)
-    try:
+def runs(tiny_pair):
+    target, draft = tiny_pair
+    with _llm(target, model=str(draft), verify_budget=BUDGET) as llm:
         out = run_batches(llm, [("alone", PROMPTS[:1]), ("four", PROMPTS[:4]), ("sixteen", PROMPTS)])
         out["load"] = llm.collective_rpc("dsbd_load")[0]
         hist = metric(llm, "vllm:dsbd_draft_depth")
         out["hist"] = {float(le): n for le, n in hist.buckets.items()} if hist is not None else None
         out["hist_count"] = hist.count if hist is not None else None
         return out
-    finally:
-        shutdown(llm)
 
 
 def test_outputs_equal_greedy_at_every_load(runs, greedy):

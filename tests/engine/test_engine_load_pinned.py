@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import shutdown  # sets the CPU engine environment before vllm is imported
+import engine_utils  # noqa: F401  (sets the CPU engine environment before vllm is imported)
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 import test_engine_load  # noqa: E402
 from test_engine_load import DEPTH, PROMPTS, WIDTH, _llm, run_batches  # noqa: E402
 
-pair, greedy = test_engine_load.pair, test_engine_load.greedy
+greedy = test_engine_load.greedy
 
 
 def _probe(worker):
@@ -26,16 +26,13 @@ def _probe(worker):
 
 
 @pytest.fixture(scope="module")
-def pinned(pair):
-    target, draft = pair
-    llm = _llm(target, model=str(draft), verify_budget=None)
-    try:
+def pinned(tiny_pair):
+    target, draft = tiny_pair
+    with _llm(target, model=str(draft), verify_budget=None) as llm:
         out = run_batches(llm, [("sixteen", PROMPTS)])
         out["load"] = llm.collective_rpc("dsbd_load")[0]
         out["probe"] = llm.collective_rpc(_probe)[0]
         return out
-    finally:
-        shutdown(llm)
 
 
 def test_pinned_drafts_the_full_shape_at_any_load(pinned, greedy):

@@ -17,16 +17,17 @@ down. Checked:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 import test_engine_beams  # noqa: E402
 from test_engine_beams import (  # noqa: E402
-    CASES, LONG, MAX_TOKENS, SHORT, _assert_same_beams, _beam_search, _greedy_params, _llm, _read,
+    CASES, LONG, MAX_TOKENS, SHORT, _assert_same_beams, _beam_search, _greedy_params, _read,
 )
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_request_params  # noqa: E402
@@ -75,11 +76,12 @@ def nodraft(setup, plain):  # after plain: one engine at a time
     records = _Records()
     log = logging.getLogger("vllm.vllm_dsbd.engine")
     log.addHandler(records)
-    try:
-        llm = _llm(folder, max_num_seqs=8, speculative_config={"method": "dsbd", "width": WIDTH})
-    finally:
-        log.removeHandler(records)
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            llm = stack.enter_context(dsbd_llm(folder, max_num_seqs=8,
+                                               speculative_config={"method": "dsbd", "width": WIDTH}))
+        finally:
+            log.removeHandler(records)
         out = {"log": records.messages, "runner": llm.collective_rpc(_runner_report)[0],
                "spec": repr(llm.llm_engine.vllm_config.speculative_config)}
         out["beams"] = {case: _beam_search(llm, SHORT, *case) for case in CASES}
@@ -102,8 +104,6 @@ def nodraft(setup, plain):  # after plain: one engine at a time
         out["refused"] = str(err.value)
         out["after_refusal"] = _beam_search(llm, SHORT[:1], 2, 0.8)
         yield out
-    finally:
-        shutdown(llm)
 
 
 def test_starts_without_a_draft_model(nodraft):

@@ -24,8 +24,8 @@ import pathlib
 import psutil
 import pytest
 
-from test_engine_tp import (  # noqa: F401  (fixtures: model pair, TP = 1 run)
-    MAX_TOKENS, PROMPTS, _run, assert_metrics_count_forests, pair, tp1,
+from test_engine_tp import (  # noqa: F401  (fixture: the TP = 1 run)
+    MAX_TOKENS, PROMPTS, _run, assert_metrics_count_forests, tp1,
 )
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -73,7 +73,7 @@ def _cpu_shm_files() -> set[str]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def ray_run(request, pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
+def ray_run(request, tiny_pair, tp1):  # noqa: F811  (tp1 first: one engine at a time)
     """One Ray cluster per engine (vLLM 0.26's Ray executor leaves its placement group until ``ray.shutdown()``)."""
     tp = request.param
     assert not ray.is_initialized()
@@ -86,7 +86,7 @@ def ray_run(request, pair, tp1):  # noqa: F811  (tp1 first: one engine at a time
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         daemons = [p for p in psutil.Process().children() if p.pid not in before]
-        out = _run(*pair, tp=tp, backend="ray", inspect=_inspect(daemons))
+        out = _run(*tiny_pair, tp=tp, backend="ray", inspect=_inspect(daemons))
         started = {**out.pop("running"), **_ray_processes(daemons)}
     finally:
         ray.shutdown()

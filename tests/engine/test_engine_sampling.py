@@ -22,13 +22,13 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, peaky_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.reference import Settings, dsbd_decode, dsbd_decode_mixed  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 
 WIDTH, DEPTH, MIN_WIDTH = 4, 2, 2
 PROMPT = [5, 6, 7]
@@ -37,26 +37,18 @@ SEEDS = range(100, 106)
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=300, seed=0, draft_init="truncate", init_std=0.3, target_layers=4,
-                           draft_layers=3)
-
-
-@pytest.fixture(scope="module")
-def hf_fns(pair):
-    target, draft = pair
+def hf_fns():
+    target, draft = peaky_pair()
     return next_token_logits_fn(load_hf(target)), next_token_logits_fn(load_hf(draft))
 
 
 @pytest.fixture(scope="module")
-def llm(pair):
-    target, draft = pair
-    engine = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
-                      disable_log_stats=False, enable_prefix_caching=False,
-                      speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                          "width": WIDTH, "mode": "single", "min_width": MIN_WIDTH})
-    yield engine
-    shutdown(engine)
+def llm():
+    target, draft = peaky_pair()
+    with dsbd_llm(target, max_model_len=128,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH, "mode": "single", "min_width": MIN_WIDTH}) as engine:
+        yield engine
 
 
 def _reference(target_fn, draft_fn, prompt, width, n, seed):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
@@ -42,20 +42,18 @@ BEAM = BeamSearchParams(beam_width=2, max_tokens=10, length_penalty=0.9)
 
 
 def _generate(target, prompts, spec=None, extra_args=None, beams=False):
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   disable_log_stats=False, enable_prefix_caching=False, speculative_config=spec)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=extra_args),
-                        use_tqdm=False)
-    res = ([list(o.outputs[0].token_ids) for o in outs],
-           {k: metric(llm, k) for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")})
-    if beams:  # LLM.beam_search: vLLM's loop on the plain engine, in the engine on the DSBD engine
-        res[1]["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in
-                           llm.beam_search([{"prompt_token_ids": p} for p in prompts], BEAM)]
-        for k in ("steps", "target_passes", "draft_nodes", "layers_passed"):
-            res[1][f"beam_{k}"] = metric(llm, f"vllm:dsbd_beam_{k}")
-    shutdown(llm)
-    return res
+    with dsbd_llm(target, speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=extra_args),
+                            use_tqdm=False)
+        res = ([list(o.outputs[0].token_ids) for o in outs],
+               {k: metric(llm, k) for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")})
+        if beams:  # LLM.beam_search: vLLM's loop on the plain engine, in the engine on the DSBD engine
+            res[1]["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in
+                               llm.beam_search([{"prompt_token_ids": p} for p in prompts], BEAM)]
+            for k in ("steps", "target_passes", "draft_nodes", "layers_passed"):
+                res[1][f"beam_{k}"] = metric(llm, f"vllm:dsbd_beam_{k}")
+        return res
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import eos_pair_engine, metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    eos_pair_engine, metric, runner_of, shutdown)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 DEPTH, MAX_TOKENS, EOS = 3, 24, 166
@@ -47,7 +48,7 @@ def _batch_b():
 def runs(tmp_path_factory):
     llm = eos_pair_engine(tmp_path_factory.mktemp("eos") / "target", EOS, width=3, depth=DEPTH,
                           max_num_seqs=len(PROMPTS) * 3)
-    drafter = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+    drafter = runner_of(llm).drafter
     static = drafter._draft_static
     held = []
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    dsbd_llm, metric, runner_of, tiny_pair)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
 from vllm_dsbd.engine import beams, reads  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 STEPS, MAX_TOKENS = 6, 12
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(4)]
@@ -114,49 +114,46 @@ def runs():
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_DSBD_STATIC_VERIFY", "1")  # the static paths a device runs (the runner sets STATIC_LAYERS)
     mp.setattr(beams, "STATIC_LAYERS", beams.STATIC_LAYERS)  # restored with the rest
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=len(PROMPTS) * 3, disable_log_stats=False,
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
-                                       "width": 2, "verify_budget": None})
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    obs = StepObserver()
-    obs.install(mp, runner)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
+    target, draft = tiny_pair()
+    with dsbd_llm(target, max_num_seqs=len(PROMPTS) * 3,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
+                                      "width": 2, "verify_budget": None}) as llm:
+        runner = runner_of(llm)
+        obs = StepObserver()
+        obs.install(mp, runner)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(3)]
 
-    def gen(narrow: bool = False):
-        outs = llm.generate(prompts, _params(narrow), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) if o.kv_transfer_params is None
-                else [(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
+        def gen(narrow: bool = False):
+            outs = llm.generate(prompts, _params(narrow), use_tqdm=False)
+            return [list(o.outputs[0].token_ids) if o.kv_transfer_params is None
+                    else [(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
 
-    out = {"static_layers": beams.STATIC_LAYERS}
-    try:
-        out["plain"] = gen()
-        obs.active = True
-        for merge in (True, False):
-            mp.setattr(reads, "MERGE", merge)
-            counts = [metric(llm, c) or 0 for c in ("vllm:spec_decode_num_accepted_tokens",
-                                                     "vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")]
-            n0 = len(obs.calls)
-            out[merge] = gen()
-            out[f"calls_{merge}"] = obs.calls[n0:]
-            out[f"counts_{merge}"] = [metric(llm, c) - b for c, b in zip(
-                ("vllm:spec_decode_num_accepted_tokens", "vllm:dsbd_beam_draft_nodes",
-                 "vllm:dsbd_beam_layers_passed"), counts)]
-        drafter = runner.drafter
-        narrow_runs = (("narrow", False, True), ("narrow_True", True, True), ("narrow_False", True, False))
-        for name, active, merge in narrow_runs:
-            obs.active = active
-            mp.setattr(reads, "MERGE", merge)
-            drafter._static_skip = drafter._static_backoff = 0
-            drafter._beam_static_skip = drafter._beam_static_backoff = 0
-            misses = drafter.static_misses, drafter.beam_static_misses
-            out[name] = gen(narrow=True)
-            out[name + "_misses"] = (drafter.static_misses - misses[0], drafter.beam_static_misses - misses[1])
-    finally:
-        mp.undo()
-        shutdown(llm)
+        out = {"static_layers": beams.STATIC_LAYERS}
+        try:
+            out["plain"] = gen()
+            obs.active = True
+            for merge in (True, False):
+                mp.setattr(reads, "MERGE", merge)
+                counts = [metric(llm, c) or 0 for c in ("vllm:spec_decode_num_accepted_tokens",
+                                                         "vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")]
+                n0 = len(obs.calls)
+                out[merge] = gen()
+                out[f"calls_{merge}"] = obs.calls[n0:]
+                out[f"counts_{merge}"] = [metric(llm, c) - b for c, b in zip(
+                    ("vllm:spec_decode_num_accepted_tokens", "vllm:dsbd_beam_draft_nodes",
+                     "vllm:dsbd_beam_layers_passed"), counts)]
+            drafter = runner.drafter
+            narrow_runs = (("narrow", False, True), ("narrow_True", True, True), ("narrow_False", True, False))
+            for name, active, merge in narrow_runs:
+                obs.active = active
+                mp.setattr(reads, "MERGE", merge)
+                drafter._static_skip = drafter._static_backoff = 0
+                drafter._beam_static_skip = drafter._beam_static_backoff = 0
+                misses = drafter.static_misses, drafter.beam_static_misses
+                out[name] = gen(narrow=True)
+                out[name + "_misses"] = (drafter.static_misses - misses[0], drafter.beam_static_misses - misses[1])
+        finally:
+            mp.undo()
     return out
 
 

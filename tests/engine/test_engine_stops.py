@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import greedy_tokens, metric, shutdown, with_eos  # sets the CPU engine environment before vllm is imported
+from engine_utils import (  # sets the CPU engine environment before vllm is imported
+    dsbd_llm, greedy_tokens, metric, tiny_pair, with_eos)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
-from vllm_dsbd.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 24
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105]]
@@ -31,8 +32,7 @@ PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105]]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
+    target, draft = tiny_pair()
     target_fn, draft_fn = next_token_logits_fn(load_hf(target)), next_token_logits_fn(load_hf(draft))
     g0 = greedy_tokens(target_fn, PROMPTS[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 3 and t not in g0[:i])  # first new token from position 3 on
@@ -42,8 +42,7 @@ def setup(tmp_path_factory):
 
 
 def _llm(target, **kw):
-    return vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                    disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=8, **kw)
+    return dsbd_llm(target, max_num_seqs=8, **kw)
 
 
 def _cases(stop_token, stop_str):
@@ -72,22 +71,21 @@ def runs(setup):
     folder, draft, eos, target_fn, _ = setup
     g1 = greedy_tokens(target_fn, PROMPTS[1], 10)
     stop_token = next(t for i, t in enumerate(g1) if i >= 3 and t not in g1[:i] and t != eos)
-    plain = _llm(folder)
-    probe = plain.generate([{"prompt_token_ids": PROMPTS[2]}],
-                           vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0].text
-    stop_str = probe[len(probe) // 2 : len(probe) // 2 + 2]
-    cases = _cases(stop_token, stop_str)
-    plain_out = _run(plain, cases)
-    shutdown(plain)
-    sd = _llm(folder, speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": DEPTH})
-    draft_model = _run(sd, cases)
-    shutdown(sd)
-    llm = _llm(folder, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                           "width": WIDTH})
-    dsbd = {w: _run(llm, cases, w) for w in (1, 2, 4)}
-    drafts, accepted = metric(llm, "vllm:spec_decode_num_drafts"), metric(llm, "vllm:spec_decode_num_accepted_tokens")
-    shutdown(llm)
+    with _llm(folder) as plain:
+        probe = plain.generate([{"prompt_token_ids": PROMPTS[2]}],
+                               vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].text
+        stop_str = probe[len(probe) // 2 : len(probe) // 2 + 2]
+        cases = _cases(stop_token, stop_str)
+        plain_out = _run(plain, cases)
+    with _llm(folder, speculative_config={"method": "draft_model", "model": str(draft),
+                                          "num_speculative_tokens": DEPTH}) as sd:
+        draft_model = _run(sd, cases)
+    with _llm(folder, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                          "width": WIDTH}) as llm:
+        dsbd = {w: _run(llm, cases, w) for w in (1, 2, 4)}
+        drafts = metric(llm, "vllm:spec_decode_num_drafts")
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
     return dict(plain=plain_out, draft_model=draft_model, dsbd=dsbd, stop_token=stop_token, stop_str=stop_str, drafts=drafts,
                 accepted=accepted, probe=probe)
 

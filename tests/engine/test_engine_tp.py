@@ -26,12 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.engine.metrics import PROMETHEUS_DIR_ENV  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 2, 3, 16
 # load-aware speculation with the same budget on both engines: 4 requests at full shape need 28 tokens, so the ranks
@@ -66,35 +65,33 @@ def _tokens(llm, reqs):
 def _run(target, draft, tp: int, backend: str | None = None, inspect=None) -> dict:
     """The engine's outputs for every workload above (``backend``: vLLM's executor, default ``mp`` for TP > 1;
     ``inspect(llm)``: a dict merged into the result while the engine runs)."""
-    llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-                   disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=4, tensor_parallel_size=tp,
-                   distributed_executor_backend=backend or ("mp" if tp > 1 else None),
-                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
-                                       "width": WIDTH, "verify_budget": BUDGET})
     try:
-        out = {"greedy": _tokens(llm, _greedy()), "seeded": _tokens(llm, _seeded())}
-        # beams inside the engine: deterministic (T = 0) and sampled (seeded T = 1) beam requests
-        beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
-                                BeamSearchParams(beam_width=WIDTH, max_tokens=8, length_penalty=0.9))
-        out["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in beams]
-        sampled = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [vllm.SamplingParams(
-            temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True, detokenize=False,
-            extra_args={"dsbd_beam": {"width": WIDTH, "max_tokens": 6, "ignore_eos": True}})
-            for i in range(len(PROMPTS))],
-            use_tqdm=False)
-        out["sampled_beams"] = [[b["token_ids"] for b in o.kv_transfer_params["dsbd_beam"]] for o in sampled]
-        before_ranks = llm.collective_rpc("dsbd_decisions")
-        before = {k: metric(llm, k) or 0 for k in ("vllm:dsbd_iterations", "vllm:spec_decode_num_drafts",
-                                                  "vllm:spec_decode_num_accepted_tokens")}
-        out["unseeded"] = _tokens(llm, _unseeded())
-        out["ranks"] = llm.collective_rpc("dsbd_decisions")
-        out["before_ranks"] = before_ranks
-        out["metrics"] = {k: (metric(llm, k) or 0) - v for k, v in before.items()}
-        if inspect is not None:
-            out.update(inspect(llm))
-        return out
+        with dsbd_llm(target, max_num_seqs=4, tensor_parallel_size=tp,
+                      distributed_executor_backend=backend or ("mp" if tp > 1 else None),
+                      speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                          "width": WIDTH, "verify_budget": BUDGET}) as llm:
+            out = {"greedy": _tokens(llm, _greedy()), "seeded": _tokens(llm, _seeded())}
+            # beams inside the engine: deterministic (T = 0) and sampled (seeded T = 1) beam requests
+            beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                                    BeamSearchParams(beam_width=WIDTH, max_tokens=8, length_penalty=0.9))
+            out["beams"] = [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in beams]
+            sampled = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [vllm.SamplingParams(
+                temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True, detokenize=False,
+                extra_args={"dsbd_beam": {"width": WIDTH, "max_tokens": 6, "ignore_eos": True}})
+                for i in range(len(PROMPTS))],
+                use_tqdm=False)
+            out["sampled_beams"] = [[b["token_ids"] for b in o.kv_transfer_params["dsbd_beam"]] for o in sampled]
+            before_ranks = llm.collective_rpc("dsbd_decisions")
+            before = {k: metric(llm, k) or 0 for k in ("vllm:dsbd_iterations", "vllm:spec_decode_num_drafts",
+                                                      "vllm:spec_decode_num_accepted_tokens")}
+            out["unseeded"] = _tokens(llm, _unseeded())
+            out["ranks"] = llm.collective_rpc("dsbd_decisions")
+            out["before_ranks"] = before_ranks
+            out["metrics"] = {k: (metric(llm, k) or 0) - v for k, v in before.items()}
+            if inspect is not None:
+                out.update(inspect(llm))
+            return out
     finally:
-        shutdown(llm)
         if tp > 1 or backend is not None:
             _clear_frontend_metrics()
 
@@ -110,19 +107,13 @@ def _clear_frontend_metrics() -> None:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                           draft_layers=2)
+def tp1(tiny_pair):
+    return _run(*tiny_pair, tp=1)
 
 
 @pytest.fixture(scope="module")
-def tp1(pair):
-    return _run(*pair, tp=1)
-
-
-@pytest.fixture(scope="module")
-def tp2(pair, tp1):  # tp1 first: one engine at a time
-    return _run(*pair, tp=2)
+def tp2(tiny_pair, tp1):  # tp1 first: one engine at a time
+    return _run(*tiny_pair, tp=2)
 
 
 def test_greedy_equals_tp1(tp1, tp2):

@@ -15,12 +15,11 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_utils import metric, shutdown  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, peaky_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
 from vllm_dsbd import plugin  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7]
 N_LAW, LAW_TOKENS, TOP_K = 600, 3, 30
@@ -68,23 +67,18 @@ def test_expand_empty_batch():
 
 @pytest.fixture(scope="module")
 def laws():
-    target, draft = tiny_llama_pair(vocab_size=300, seed=0, draft_init="truncate", init_std=0.3, target_layers=4,
-                                    draft_layers=3)
+    target, draft = peaky_pair()
     params = [vllm.SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=LAW_TOKENS, ignore_eos=True,
                                   seed=20_000 + i) for i in range(N_LAW)]
     out = {}
     for name, spec in (("plain", None),
                        ("draft_model", {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
                                         "draft_sample_method": "probabilistic"})):
-        llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
-                       disable_log_stats=False, enable_prefix_caching=False, speculative_config=spec)
-        try:
+        with dsbd_llm(target, max_model_len=128, speculative_config=spec) as llm:
             outs = llm.generate([{"prompt_token_ids": PROMPT}] * N_LAW, params, use_tqdm=False)
             counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
             out[name] = (counts, metric(llm, "vllm:spec_decode_num_drafts"),
                          metric(llm, "vllm:spec_decode_num_accepted_tokens"))
-        finally:
-            shutdown(llm)
     return out
 
 

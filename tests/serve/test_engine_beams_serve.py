@@ -33,9 +33,8 @@ from pathlib import Path
 import pytest
 import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
 
-from engine_utils import with_eos
+from engine_utils import tiny_pair, with_eos
 from server_utils import running_server
-from vllm_dsbd.models import tiny_llama_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak import free_port, server_env
@@ -89,8 +88,7 @@ BAD = [  # (payload, parameter named): DSBD server only
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(target folder with EOS moved to ``EOS``, draft folder, eos id, chat template)."""
-    target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                                    draft_layers=2)
+    target, draft = tiny_pair()
     eos = EOS
     tmp = tmp_path_factory.mktemp("beams_serve")
     folder = tmp / "target"

@@ -25,7 +25,6 @@ import pytest
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 from server_utils import running_server  # noqa: E402
-from vllm_dsbd.models import tiny_llama_pair  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak import free_port, server_env  # noqa: E402  (one server environment for the soak and these tests)
@@ -47,34 +46,27 @@ def _serve_cmd(target, draft, port, spec_config, chat_template=None) -> list[str
     return cmd
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
-                           draft_layers=2)
-
-
 PROMPT_IDS = [[5, 6, 7, 8, 9], [100, 101, 102], [250, 3, 77, 12]]
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def plain_texts(pair):
+def plain_texts(tiny_pair):
     """Plain vLLM (no speculation), temperature 0, in this process; runs before the server starts."""
-    from engine_utils import shutdown
+    from engine_utils import dsbd_llm
     from vllm.sampling_params import BeamSearchParams
 
-    llm = vllm.LLM(model=str(pair[0]), dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPT_IDS],
-                        vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    texts = [o.outputs[0].text for o in outs]
-    beams = llm.beam_search([{"prompt_token_ids": PROMPT_IDS[0]}],
-                            BeamSearchParams(beam_width=2, max_tokens=6))
-    tok = llm.get_tokenizer()
-    beam_texts = []
-    for seq in beams[0].sequences:  # the server's choice text: generated tokens without a final EOS
-        gen = seq.tokens[len(PROMPT_IDS[0]):]
-        beam_texts.append(tok.decode(gen[:-1] if gen and gen[-1] == tok.eos_token_id else gen))
-    shutdown(llm)
+    with dsbd_llm(tiny_pair[0], enable_prefix_caching=None, disable_log_stats=True) as llm:  # vLLM's defaults for these
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPT_IDS],
+                            vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        texts = [o.outputs[0].text for o in outs]
+        beams = llm.beam_search([{"prompt_token_ids": PROMPT_IDS[0]}],
+                                BeamSearchParams(beam_width=2, max_tokens=6))
+        tok = llm.get_tokenizer()
+        beam_texts = []
+        for seq in beams[0].sequences:  # the server's choice text: generated tokens without a final EOS
+            gen = seq.tokens[len(PROMPT_IDS[0]):]
+            beam_texts.append(tok.decode(gen[:-1] if gen and gen[-1] == tok.eos_token_id else gen))
     return texts, beam_texts
 
 
@@ -85,8 +77,8 @@ def _request(url, payload=None, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def server(pair, plain_texts, tmp_path_factory):  # plain_texts first: its engine is gone before the server starts
-    target, draft = pair
+def server(tiny_pair, plain_texts, tmp_path_factory):  # plain_texts first: its engine is gone before the server starts
+    target, draft = tiny_pair
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -195,8 +187,8 @@ def test_dsbd_metrics_cross_processes(server):
     assert buckets['vllm:dsbd_layer_width_bucket{layer="1",le="2.0"}'] == widths[0][1]
 
 
-def test_bad_startup_config_exits_naming_key(pair):
-    target, draft = pair
+def test_bad_startup_config_exits_naming_key(tiny_pair):
+    target, draft = tiny_pair
     proc = subprocess.run(_serve_cmd(target, draft, free_port(), '{"widht": 2}'),
                           env=server_env(multiprocessing=False),
                           capture_output=True, text=True, timeout=180)
