@@ -10,7 +10,9 @@ Layout: ``unit/`` (pure Python / torch units), ``kernels/`` (Triton kernels agai
 - Without a GPU, Triton kernels run in the interpreter. Triton decides this when our kernels are first imported, so
   the variable is set here, before any test module imports them.
 - Markers (registered in pyproject.toml): ``engine`` is given here to every test under ``engine/`` and ``serve/``;
-  ``gpu`` (the set ``benchmarks/gpu/check.sh`` runs) and ``slow`` are set in the test files themselves.
+  ``gpu`` (the set ``benchmarks/gpu/check.sh`` runs) and ``slow`` are set in the test files themselves. With exactly
+  ``-m gpu`` a test file without the gpu mark is not even imported: the GPU machine lacks some of what other test
+  files import at module level (Ray, matplotlib, ...), and an import error fails a run whatever the selection.
 - ``tiny_pair``: the tiny random Llama pair most engine tests use (``engine_utils.tiny_pair``), built once.
 """
 import collections
@@ -36,6 +38,13 @@ sys.path.append(os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if (config.getoption("markexpr") == "gpu" and collection_path.name.startswith("test_")
+            and collection_path.suffix == ".py"):
+        return "pytest.mark.gpu" not in collection_path.read_text()
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,6 +17,8 @@ import matplotlib  # noqa: E402,F401
 
 from engine_utils import tiny_pair  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

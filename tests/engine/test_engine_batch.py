@@ -20,6 +20,8 @@ import torch
 from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 32
 BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 token slots (the least max_model_len allows) for ~1300 tokens of requests
 

@@ -33,6 +33,8 @@ from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
 from vllm_dsbd.engine import beams as beams_mod  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, DEPTH, TOP_K, N = 2, 3, 2, 3, 2000
 SHARPEN = 3.0  # the draft's logits are the truncated target's x 3 (see _sharpened)

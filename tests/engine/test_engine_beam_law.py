@@ -26,6 +26,8 @@ from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.sampling import BeamStep  # noqa: E402
 from vllm_dsbd.engine import beam_sampling as beam_sampling_mod  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, TOP_K, N = 2, 2, 4, 2000
 

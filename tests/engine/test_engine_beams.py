@@ -40,6 +40,8 @@ from vllm_dsbd.engine.state import RELAYOUT_ENV  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 8
 SHORT = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9]]
 _rng = random.Random(99)

@@ -24,6 +24,8 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.engine import attention, sampler  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 DEPTH, MAX_TOKENS, EOS = 3, 24, 166
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
 

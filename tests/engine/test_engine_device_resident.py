@@ -36,6 +36,8 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 import sim_device  # noqa: E402
 from vllm_dsbd.engine import reads  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 DEPTH, MAX_TOKENS = 3, 10
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(16)]
 

@@ -19,6 +19,8 @@ from engine_utils import dsbd_llm, metric, runner_of, tiny_pair  # noqa: E402
 import vllm  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # benchmarks/gpu/check.sh runs it (step full_graphs)
+
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [42, 43]]
 MAX_TOKENS = 24
 

@@ -31,6 +31,8 @@ from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.core.reference import dsbd_decode  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 WIDTH, DEPTH, MAX_TOKENS = 4, 3, 24
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9]]
 WIDTHS = [1, 2, 4]

@@ -19,6 +19,8 @@ import vllm
 
 import chisq
 
+pytestmark = pytest.mark.slow
+
 WIDTH, DEPTH = 4, 2
 N_LAW, LAW_TOKENS = 800, 4  # 4 tokens: the prefill's, then an iteration that verifies both draft depths
 TEMP, HOT = 0.6, 0.9

@@ -33,6 +33,8 @@ import ray  # noqa: E402  (a missing or broken Ray must fail the suite, never sk
 
 import vllm_dsbd  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 RAY_DAEMONS = ("gcs_server", "raylet")
 
 

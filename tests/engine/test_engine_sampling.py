@@ -30,6 +30,8 @@ from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.reference import Settings, dsbd_decode, dsbd_decode_mixed  # noqa: E402
 from vllm_dsbd.models import load_hf, next_token_logits_fn  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 WIDTH, DEPTH, MIN_WIDTH = 4, 2, 2
 PROMPT = [5, 6, 7]
 N_LAW, LAW_TOKENS = 600, 3
@@ -92,6 +94,7 @@ def _reference_law(target_fn, draft_fn, n, seed, temperature=1.0, width=WIDTH):
     return [tuple(f + r.beams[0][0]) for f, r in zip(firsts, rests)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [2, 4])
 def test_law_of_first_tokens_equals_reference(llm, hf_fns, width):
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N_LAW,

@@ -22,6 +22,8 @@ from vllm_dsbd import models  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import demo_vllm  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "Write a haiku about autumn.", "def add(a, b):"]
 MAX_TOKENS = 24
 

@@ -20,6 +20,8 @@ from engine_utils import (  # sets the CPU engine environment before vllm is imp
     eos_pair_engine, metric, runner_of, shutdown)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 DEPTH, MAX_TOKENS, EOS = 3, 24, 166
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
 

@@ -32,6 +32,8 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.engine.metrics import PROMETHEUS_DIR_ENV  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 WIDTH, DEPTH, MAX_TOKENS = 2, 3, 16
 # load-aware speculation with the same budget on both engines: 4 requests at full shape need 28 tokens, so the ranks
 # must also agree on the shrunk forests ("auto" would measure each engine's own budget, and seeded T = 1 tokens depend

@@ -82,6 +82,7 @@ def laws():
     return out
 
 
+@pytest.mark.slow
 def test_draft_model_sampling_has_the_plain_law(laws):
     plain, _, _ = laws["plain"]
     spec, drafts, accepted = laws["draft_model"]

@@ -1,6 +1,6 @@
 """The fused verification kernel where the engine's static paths use it on CUDA (``engine/fused.py``): the same
 results as the torch layer, through the engine's own entry points. On CPU the kernel runs under Triton's
-interpreter (``conftest.py`` sets it), forced with ``fused=True``; on a GPU compiled (``check.sh``'s engine_tests).
+interpreter (``conftest.py`` sets it), forced with ``fused=True``; on a GPU compiled (``check.sh``'s kernel_tests).
 
 * ``sampler.verify`` on the static forest path (plain requests, mode "sample", widths 2-4): every RowResult field
   equal with and without the kernel on random steps (T = 0 rows included: the kernel skips them, beam_step makes
@@ -23,7 +23,8 @@ from vllm_dsbd.engine import beam_sampling, fused, reads, sampler
 from vllm_dsbd.engine.beams import BeamParams, BeamRequest, beam_params
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel compiled on a GPU
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Triton's interpreter on numpy
+pytestmark = [pytest.mark.gpu,  # also run compiled on a GPU by benchmarks/gpu/check.sh
+              pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # Triton's interpreter on numpy
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 

@@ -31,7 +31,8 @@ from dsbd_kernels.forest_attention import (
 )
 
 # Triton's interpreter (with numpy < 2.4) warns on every scalar index it converts; not ours to fix.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+pytestmark = [pytest.mark.gpu,  # also run compiled on a GPU by benchmarks/gpu/check.sh
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
 
 DTYPES = [dtype_param(torch.float32), dtype_param(torch.float16), dtype_param(torch.bfloat16)]
 

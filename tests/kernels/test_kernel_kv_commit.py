@@ -14,7 +14,8 @@ from kernel_utils import DEVICE, assert_bitwise_equal  # sets TRITON_INTERPRET=1
 import dsbd_kernels.kv_commit as kvc
 from dsbd_kernels.kv_commit import KVCacheTable, copy_kv_blocks, copy_kv_blocks_ref, copy_kv_slots, copy_kv_slots_ref
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+pytestmark = [pytest.mark.gpu,  # also run compiled on a GPU by benchmarks/gpu/check.sh
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
 

@@ -33,6 +33,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 
 pytestmark = [
+    pytest.mark.gpu,  # also run compiled on a GPU by benchmarks/gpu/check.sh
     # Triton's interpreter (numpy < 2.4) warns on scalar conversions, and on log(0) = -inf, which the math wants.
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),

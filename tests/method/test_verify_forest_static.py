@@ -24,6 +24,8 @@ from vllm_dsbd.core.sampling import beam_step
 from vllm_dsbd.engine import reads, sampler
 from vllm_dsbd.engine.state import PendingForest, RequestState
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 
 @dataclass
 class Req:

@@ -13,6 +13,8 @@ from test_verify_layer import CASES, draft_draws
 from vllm_dsbd.core.verify import verify_layer
 from vllm_dsbd.core.verify_static import verify_layer_static
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 
 def _compare(logp, drafts, valid, logq, k, seed, pos, extra: int = 0):
     ref_idx, ref_ok = verify_layer(logp, drafts, valid, logq, k, seed, pos)

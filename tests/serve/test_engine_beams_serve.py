@@ -39,6 +39,8 @@ from server_utils import running_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak import free_port, server_env
 
+pytestmark = pytest.mark.slow
+
 STARTUP_TIMEOUT_S = 240
 MODEL_NAME = "tiny-dsbd"
 WIDTH = 4

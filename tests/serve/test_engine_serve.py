@@ -29,6 +29,8 @@ from server_utils import running_server  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak import free_port, server_env  # noqa: E402  (one server environment for the soak and these tests)
 
+pytestmark = pytest.mark.slow
+
 STARTUP_TIMEOUT_S = 240
 MODEL_NAME = "tiny-dsbd"
 

@@ -15,7 +15,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUESTS, CONCURRENCY, SEED = 60, 8, 3  # seed 3: this mix has every kind of request (asserted below)

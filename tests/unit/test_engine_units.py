@@ -17,6 +17,8 @@ from vllm_dsbd.core.sampling import beam_step
 from vllm_dsbd.engine import attention, kv, reads, sampler
 from vllm_dsbd.engine.state import PendingForest, RequestState
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 
 def _cpu_cache(nb, kvh, bs, d, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -14,6 +14,8 @@ import torch
 import sim_device
 from vllm_dsbd.engine import reads
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
+
 
 def _tensors():
     g = torch.Generator().manual_seed(0)
