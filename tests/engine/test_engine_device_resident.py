@@ -1,4 +1,5 @@
-"""The DSBD step stays on the device (issue 15 item 2), checked on CPU with a simulated accelerator (``sim_device``).
+"""The DSBD step stays on the device (few host synchronisations per step, none growing with the batch), checked on
+CPU with a simulated accelerator (``sim_device``).
 
 A real vLLM 0.26.0 engine (tiny Llama pair, width 2 and width 1 (the sampler's chain fast path), depth 3, pinned draft
 shape, temperature 1 and 0, EOS as an ordinary token and as a stop) runs with the simulated device active inside the

@@ -1,4 +1,4 @@
-"""DSBD through a real vLLM 0.26.0 engine on CPU, temperature 0 (milestone M1).
+"""DSBD through a real vLLM 0.26.0 engine on CPU, temperature 0.
 
 One DSBD engine (width 4, depth 3) serves every request; each request picks its width with
 ``SamplingParams(extra_args={"dsbd_width": w})``. ``max_num_seqs`` is small so that requests join the batch at

@@ -1,4 +1,4 @@
-"""DSBD through a real vLLM 0.26.0 engine on CPU, temperature 1 (milestone M2), and its metrics (M3).
+"""DSBD through a real vLLM 0.26.0 engine on CPU, temperature 1, and its metrics.
 
 Engine: width 4, depth 2, dynamic width on (the defaults' rule) with min_width 2, the opt-in single-output-beam mode
 (``mode="single"``: layers keep up to W beams; plain requests in the default mode are tested in

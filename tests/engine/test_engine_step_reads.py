@@ -1,5 +1,5 @@
-"""A step mixing every kind of work reads the device once to verify and once to draft (issue 15 item 2;
-``engine/reads.py``), real vLLM 0.26.0 on CPU with the simulated device (``sim_device``).
+"""A step mixing every kind of work reads the device once to verify and once to draft (one host copy per round for
+all its kinds of work, ``engine/reads.py``), real vLLM 0.26.0 on CPU with the simulated device (``sim_device``).
 
 One engine of width 2 (tiny random Llama pair, depth 3, pinned speculation, the static paths a device runs:
 ``VLLM_DSBD_STATIC_VERIFY=1``, ``beams.STATIC_LAYERS``) serves one batch mixing plain requests (seeded T = 1),
