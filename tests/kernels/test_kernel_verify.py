@@ -3,8 +3,8 @@
 Equality, not closeness: out_idx (the emitted joint indices, in emission order) and out_valid must be identical to
 the core's on every row. Runs compiled on a GPU and under Triton's interpreter on CPU (tiny shapes). Output buffers
 are poisoned before every run, so a missed write fails. The statistical law of verification is the core's to test
-(tests/test_verify_layer.py); here equality with the core is the whole claim. README.md beside the kernel says what
-that equality rests on (every decision compares against a fresh random threshold, so ulp-level differences in
+(tests/method/test_verify_layer.py); here equality with the core is the whole claim. README.md beside the kernel says
+what that equality rests on (every decision compares against a fresh random threshold, so ulp-level differences in
 exp/log/sums flip one only with probability ~1e-7).
 """
 
