@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FOLDERS = ("helpers", "unit", "kernels", "method", "engine", "serve")
 ENGINE_FOLDERS = ("engine", "serve")
 
-_names = collections.Counter(f for d in FOLDERS for f in os.listdir(os.path.join(HERE, d)) if f.endswith(".py"))
+_names = collections.Counter(f for d in FOLDERS for f in os.listdir(os.path.join(HERE, d))
+                             if f.endswith(".py") and f != "conftest.py")
 _clashes = sorted(n for n, c in _names.items() if c > 1)
 assert not _clashes, f"module names used in two test folders (they share one sys.path): {_clashes}"
 for _d in reversed(FOLDERS):
