@@ -31,19 +31,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, triton, vllm; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__)" \
   | tee -a "$OUT/gpu.txt"
 
-step kernel_tests "${DSBD_KERNEL_TEST_S:-240}" "${PYTEST[@]}" tests/test_kernel_forest_attention.py \
-  tests/test_kernel_kv_commit.py tests/test_kernel_verify.py
+step kernel_tests "${DSBD_KERNEL_TEST_S:-240}" "${PYTEST[@]}" -m gpu tests/kernels
 step bench_kernels 120 python benchmarks/kernels/attention_kv.py --quick --csv "$OUT/bench_kernels.csv"
 step bench_verify 90 python benchmarks/kernels/verify.py --quick --out "$OUT/verify"
 # on CUDA the sampler takes the static verification paths and beam requests their device steps (beams equal to vLLM's
 # LLM.beam_search in test_engine_beams; the static layer and forest paths equal to the general ones on CUDA tensors)
-step engine_tests "${DSBD_ENGINE_TEST_S:-540}" "${PYTEST[@]}" tests/test_engine_greedy.py tests/test_engine_units.py \
-  tests/test_engine_sampling.py tests/test_engine_batch.py tests/test_engine_device_resident.py tests/test_engine_chain.py \
-  tests/test_engine_beams.py tests/test_verify_static.py tests/test_verify_forest_static.py tests/test_fused_in_engine.py \
-  tests/test_engine_static_drafting.py tests/test_engine_beam_static_drafting.py tests/test_reads.py \
-  tests/test_engine_step_reads.py
+step engine_tests "${DSBD_ENGINE_TEST_S:-540}" "${PYTEST[@]}" -m gpu tests/unit tests/method tests/engine \
+  --ignore=tests/engine/test_engine_full_graphs_gpu.py
 # full CUDA graphs over passes without forest attention (setting full_cuda_graphs): tokens equal to eager
-step full_graphs "${DSBD_FULL_GRAPHS_S:-400}" "${PYTEST[@]}" -s tests/test_engine_full_graphs_gpu.py
+step full_graphs "${DSBD_FULL_GRAPHS_S:-400}" "${PYTEST[@]}" -s -m gpu tests/engine/test_engine_full_graphs_gpu.py
 
 for f in bench_kernels bench_verify; do [[ -f $OUT/$f.log ]] && { echo "== $f (last lines)"; tail -25 "$OUT/$f.log"; }; done
 for f in kernel_tests engine_tests full_graphs; do

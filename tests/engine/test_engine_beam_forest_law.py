@@ -1,0 +1,129 @@
+"""DSBD full width at temperature 1 inside the engine: with draft forests hanging off the live beams, the law of the
+beam set is still exactly target beam sampling of width W.
+
+A beam request (``extra_args["dsbd_beam"]``: width 2, 3 steps, draft depth pinned to 2, top-k 3 on the joint, EOS
+ignored) on the tiny random Llama pair of ``test_engine_beam_law.py`` (the draft = the target's first 2 of 3 layers,
+its logits sharpened x 3),
+2,000 requests with seeds 0..1999. After the prompt's step (no forest: the draft has not run yet) the target pass
+verifies a forest of 2 draft nodes (depth 1: one step is left after it, the bonus layer), drawn by the draft's beam
+sampling: recursive rejection sampling without replacement (``core.verify_layer``'s rule, as beam requests run it:
+``core.verify_static.verify_layer_static``, every layer of a step in one call as on a device,
+``beam_sampling.verify_forests``) emits 2 pairs, and when both are forest nodes the last step runs on their logits in
+the same pass.
+Outcome = the set of the 2 final beams. Oracle: ``beam_oracle.beam_sampling_law``, the exact law by enumeration from
+the definition (plain Python floats over the Hugging Face model; no code shared with ``vllm_dsbd.core``).
+
+The engine's counters must show forest nodes verified and layers passed (the forest path really ran), every drafted
+layer of width 2.
+Power: the same requests with the with-replacement acceptance rule planted into the verification (``planted.py``:
+draft j's law taken as Q instead of Q with the earlier draws removed) must be rejected by the same test.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from engine_utils import dsbd_llm, metric, tiny_pair  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
+from chisq import goodness_of_fit, report  # noqa: E402
+from planted import planted_verify_layer  # noqa: E402
+from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
+from vllm_dsbd.engine.beams import step as beams_mod  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 6, 7, 8]
+WIDTH, STEPS, DEPTH, TOP_K, N = 2, 3, 2, 3, 2000
+SHARPEN = 3.0  # the draft's logits are the truncated target's x 3 (see _sharpened)
+
+
+def _params(seed):
+    beam = {"width": WIDTH, "max_tokens": STEPS, "ignore_eos": True, "depth": DEPTH}
+    return vllm.SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=STEPS * (WIDTH + 1) + 2,
+                               ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
+
+
+def _counters(llm) -> dict:
+    names = ("beam_target_passes", "beam_steps", "beam_draft_nodes", "beam_layers_passed")
+    out = {n: int(metric(llm, f"vllm:dsbd_{n}") or 0) for n in names}
+    widths = [m for m in llm.get_metrics() if m.name == "vllm:dsbd_layer_width"]
+    out["drafted_layers"] = int(sum(m.count for m in widths))
+    out["width_sum"] = int(sum(m.sum for m in widths))
+    return out
+
+
+def _run(llm) -> tuple[Counter, dict]:
+    before = _counters(llm)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, [_params(s) for s in range(N)], use_tqdm=False)
+    after = _counters(llm)
+    sets = Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
+    return sets, {k: after[k] - before[k] for k in after}
+
+
+def _sharpened(draft, folder, factor: float):
+    """A copy of the draft model folder with its LM head scaled by ``factor`` (logits x factor: a peakier draft that
+    still ranks tokens as the truncated target does). The with-replacement rule is biased only where Q differs from
+    P and the first draft carries much of Q; measured on this engine with 2,000 requests, W = 2 (chi2 / threshold):
+    plain truncated draft and top-k 4 over 4 steps 100 / 203; x 3, top-k 4, 3 steps 148 / 164; x 3, top-k 3, 3 steps
+    218 / 70 (the exact rule: 8 / 70)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(draft, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * factor
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    target, draft = tiny_pair()
+    draft = _sharpened(draft, tmp_path_factory.mktemp("draft") / "sharp", SHARPEN)
+    with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048,
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                      "width": WIDTH}) as llm:
+        # the path a device runs: every verified layer of the step in one call (``beam_sampling.verify_forests``; the
+        # CPU's default, one call per layer, gives the same beams: ``test_engine_beam_static_drafting``)
+        beams_mod.STATIC_LAYERS = True
+        exact = _run(llm)
+        real = beam_sampling_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)
+        beam_sampling_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)
+        try:
+            planted = _run(llm)
+        finally:
+            beam_sampling_mod.verify_layer_static = real
+    law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0, top_k=TOP_K)
+    return exact, planted, law
+
+
+def test_forest_path_ran(runs):
+    (_, c), _, _ = runs
+    print("counters:", c)
+    assert c["beam_steps"] == N * STEPS  # every request made all its steps
+    assert c["beam_draft_nodes"] > 0 and c["beam_layers_passed"] > 0
+    assert c["beam_steps"] <= c["beam_target_passes"] + c["beam_layers_passed"]
+    assert c["beam_target_passes"] < N * STEPS  # fewer target passes than beam steps: forests passed
+    # fixed width: every verified layer that had drafts emitted W pairs (the joint's top-k 4 holds >= 2)
+    assert c["drafted_layers"] > 0 and c["width_sum"] == WIDTH * c["drafted_layers"]
+
+
+def test_beam_set_law_with_forests_is_target_beam_sampling(runs):
+    (exact, _), _, law = runs
+    assert sum(exact.values()) == N
+    assert len(exact) > 10
+    stat, df, thr = goodness_of_fit(exact, law, N)
+    print(report(f"DSBD full width T=1, W={WIDTH}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}", stat, df, thr))
+    assert stat < thr
+
+
+def test_planted_with_replacement_rule_is_rejected(runs):
+    _, (planted, c), law = runs
+    assert c["beam_layers_passed"] > 0  # the planted rule ran on forests
+    stat, df, thr = goodness_of_fit(planted, law, N)
+    print(report("planted with-replacement acceptance", stat, df, thr))
+    assert stat > thr

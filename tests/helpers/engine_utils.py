@@ -1,0 +1,127 @@
+"""What every test that starts a real vLLM engine on CPU shares. Import it before vllm.
+
+- in-process engine core (fast start), 1 GiB of KV cache, no OpenMP core binding and one torch thread: on 2 shared
+  cores OpenMP spin-waits otherwise make generation about 100x slower (these settings last for the pytest session);
+- ``tiny_pair`` / ``peaky_pair``: the tiny random Llama pairs of the engine tests, built once (the ``tiny_pair``
+  fixture of ``tests/conftest.py`` gives the first);
+- ``dsbd_llm``: a ``vllm.LLM`` with the engine tests' common keywords (``ENGINE_KW``; a DSBD engine when the
+  overrides give a DSBD ``speculative_config``), shut down and freed when its ``with`` block ends;
+- ``runner_of``: the model runner of an engine whose core runs in process;
+- ``shutdown``: frees an engine so the next one in the same process can start;
+- ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
+- ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
+- ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests);
+- ``eos_pair_engine``: a DSBD engine on the tiny random Llama pair whose target ends sequences at a given token.
+"""
+import contextlib
+import functools
+import gc
+import os
+
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+torch.set_num_threads(1)
+
+
+# what every engine of the engine tests is built with, unless a test says otherwise: float32 weights and eager passes
+# (exact comparisons), a short context, a fixed engine seed, no prefix caching, statistics on (tests read metrics)
+ENGINE_KW = dict(dtype="float32", enforce_eager=True, max_model_len=256, seed=0, enable_prefix_caching=False,
+                 disable_log_stats=False)
+
+
+@functools.cache
+def tiny_pair():
+    """(target folder, draft folder): a tiny random Llama target (vocabulary 400, 3 layers, flat next-token laws:
+    init_std 0.1) and its first 2 layers as the draft. Built into the model cache on first use."""
+    from vllm_dsbd.testing.models import tiny_llama_pair
+
+    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
+                           draft_layers=2)
+
+
+@functools.cache
+def peaky_pair():
+    """(target folder, draft folder): a tiny random Llama target with peaky next-token laws (vocabulary 300, 4 layers,
+    init_std 0.3) and its first 3 layers as the draft (about half of the probability mass in common)."""
+    from vllm_dsbd.testing.models import tiny_llama_pair
+
+    return tiny_llama_pair(vocab_size=300, seed=0, draft_init="truncate", init_std=0.3, target_layers=4,
+                           draft_layers=3)
+
+
+@contextlib.contextmanager
+def dsbd_llm(model, **overrides):
+    """``vllm.LLM(model=str(model), **ENGINE_KW)`` with ``overrides`` winning (e.g. ``speculative_config``,
+    ``max_num_seqs``; a keyword set to vLLM's default undoes a common one); yields it and shuts it down at the end,
+    so the next engine in the process can start."""
+    import vllm
+
+    llm = vllm.LLM(model=str(model), **{**ENGINE_KW, **overrides})
+    try:
+        yield llm
+    finally:
+        shutdown(llm)
+
+
+def runner_of(llm):
+    """The DSBD model runner of ``llm`` (engine core in process, one worker: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def shutdown(llm) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def metric(llm, name: str):
+    for m in llm.get_metrics():
+        if m.name == name:
+            return getattr(m, "value", m)
+    return None
+
+
+def with_eos(source, folder, eos: int):
+    """Copies the model folder ``source`` to ``folder`` with token ``eos`` as its EOS (tokenizer, config.json and
+    generation_config.json), so that a random test model really ends sequences. Returns ``folder``."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(source, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.eos_token = tok.convert_ids_to_tokens(eos)
+    tok.save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.exists():
+            cfg = json.loads(path.read_text())
+            cfg["eos_token_id"] = eos
+            path.write_text(json.dumps(cfg))
+    return folder
+
+
+def greedy_tokens(fn, prompt, n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from ``fn(ids [1, L]) -> logits [1, V]`` (``models.next_token_logits_fn``)."""
+    out = list(prompt)
+    for _ in range(n):
+        out.append(int(fn(torch.tensor([out])).argmax(-1)[0]))
+    return out[len(prompt):]
+
+
+def eos_pair_engine(folder, eos: int, width: int, depth: int, max_num_seqs: int):
+    """A DSBD engine (pinned speculation, statistics on) on the tiny random Llama pair (3-layer target, its first 2
+    layers as the draft) with token ``eos`` as the target's EOS (a copy in ``folder``)."""
+    import vllm
+
+    target, draft = tiny_pair()
+    return vllm.LLM(model=str(with_eos(target, folder, eos)), **ENGINE_KW, max_num_seqs=max_num_seqs,
+                    speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": depth,
+                                        "width": width, "verify_budget": None})

@@ -1,0 +1,281 @@
+"""``use_beam_search`` through vLLM's OpenAI-compatible server on a DSBD engine (patch ``beam_serving_route``): one
+engine request per prompt (beams inside the engine) instead of vLLM's front-end loop, answers equal to plain vLLM.
+
+Two servers, one after the other (``python -m vllm.entrypoints.cli.main serve``, CPU): plain vLLM, then DSBD
+(width 4, depth 2, engine core in a child process as ``vllm serve`` runs by default, so the beams cross processes in
+``kv_transfer_params``). Tiny random Llama pair of ``test_engine_serve.py``, with the target tokenizer's EOS moved (in
+a copy of the folder, as ``test_engine_beams.py`` does) to token 102, picked so that the beams of these requests end
+both ways: on EOS after 0 to 3 tokens and at ``max_tokens`` (asserted); the tiny tokenizer has no chat template, both
+servers get the same trivial one.
+
+The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 and 4 (length penalty,
+``include_stop_str_in_output``, two prompts in one request), ``/v1/chat/completions`` with ``n`` = 2. Every choice is
+equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 1e-4; not the top-logprob
+alternatives, which vLLM's loop takes from its 2 * n candidates per step and DSBD does not keep). A width above the
+DSBD server's and a beam search that cannot fit ``max_model_len`` are 400s naming ``n`` / ``max_tokens``, and a good
+request afterwards still gets the same answer.
+
+Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
+with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
+carry strings and numbers, a mapping is a 400 from vLLM) streams the beams' settled prefix in chunks before the last
+one, a prefix of every beam the same request returns unstreamed (``kv_transfer_params["dsbd_beam"]``), and all the
+chunks together are the best beam, tokens, text and finish reason. Engine ``logprobs`` with it are a 400.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
+
+from engine_utils import tiny_pair, with_eos
+from server_utils import running_server
+
+from vllm_dsbd.testing.server import free_port, server_env
+
+pytestmark = pytest.mark.slow
+
+STARTUP_TIMEOUT_S = 240
+MODEL_NAME = "tiny-dsbd"
+WIDTH = 4
+PROMPT = [5, 6, 7, 8]
+EOS = 102  # a token in the beams' top 2 * n candidates now and then, not at every step
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _cmpl(**kw):
+    return ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "use_beam_search": True, "temperature": 0,
+                                "max_tokens": 6, "return_token_ids": True, "logprobs": 0,
+                                "return_tokens_as_token_ids": True, **kw})
+
+
+# (name, path, payload): sent to both servers
+REQUESTS = [
+    ("n2", *_cmpl(n=2)),
+    ("n4", *_cmpl(n=4, length_penalty=1.3)),
+    ("n4_stop_str", *_cmpl(n=4, include_stop_str_in_output=True)),
+    ("two_prompts", *_cmpl(n=2, prompt=[PROMPT, [10, 20, 30]], max_tokens=5)),
+    ("chat", "/v1/chat/completions",
+     {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi there"}], "use_beam_search": True, "n": 2,
+      "temperature": 0, "max_tokens": 6, "return_token_ids": True, "logprobs": True, "top_logprobs": 0,
+      "return_tokens_as_token_ids": True}),
+]
+STREAM_TOKENS = 10
+STREAMS = [("w2", [83, 60], 2), ("w4", [10, 20, 30], 4)]  # (name, prompt, width): beams that share a long prefix
+
+
+def _beam_xargs(width):
+    return {"dsbd_beam": json.dumps({"width": width, "max_tokens": STREAM_TOKENS, "eos_token_id": EOS})}
+
+
+def _beam_cmpl(prompt, width, **kw):
+    """A completion with the beam settings in vllm_xargs (``max_tokens``: room for the trie, ``engine_tokens``)."""
+    return {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, "max_tokens": STREAM_TOKENS * (width + 1) + 2,
+            "return_token_ids": True, "vllm_xargs": _beam_xargs(width), **kw}
+
+
+BAD = [  # (payload, parameter named): DSBD server only
+    (_cmpl(n=8)[1], "n"),
+    (_cmpl(n=WIDTH, max_tokens=100)[1], "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target folder with EOS moved to ``EOS``, draft folder, eos id, chat template)."""
+    target, draft = tiny_pair()
+    eos = EOS
+    tmp = tmp_path_factory.mktemp("beams_serve")
+    folder = tmp / "target"
+    with_eos(target, folder, eos)
+    template = tmp / "chat.jinja"
+    template.write_text(TEMPLATE)
+    return folder, draft, eos, template
+
+
+def _post(base, path, payload, timeout=300):
+    req = urllib.request.Request(base + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def _raw(base, path, payload, timeout=300):
+    """(status, body text) of a request, streamed or not."""
+    req = urllib.request.Request(base + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _stream(base, path, payload, timeout=300):
+    """The chunks of a streamed request (server-sent events up to ``[DONE]``)."""
+    req = urllib.request.Request(base + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return chunks
+            chunks.append(json.loads(line[len("data: "):]))
+    raise AssertionError(f"stream ended without [DONE] after {len(chunks)} chunks")
+
+
+def _server(cmd, env, log_path):
+    port = free_port()
+    return running_server(cmd + ["--host", "127.0.0.1", "--port", str(port)], port, env, log_path, STARTUP_TIMEOUT_S)
+
+
+def _common(target, template):
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(target), "--served-model-name",
+            MODEL_NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
+            "--max-num-seqs", "8", "--chat-template", str(template)]
+
+
+@pytest.fixture(scope="module")
+def plain(models, tmp_path_factory):
+    target, _, _, template = models
+    log = tmp_path_factory.mktemp("plain_server") / "server.log"
+    with _server(_common(target, template), server_env(multiprocessing=False), log) as (base, _, tail):
+        out = {}
+        for name, path, payload in REQUESTS:
+            out[name] = _post(base, path, payload)
+            assert out[name][0] == 200, (name, out[name], tail())
+        return out
+
+
+@pytest.fixture(scope="module")
+def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
+    target, draft, _, template = models
+    cmd = _common(target, template) + ["--speculative-method", "dsbd", "--spec-model", str(draft),
+                                       "--spec-tokens", "2", "--speculative-config", json.dumps({"width": WIDTH})]
+    log = tmp_path_factory.mktemp("dsbd_server") / "server.log"
+    with _server(cmd, server_env(), log) as (base, proc, tail):
+        out = {}
+        t0 = time.monotonic()
+        for name, path, payload in REQUESTS:
+            out[name] = _post(base, path, payload)
+            assert out[name][0] == 200, (name, out[name], tail())
+        out["time_s"] = time.monotonic() - t0
+        out["bad"] = [_post(base, "/v1/completions", payload) for payload, _ in BAD]
+        out["after_bad"] = _post(base, REQUESTS[0][1], REQUESTS[0][2])
+        out["alive"] = proc.poll() is None
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            out["metrics"] = r.read().decode()
+        # streamed beam requests (after the metrics: test_beams_ran_in_the_engine counts the requests above)
+        out["streams"] = {name: (_stream(base, "/v1/completions", _beam_cmpl(p, w, stream=True)),
+                                 _post(base, "/v1/completions", _beam_cmpl(p, w))) for name, p, w in STREAMS}
+        out["stream_bad"] = [
+            _raw(base, "/v1/completions", _beam_cmpl(PROMPT, 2, stream=True, logprobs=1)),
+            _raw(base, "/v1/completions", _beam_cmpl(PROMPT, 2, logprobs=1)),
+            _raw(base, "/v1/completions", _beam_cmpl(PROMPT, 2, stream=True,
+                                                     vllm_xargs={"dsbd_beam": {"width": 2, "max_tokens": 4}})),
+        ]
+        out["stream_alive"] = proc.poll() is None
+        return out
+
+
+def _split(choice):
+    """(the choice without logprob values, the chosen tokens' logprobs, the logprobs' tokens)."""
+    c = json.loads(json.dumps(choice))
+    lp = c.pop("logprobs")
+    if "message" in c:  # chat: content entries {token, logprob, bytes, top_logprobs}
+        return c, [e["logprob"] for e in lp["content"]], [(e["token"], e["bytes"], e["top_logprobs"])
+                                                          for e in lp["content"]]
+    return c, lp["token_logprobs"], (lp["tokens"], lp["text_offset"])
+
+
+def _assert_same(got, expected, name):
+    assert len(got["choices"]) == len(expected["choices"]), name
+    for g, e in zip(got["choices"], expected["choices"]):
+        gc, glp, gtok = _split(g)
+        ec, elp, etok = _split(e)
+        assert gc == ec, (name, g, e)
+        assert gtok == etok, (name, g, e)
+        assert len(glp) == len(elp) and all(abs(a - b) < 1e-4 for a, b in zip(glp, elp)), (name, glp, elp)
+    assert got["usage"] == expected["usage"], name
+
+
+@pytest.mark.parametrize("name", [r[0] for r in REQUESTS])
+def test_beam_search_choices_equal_plain_vllm(dsbd, plain, name):
+    _assert_same(dsbd[name][1], plain[name][1], name)
+
+
+def test_requests_not_vacuous(plain, models):
+    eos = models[2]
+    n = {name: len(plain[name][1]["choices"]) for name, *_ in REQUESTS}
+    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2}
+    reasons = {name: [c["finish_reason"] for c in plain[name][1]["choices"]] for name, *_ in REQUESTS}
+    assert all("length" in r for r in reasons.values()), reasons
+    assert all("stop" in reasons[name] for name in ("n2", "n4", "n4_stop_str")), reasons
+    # an EOS-finished beam with tokens before its EOS (the trie held it for more than one step)
+    assert any(c["finish_reason"] == "stop" and len(c["token_ids"]) >= 2 for c in plain["n2"][1]["choices"])
+    # include_stop_str_in_output: an EOS-finished beam's token ids end in EOS, its text does not hold it
+    stopped = [c for c in plain["n4_stop_str"][1]["choices"] if c["finish_reason"] == "stop"]
+    assert stopped and all(c["token_ids"][-1] == eos and c["stop_reason"] == eos for c in stopped)
+    stopped = [c for c in plain["n4"][1]["choices"] if c["finish_reason"] == "stop"]
+    assert stopped and all(eos not in c["token_ids"] for c in stopped)
+
+
+def test_beams_ran_in_the_engine(dsbd):
+    """The DSBD server made one engine request per prompt (vLLM's loop makes one per live beam per token; the bad
+    requests never reached the engine)."""
+    vals = [float(line.rsplit(" ", 1)[1]) for line in dsbd["metrics"].splitlines()
+            if line.startswith("vllm:request_success_total")]
+    n_prompts = len(REQUESTS) + 1 + 1  # two_prompts has 2; after_bad is one more
+    assert vals and sum(vals) == n_prompts, [l for l in dsbd["metrics"].splitlines() if "request_success" in l]
+
+
+def test_bad_beam_requests_are_400_and_server_keeps_serving(dsbd, plain):
+    for (code, body), (_, param) in zip(dsbd["bad"], BAD):
+        assert code == 400, (code, body)
+        assert body["error"]["param"] == param, body
+        assert body["error"]["message"].startswith(f"{param}: "), body
+    assert dsbd["alive"]
+    assert dsbd["after_bad"][0] == 200
+    _assert_same(dsbd["after_bad"][1], plain["n2"][1], "after_bad")
+
+
+@pytest.mark.parametrize("name", [n for n, *_ in STREAMS])
+def test_streamed_beam_request_streams_the_settled_prefix(dsbd, name):
+    chunks, (code, whole) = dsbd["streams"][name]
+    assert code == 200, whole
+    beams = [b["token_ids"] for b in whole["kv_transfer_params"]["dsbd_beam"]]
+    best = whole["kv_transfer_params"]["dsbd_beam"][0]
+    (choice,) = whole["choices"]
+    # unstreamed, the request's choice is its best beam
+    assert choice["token_ids"] == best["token_ids"] and choice["finish_reason"] == best["finish_reason"]
+    parts = [(c["choices"][0].get("token_ids") or [], c["choices"][0]["text"], c["choices"][0]["finish_reason"])
+             for c in chunks if c["choices"]]
+    assert [r for *_, r in parts] == [None] * (len(parts) - 1) + [best["finish_reason"]]
+    before = [t for ids, *_ in parts[:-1] for t in ids]
+    assert before, parts  # tokens arrived before the request finished
+    for b in beams:  # never retracted: every beam starts with what was streamed before the end
+        assert b[: len(before)] == before, (before, beams)
+    assert before + parts[-1][0] == best["token_ids"]
+    assert "".join(t for _, t, _ in parts) == choice["text"]
+
+
+def test_streamed_beam_request_refusals(dsbd):
+    (code, body), (code2, body2), (code3, body3) = dsbd["stream_bad"]
+    # engine logprobs on a beam request: refused in the front end (streamed: the error is the stream's one event)
+    msg = "logprobs: not supported on a beam request"
+    assert code == 200 and msg in body and '"finish_reason"' not in body, body
+    assert code2 == 400 and json.loads(body2)["error"]["message"].startswith(msg), body2
+    assert code3 == 400 and "vllm_xargs" in body3, body3  # vLLM's own: no mappings in vllm_xargs
+    assert dsbd["stream_alive"]
