@@ -30,7 +30,7 @@ from engine_utils import dsbd_llm, metric  # sets the CPU engine environment bef
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
-from vllm_dsbd.engine.metrics import PROMETHEUS_DIR_ENV  # noqa: E402
+from vllm_dsbd.engine.prometheus import PROMETHEUS_DIR_ENV  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
