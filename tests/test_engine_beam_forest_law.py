@@ -31,7 +31,6 @@ from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
-from vllm_dsbd.engine.beams import step as beams_mod  # noqa: E402
 from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
@@ -90,7 +89,7 @@ def runs(tmp_path_factory):
                                        "width": WIDTH})
     # the path a device runs: every verified layer of the step in one call (``beam_sampling.verify_forests``; the
     # CPU's default, one call per layer, gives the same beams: ``test_engine_beam_static_drafting``)
-    beams_mod.STATIC_LAYERS = True
+    llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.dsbd_static_layers = True
     try:
         exact = _run(llm)
         real = beam_sampling_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)

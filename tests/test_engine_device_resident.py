@@ -16,7 +16,7 @@ and the beam drafter (the target's logits tagged). Checked:
 * beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
   beam steps or in the draft's; a step's beam steps of all requests read the device once at T = 0 (their rows' best
   tokens), once at T > 0 (the beam step of the requests without a forest beside every verified layer of those
-  with one, ``beams.STATIC_LAYERS`` as on a device: the outputs equal the CPU's one read per layer), the beam
+  with one, ``runner.dsbd_static_layers`` as on a device: the outputs equal the CPU's one read per layer), the beam
   drafter once per call (all depths' pairs in one copy);
 * the plain requests' drafter reads the device once per call (all depths' draws in one copy), at width 1 and 2;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
@@ -75,16 +75,16 @@ class Observer:
                 obs.current.fetched.extend(tuple(t.shape) for t in tensors)
             return orig_fetch(tensors)
 
-        def verify(logits, rows, cfg):  # readers, as the entry points they wrap
+        def verify(logits, rows, cfg, **kw):  # readers, as the entry points they wrap
             if not obs.active:
-                return (yield from orig_verify(logits, rows, cfg))  # the reference runs: the CPU's default path
+                return (yield from orig_verify(logits, rows, cfg, **kw))  # the reference runs: the CPU's default path
             for r in rows:
                 if r.forest is not None:
                     f = r.forest.forest
                     obs.forest_tensors.append(all(sim_device.on_device(t) for t in (f.valid, f.q_joint, f.parent)))
             mode = sim_device.SimulatedDevice()
-            out = obs.observe(mode, orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.static,
-                                                forest_static=obs.static))
+            out = obs.observe(mode, orig_verify(sim_device.tag(logits), rows, cfg, **{**kw, "chain_static": obs.static,
+                                                                                     "forest_static": obs.static}))
             obs.calls.append(("verify", len(rows), mode))
             return out
 
@@ -180,13 +180,13 @@ def runs(request):
         out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
         out["beams_calls"] = obs.calls[n0:]
         n0 = len(obs.calls)
-        from vllm_dsbd.engine.beams import step as beams_mod
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
-        cpu_layers, beams_mod.STATIC_LAYERS = beams_mod.STATIC_LAYERS, True  # what a device runs (the CPU: False)
+        cpu_layers, runner.dsbd_static_layers = runner.dsbd_static_layers, True  # what a device runs (the CPU: False)
         try:
             out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
         finally:
-            beams_mod.STATIC_LAYERS = cpu_layers
+            runner.dsbd_static_layers = cpu_layers
         out["sampled_beams_calls"] = obs.calls[n0:]
         out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
         out["static"] = static

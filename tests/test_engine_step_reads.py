@@ -2,7 +2,7 @@
 ``engine/reads.py``), real vLLM 0.26.0 on CPU with the simulated device (``sim_device``).
 
 One engine of width 2 (tiny random Llama pair, depth 3, pinned speculation, the static paths a device runs:
-``VLLM_DSBD_STATIC_VERIFY=1``, ``beams.STATIC_LAYERS``) serves one batch mixing plain requests (seeded T = 1),
+``VLLM_DSBD_STATIC_VERIFY=1``, ``runner.dsbd_static_layers``) serves one batch mixing plain requests (seeded T = 1),
 beam search requests (T = 0) and seeded beam sampling requests (T = 1) through ``extra_args["dsbd_beam"]``, so most
 steps verify and draft all three kinds. The runner's whole verification (``_sample``: plain verification, the T = 0
 and T > 0 beam steps) and whole drafting (``propose_draft_token_ids``: plain and beam forests) each run under a
@@ -27,7 +27,6 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
 from vllm_dsbd.engine import reads  # noqa: E402
-from vllm_dsbd.engine.beams import step as beams  # noqa: E402
 from vllm_dsbd.testing.models import tiny_llama_pair  # noqa: E402
 
 STEPS, MAX_TOKENS = 6, 12
@@ -113,8 +112,7 @@ class StepObserver:
 @pytest.fixture(scope="module")
 def runs():
     mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_DSBD_STATIC_VERIFY", "1")  # the static paths a device runs (the runner sets STATIC_LAYERS)
-    mp.setattr(beams, "STATIC_LAYERS", beams.STATIC_LAYERS)  # restored with the rest
+    mp.setenv("VLLM_DSBD_STATIC_VERIFY", "1")  # the static paths a device runs (the runner sets dsbd_static_layers)
     target, draft = tiny_llama_pair(vocab_size=400, seed=0, draft_init="truncate", init_std=0.1, target_layers=3,
                                     draft_layers=2)
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
@@ -131,7 +129,7 @@ def runs():
         return [list(o.outputs[0].token_ids) if o.kv_transfer_params is None
                 else [(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
 
-    out = {"static_layers": beams.STATIC_LAYERS}
+    out = {"static_layers": runner.dsbd_static_layers}
     try:
         out["plain"] = gen()
         obs.active = True

@@ -11,14 +11,13 @@ The wrapping is an in-place subclass of each layer's ``impl`` object (:func:`ins
 own model's layers after loading; vLLM's classes are not modified. On CUDA the recompute is the Triton kernel
 ``dsbd_kernels.forest_attention.forest_attention`` over ``kv.layer_planes`` of the layer's cache as they are (no
 copy). Elsewhere (CPU) it is ``forest_attention_batched``, the requests of the pass padded and computed together in
-torch; with ``VLLM_DSBD_FOREST_ATTENTION=ref`` the kernel's per-request torch reference ``forest_attention_ref`` over
-a compact copy of the blocks the forest requests use (the CPU cache layout is not the kernels' layout, see
-``kv.py``).
+torch; with ``VLLM_DSBD_FOREST_ATTENTION=ref`` (read by the runner at start-up, given to :func:`install`) the
+kernel's per-request torch reference ``forest_attention_ref`` over a compact copy of the blocks the forest requests
+use (the CPU cache layout is not the kernels' layout, see ``kv.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 
@@ -26,8 +25,7 @@ import torch
 
 from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_batched, forest_attention_ref
 
-# "kernel" (default: the Triton kernel on CUDA, batched torch elsewhere) or "ref" (the per-request reference everywhere)
-_IMPL = os.environ.get("VLLM_DSBD_FOREST_ATTENTION", "kernel")
+from vllm_dsbd import envs
 
 from .kv import layer_planes
 
@@ -142,13 +140,18 @@ def active_batch() -> ForestBatch | None:
 
 
 def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: torch.Tensor,
-                             block_table: torch.Tensor, scale: float, output: torch.Tensor) -> None:
+                             block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                             impl: str | None = None) -> None:
     """Overwrites ``output[batch.token_index]`` with forest attention of those query tokens over the paged cache.
 
     query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's
-    [num_reqs, max_blocks] int32 block table (rows in attention-metadata order)."""
+    [num_reqs, max_blocks] int32 block table (rows in attention-metadata order). ``impl``: "kernel" (the Triton
+    kernel on CUDA, batched torch elsewhere) or "ref" (the per-request reference everywhere); the layers pass what
+    :func:`install` was given; None: ``VLLM_DSBD_FOREST_ATTENTION`` now."""
+    if impl is None:
+        impl = envs.read(only=(envs.FOREST_ATTENTION,)).forest_attention
     k_plane, v_plane = layer_planes(kv_cache)
-    if query.is_cuda and _IMPL != "ref":
+    if query.is_cuda and impl != "ref":
         from dsbd_kernels.forest_attention import forest_attention
 
         b = batch.to(query.device)
@@ -161,7 +164,7 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
     batch = batch.to(query.device)
     q = query[batch.token_index]
     bt = block_table[batch.req_rows]
-    if _IMPL == "ref":
+    if impl == "ref":
         bs = k_plane.shape[1]
         need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
         # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
@@ -190,7 +193,8 @@ def _forest_impl_class(base: type) -> type:
         if batch is not None and attn_metadata is not None:
             out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
             q = query.view(query.shape[0], self.num_heads, -1) if query.dim() == 2 else query
-            recompute_forest_outputs(batch, q, kv_cache, attn_metadata.block_table, self.scale, out)
+            recompute_forest_outputs(batch, q, kv_cache, attn_metadata.block_table, self.scale, out,
+                                     getattr(self, "_dsbd_forest_impl", None))
         return result
 
     sub = type(f"DSBDForest{base.__name__}", (base,), {"forward": forward, "__dsbd_base__": base})
@@ -198,17 +202,19 @@ def _forest_impl_class(base: type) -> type:
     return sub
 
 
-def install(layers: dict) -> int:
+def install(layers: dict, impl: str | None = None) -> int:
     """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module, e.g. the static forward
-    context) the forest-attention forward. Idempotent. Returns the number of layers changed. Layers whose features
-    forest attention cannot reproduce are refused before this, at start-up (``support.check_attention_layers``)."""
+    context) the forest-attention forward, computed by ``impl`` ("kernel" or "ref": ``envs.Env.forest_attention``,
+    which the runner read at start-up; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a layer
+    wrapped before takes the latest ``impl``). Returns the number of layers changed. Layers whose features forest
+    attention cannot reproduce are refused before this, at start-up (``support.check_attention_layers``)."""
     n = 0
     for layer in layers.values():
-        impl = getattr(layer, "impl", None)
-        if impl is None or getattr(type(impl), "__dsbd_base__", None) is not None:
+        attn = getattr(layer, "impl", None)
+        if attn is None or not hasattr(layer, "kv_cache"):
             continue
-        if not hasattr(layer, "kv_cache"):
-            continue
-        impl.__class__ = _forest_impl_class(type(impl))
-        n += 1
+        if getattr(type(attn), "__dsbd_base__", None) is None:
+            attn.__class__ = _forest_impl_class(type(attn))
+            n += 1
+        attn._dsbd_forest_impl = impl
     return n

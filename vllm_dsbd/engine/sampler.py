@@ -17,11 +17,11 @@ been moved into the first slots after the context (``kv.commit``, done by the ru
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.chain import ChainResult, verify_chains
 from vllm_dsbd.core.chain_static import verify_chains_static
@@ -38,18 +38,14 @@ from .state import PendingForest, RequestState
 
 # which verification paths a step takes: "auto" (default) the static ones (no host reads) on a device and the row
 # subsets on the CPU; "1" the static ones everywhere, "0" the row subsets everywhere (a fallback on a device)
-STATIC_ENV = "VLLM_DSBD_STATIC_VERIFY"
+STATIC_ENV = envs.STATIC_VERIFY
 
 
 def static_default(device: torch.device) -> bool:
     """Whether the static paths are the default on ``device`` (``VLLM_DSBD_STATIC_VERIFY``; ValueError when the value
-    is none of auto / 1 / 0)."""
-    v = os.environ.get(STATIC_ENV, "auto").strip().lower()
-    if v in ("", "auto"):
-        return device.type != "cpu"
-    if v in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return v in ("1", "true", "yes", "on")
-    raise ValueError(f"{STATIC_ENV} must be auto, 1 or 0, got {v!r}")
+    is none of auto / 1 / 0), as the environment says now: the default of callers that do not say (the runner says
+    what it read at start-up, ``envs.Env.static_verify_on``)."""
+    return envs.read(only=(STATIC_ENV,)).static_verify_on(device)
 
 
 @dataclass
@@ -139,18 +135,20 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
     params = _params([r.state for r in rows], depth, cfg).to(dev)
-    static = static_default(dev)
+    if chain_static is None or forest_static is None:  # not said (the runner says): the environment's default now
+        static = static_default(dev)
+        chain_static = static if chain_static is None else chain_static
+        forest_static = static if forest_static is None else forest_static
     if (chain_fast_path and W == 1 and cfg.mode == "sample" and forest.max_depth == G
             and forest.q_joint.shape[-1] == V):
-        out = yield from _verify_chains(logits, rows, forest, compact, params, ctx, depth,
-                                        static if chain_static is None else chain_static)
+        out = yield from _verify_chains(logits, rows, forest, compact, params, ctx, depth, chain_static)
         if out is not None:
             return out
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
     tl = torch.zeros(R, G + 1, W, V, device=dev)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
     tl[:, 0, 0] = logits[first].float()
-    if (static if forest_static is None else forest_static) and cfg.mode == "sample":
+    if forest_static and cfg.mode == "sample":
         use = fused_default(dev) if fused is None else fused
         out = yield from _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first,
                                         fused_layer if use else None)
