@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +29,17 @@ from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_bat
 from vllm_dsbd import envs
 
 from .kv import layer_planes
+
+
+class ForestEntry(NamedTuple):
+    """One request's forest queries in a pass (:meth:`ForestBatch.build`). A NamedTuple: its fields have names, and
+    it still indexes and unpacks as the 5-tuple it replaces."""
+
+    req_row: int  # the request's row in the pass's attention metadata (its block-table row)
+    token_rows: list[int]  # rows of the pass's query tokens that are forest nodes, in order (empty: no query)
+    context_len: int  # tokens before the forest: positions [0, context_len) are visible to every node
+    parents: list[int]  # compact parent index of each of the request's forest nodes so far (-1: off the context)
+    query_nodes: list[int]  # the node each token row queries (``token_rows[i]`` queries ``query_nodes[i]``)
 
 
 @dataclass
@@ -50,24 +62,22 @@ class ForestBatch:
     ancestor_mask: torch.Tensor
 
     @staticmethod
-    def build(entries: list[tuple[int, list[int], int, list[int], list[int]]], max_nodes: int) -> "ForestBatch | None":
-        """From per-request entries ``(req_row, token_rows, context_len, parents, query_nodes)``:
-
-        ``parents``: compact parent index of each of the request's forest nodes so far (-1 = hangs off the context),
-        ``query_nodes``: which of those nodes the pass queries (``token_rows[i]`` queries node ``query_nodes[i]``).
-        Returns None when no entry has a query token."""
-        entries = [e for e in entries if e[1]]
+    def build(entries: list[ForestEntry], max_nodes: int) -> "ForestBatch | None":
+        """From per-request :class:`ForestEntry` s (``parents``: compact parent index of each of the request's forest
+        nodes so far, -1 = hangs off the context; ``query_nodes``: which of those nodes the pass queries,
+        ``token_rows[i]`` queries node ``query_nodes[i]``). Returns None when no entry has a query token."""
+        entries = [e for e in entries if e.token_rows]
         if not entries:
             return None
         rows, cu, ctx, flen, parents, query = [], [0], [], [], [], []
-        for req_row, token_rows, ctx_len, forest_parents, query_nodes in entries:
-            query.extend(len(parents) + q for q in query_nodes)  # the node's row among all entries' nodes
-            parents.extend(forest_parents)
-            rows.extend(token_rows)
-            cu.append(cu[-1] + len(token_rows))
-            ctx.append(ctx_len)
-            flen.append(len(forest_parents))
-        return ForestBatch.assemble([e[0] for e in entries], rows, cu, ctx, flen,
+        for e in entries:
+            query.extend(len(parents) + q for q in e.query_nodes)  # the node's row among all entries' nodes
+            parents.extend(e.parents)
+            rows.extend(e.token_rows)
+            cu.append(cu[-1] + len(e.token_rows))
+            ctx.append(e.context_len)
+            flen.append(len(e.parents))
+        return ForestBatch.assemble([e.req_row for e in entries], rows, cu, ctx, flen,
                                     torch.tensor(parents, dtype=torch.int64), query, max_nodes)
 
     @staticmethod
@@ -102,7 +112,7 @@ class ForestBatch:
         return cache[device]
 
 
-def drop_chain_queries(entry: tuple[int, list[int], int, list[int], list[int]]):
+def drop_chain_queries(entry: ForestEntry) -> ForestEntry:
     """``entry`` (a :meth:`ForestBatch.build` entry) without the query tokens that causal attention already gets right.
 
     Only for entries whose query token for node q sits at causal position ``ctx + q`` (the nodes' K/V at cache
@@ -111,14 +121,14 @@ def drop_chain_queries(entry: tuple[int, list[int], int, list[int], list[int]]):
     are q's ancestors-or-self exactly when nodes 0..q form one chain hanging off the context (``parents[j] == j - 1``):
     every node of a width-1 forest, and the first node of any forest. Those tokens keep the outputs of the layer's
     own attention (the same attention over the same keys; the recompute would only change rounding)."""
-    req_row, rows, ctx, parents, nodes = entry
+    parents, nodes = entry.parents, entry.query_nodes
     chain = 0
     while chain < len(parents) and parents[chain] == chain - 1:
         chain += 1
     keep = [k for k, q in enumerate(nodes) if q >= chain]
     if len(keep) == len(nodes):
         return entry
-    return req_row, [rows[k] for k in keep], ctx, parents, [nodes[k] for k in keep]
+    return entry._replace(token_rows=[entry.token_rows[k] for k in keep], query_nodes=[nodes[k] for k in keep])
 
 
 _ACTIVE = threading.local()

@@ -37,7 +37,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
-from .attention import ForestBatch, drop_chain_queries, forest_scope
+from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
 from .reads import Reader
 from .sampler import _params
@@ -288,8 +288,9 @@ class DSBDDrafter(DraftModelProposer):
             comp_l = comp.tolist()
             for k, i in enumerate(sub.tolist()):
                 q = int(qlens[k])
-                entries.append(drop_chain_queries((k, list(range(t, t + q)), int(root_pos[i]) + 1,
-                                                   parents[i][pv[i]].tolist(), comp_l[t : t + q])))
+                entries.append(drop_chain_queries(ForestEntry(
+                    req_row=k, token_rows=list(range(t, t + q)), context_len=int(root_pos[i]) + 1,
+                    parents=parents[i][pv[i]].tolist(), query_nodes=comp_l[t : t + q])))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
             lg = self.forward_ragged(t_np[ri, si], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),

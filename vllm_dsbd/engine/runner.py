@@ -196,8 +196,9 @@ class DSBDRunnerMixin:
                 base = int(qsl[i]) + ns - n
                 node_rows.extend(range(base, base + n))
                 node_pos.extend([pf.root_pos + d for d in pf.depths[:n]])
-                entries.append(attention.drop_chain_queries((i, list(range(base, base + n)), L, pf.parents[:n],
-                                                                list(range(n)))))
+                entries.append(attention.drop_chain_queries(attention.ForestEntry(
+                    req_row=i, token_rows=list(range(base, base + n)), context_len=L, parents=pf.parents[:n],
+                    query_nodes=list(range(n)))))
             elif n:
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
@@ -206,11 +207,12 @@ class DSBDRunnerMixin:
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
                 node_pos, dtype=self.positions.dtype).to(dev)
-        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e[3]) for e in entries])
+        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e.parents) for e in entries])
         fb = attention.ForestBatch.build(entries, max_nodes=max_nodes)
         return plan, fb
 
-    def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int, row):
+    def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int,
+                   row: sampler.RowPlan) -> attention.ForestEntry | None:
         """Positions and the attention entry (trie and forest under ancestor masks, context = the linear context:
         the prompt and the beams' common prefix) of a beam request's scheduled slots ``[computed, computed + ns)``:
         the leaves of a step and the forest drafted after them, or the linear context and the trie recomputed after a
@@ -235,7 +237,8 @@ class DSBDRunnerMixin:
         self.positions[rows[0] : rows[-1] + 1] = torch.tensor([beam.position(s) for s in slots],
                                                               dtype=self.positions.dtype)
         nodes = [s - P for s in slots]
-        return (i, rows, P, beam.node_parents()[: nodes[-1] + 1], nodes)
+        return attention.ForestEntry(req_row=i, token_rows=rows, context_len=P,
+                                     parents=beam.node_parents()[: nodes[-1] + 1], query_nodes=nodes)
 
     # 3. the target pass under forest attention
     def _determine_batch_execution_and_padding(self, *args, **kwargs):

@@ -33,6 +33,7 @@ from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .fused import fused_default, fused_layer
+from .beams.trie import StepResult
 from .reads import Reader
 from .state import PendingForest, RequestState
 
@@ -50,17 +51,21 @@ def static_default(device: torch.device) -> bool:
 
 @dataclass
 class RowPlan:
-    """What the sampler needs about one request of the step (built by the runner before the forward pass)."""
+    """What the sampler needs about one request of the step (built by the runner before the forward pass, in batch
+    order). A plain request fills the first two groups, a beam request (``state.beam``) the first and the last."""
 
-    state: RequestState
-    first_row: int  # its first logits row (the root)
+    # every request
+    state: RequestState  # the request's state between steps (``state.beam``: a beam request)
+    first_row: int  # its first logits row (the root; a beam request: its first leaf)
     context_len: int  # L: tokens before the first new token (= position of the first token emitted now)
+    # plain requests: the forest this pass verifies (none: a depth-0 iteration, one draw from the target)
     forest: PendingForest | None = None  # the verified forest, truncated to the n scheduled nodes
-    num_nodes: int = 0  # n
+    num_nodes: int = 0  # n: its nodes scheduled in this pass (their logits rows follow the root's)
     drafted_depth: int = 0  # depth the drafter built (before any truncation)
-    leaves: int = 0  # beam requests: leaves whose logits rows this pass has (first_row, first_row + 1, ...)
-    forest_nodes: int = 0  # beam requests: forest nodes whose logits rows follow the leaves'
-    beam_result: object = None  # beam requests: the beams.StepResult of this pass
+    # beam requests: the trie leaves and the forest after them (``runner._plan_beam``), then the step's outcome
+    leaves: int = 0  # leaves whose logits rows this pass has (first_row, first_row + 1, ...)
+    forest_nodes: int = 0  # forest nodes whose logits rows follow the leaves'
+    beam_result: StepResult | None = None  # this pass's beam step or partial step (set by ``runner._beam_result``)
 
 
 @dataclass
