@@ -18,16 +18,15 @@ Importing this module imports neither vLLM nor torch.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
+
+from vllm_dsbd import envs
 
 __all__ = ["DISABLE_ENV", "SUPPORTED_VLLM_VERSION", "check_vllm_version", "is_disabled", "is_registered", "register"]
 
 SUPPORTED_VLLM_VERSION = "0.26.0"
-DISABLE_ENV = "VLLM_DSBD_DISABLE"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+DISABLE_ENV = envs.DISABLE
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -45,12 +44,7 @@ def check_vllm_version(version: str, supported: str = SUPPORTED_VLLM_VERSION) ->
 
 def is_disabled() -> bool:
     """Whether ``VLLM_DSBD_DISABLE`` asks to skip registration (ValueError for an unrecognised value)."""
-    value = os.environ.get(DISABLE_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: expected one of {_TRUE + _FALSE[1:]}")
+    return envs.read(only=(envs.DISABLE,)).disable
 
 
 def is_registered() -> bool:

@@ -24,14 +24,13 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, tiny_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, runner_of, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
-from vllm_dsbd.engine.beams import step as beams_mod  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +88,7 @@ def runs(tmp_path_factory):
                                       "width": WIDTH}) as llm:
         # the path a device runs: every verified layer of the step in one call (``beam_sampling.verify_forests``; the
         # CPU's default, one call per layer, gives the same beams: ``test_engine_beam_static_drafting``)
-        beams_mod.STATIC_LAYERS = True
+        runner_of(llm).dsbd_static_layers = True
         exact = _run(llm)
         real = beam_sampling_mod.verify_layer_static  # the layer beam requests run (core.verify_layer's, without host reads)
         beam_sampling_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)

@@ -15,7 +15,7 @@ at widths 2 and 3, some ending at an EOS token the model draws often. Checked:
 * a beam sampling request whose support is narrower than its width (top-k 1 at width 2: one draw per depth) breaks
   the bet: the call falls back to the loop (``beam_static_misses``), and the beams are still the loop's;
 * the target's side of the same batch: a step's verified layers of T > 0 requests all in one device call and read
-  (``beams.STATIC_LAYERS``, ``beam_sampling.verify_forests``: whether a layer passed is decided on the device) give
+  (the runner's ``dsbd_static_layers``, ``beam_sampling.verify_forests``: whether a layer passed is decided on the device) give
   the beams, forest nodes verified and layers passed of one ``beam_sampling.verify`` call per layer.
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ from engine_utils import (  # sets the CPU engine environment before vllm is imp
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm_dsbd.engine.beams import drafter as beam_drafter  # noqa: E402
-from vllm_dsbd.engine.beams import step as beams  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
 
@@ -98,7 +97,7 @@ def runs():
         try:
             beam_drafter._draft_static, beam_drafter._draft_loop = check, count_loop
             for name, narrow in (("mixed", False), ("narrow", True)):
-                drafter.static_drafting, drafter._beam_static_skip, drafter._beam_static_backoff = True, 0, 0
+                drafter.static_drafting, drafter.beam_static_skip, drafter.beam_static_backoff = True, 0, 0
                 m0, nodes0 = drafter.beam_static_misses, metric(llm, "vllm:dsbd_beam_draft_nodes") or 0
                 out[name] = gen(_params(narrow))
                 out[name + "_misses"] = drafter.beam_static_misses - m0
@@ -114,11 +113,10 @@ def runs():
             drafter.static_drafting = True
             counts = ("vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
             for layers in (True, False):  # the mixed batch again, all layers in one read, then one read per layer
-                beams.STATIC_LAYERS = layers
+                drafter.runner.dsbd_static_layers = layers
                 before = [metric(llm, c) for c in counts]
                 out[f"layers_{layers}"] = (gen(_params()), [metric(llm, c) - b for c, b in zip(counts, before)])
         finally:
-            beams.STATIC_LAYERS = True
             beam_drafter._draft_static, beam_drafter._draft_loop = static, loop
         return out
 

@@ -17,7 +17,7 @@ and the beam drafter (the target's logits tagged). Checked:
 * beam requests (width-2 engine): no logits row (nor a joint over the vocabulary) comes to the host, in the target's
   beam steps or in the draft's; a step's beam steps of all requests read the device once at T = 0 (their rows' best
   tokens), once at T > 0 (the beam step of the requests without a forest beside every verified layer of those
-  with one, ``beams.STATIC_LAYERS`` as on a device: the outputs equal the CPU's one read per layer), the beam
+  with one, the runner's ``dsbd_static_layers`` as on a device: the outputs equal the CPU's one read per layer), the beam
   drafter once per call (all depths' pairs in one copy);
 * the plain requests' drafter reads the device once per call (all depths' draws in one copy), at width 1 and 2;
 * the outputs are those of the same engine without the simulated device (it observes, it changes nothing);
@@ -31,7 +31,7 @@ import collections
 
 import pytest
 
-from engine_utils import dsbd_llm, tiny_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, runner_of, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
@@ -182,13 +182,12 @@ def runs(request):
             out["beams"] = beams(PROMPTS[:4]) if width >= 2 else None
             out["beams_calls"] = obs.calls[n0:]
             n0 = len(obs.calls)
-            from vllm_dsbd.engine.beams import step as beams_mod
-
-            cpu_layers, beams_mod.STATIC_LAYERS = beams_mod.STATIC_LAYERS, True  # what a device runs (the CPU: False)
+            runner = runner_of(llm)
+            cpu_layers, runner.dsbd_static_layers = runner.dsbd_static_layers, True  # what a device runs (the CPU: False)
             try:
                 out["sampled_beams"] = sampled_beams(PROMPTS[:4]) if width >= 2 else None
             finally:
-                beams_mod.STATIC_LAYERS = cpu_layers
+                runner.dsbd_static_layers = cpu_layers
             out["sampled_beams_calls"] = obs.calls[n0:]
             out["plain"], out["forests_on_device"], out["width"] = plain, obs.forest_tensors, width
             out["static"] = static
@@ -285,8 +284,8 @@ def test_beam_requests_stay_on_the_device(runs):
               f"{min(drafts)}..{max(drafts)}; lines: "
               f"{sum((m.syncs for k, _, m in calls), collections.Counter()).most_common(6)}")
         lines = {line for _, _, m in calls for line in m.syncs}
-        assert all(line.startswith(("engine/reads.py", "engine/beams.py", "engine/beam_drafter.py",
-                                    "engine/beam_sampling.py"))
+        assert all(line.startswith(("engine/reads.py", "engine/beams/step.py", "engine/beams/drafter.py",
+                                    "engine/beams/sampling.py", "engine/beams/trie.py"))
                    for line in lines), lines
         assert all(s == 1 for s in drafts), drafts  # the drafter: once per call (``beam_drafter._draft_static``)
         # T = 0: the rows' best tokens, once for all requests; T > 0: once for the requests without a forest (one

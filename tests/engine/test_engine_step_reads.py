@@ -2,7 +2,7 @@
 all its kinds of work, ``engine/reads.py``), real vLLM 0.26.0 on CPU with the simulated device (``sim_device``).
 
 One engine of width 2 (tiny random Llama pair, depth 3, pinned speculation, the static paths a device runs:
-``VLLM_DSBD_STATIC_VERIFY=1``, ``beams.STATIC_LAYERS``) serves one batch mixing plain requests (seeded T = 1),
+``VLLM_DSBD_STATIC_VERIFY=1``, the runner's ``dsbd_static_layers``) serves one batch mixing plain requests (seeded T = 1),
 beam search requests (T = 0) and seeded beam sampling requests (T = 1) through ``extra_args["dsbd_beam"]``, so most
 steps verify and draft all three kinds. The runner's whole verification (``_sample``: plain verification, the T = 0
 and T > 0 beam steps) and whole drafting (``propose_draft_token_ids``: plain and beam forests) each run under a
@@ -28,7 +28,6 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import sim_device  # noqa: E402
 from vllm_dsbd.engine import reads  # noqa: E402
-from vllm_dsbd.engine.beams import step as beams  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
 
@@ -115,8 +114,7 @@ class StepObserver:
 @pytest.fixture(scope="module")
 def runs():
     mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_DSBD_STATIC_VERIFY", "1")  # the static paths a device runs (the runner sets STATIC_LAYERS)
-    mp.setattr(beams, "STATIC_LAYERS", beams.STATIC_LAYERS)  # restored with the rest
+    mp.setenv("VLLM_DSBD_STATIC_VERIFY", "1")  # the static paths a device runs (the runner sets dsbd_static_layers)
     target, draft = tiny_pair()
     with dsbd_llm(target, max_num_seqs=len(PROMPTS) * 3,
                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
@@ -131,7 +129,7 @@ def runs():
             return [list(o.outputs[0].token_ids) if o.kv_transfer_params is None
                     else [(b["token_ids"], b["cum_logprob"]) for b in o.kv_transfer_params["dsbd_beam"]] for o in outs]
 
-        out = {"static_layers": beams.STATIC_LAYERS}
+        out = {"static_layers": runner.dsbd_static_layers}
         try:
             out["plain"] = gen()
             obs.active = True
@@ -151,7 +149,7 @@ def runs():
                 obs.active = active
                 mp.setattr(reads, "MERGE", merge)
                 drafter._static_skip = drafter._static_backoff = 0
-                drafter._beam_static_skip = drafter._beam_static_backoff = 0
+                drafter.beam_static_skip = drafter.beam_static_backoff = 0
                 misses = drafter.static_misses, drafter.beam_static_misses
                 out[name] = gen(narrow=True)
                 out[name + "_misses"] = (drafter.static_misses - misses[0], drafter.beam_static_misses - misses[1])

@@ -1,4 +1,4 @@
-"""``engine/beams.py`` without vLLM: the settings a beam request may give (also as a JSON string), one full-width step
+"""``engine/beams/`` without vLLM: the settings a beam request may give (also as a JSON string), one full-width step
 at T = 0 over a hand-made forest (which layers pass, which nodes are kept and where they move, what goes back to vLLM),
 and the settled prefix vLLM outputs for the request after each step."""
 from __future__ import annotations

@@ -95,7 +95,8 @@ def test_forest_recompute_equals_attention_over_each_path():
     block_table = torch.stack([r[0] for r in reqs])
     entries, t = [], 0
     for i, (_, ctx, parents) in enumerate(reqs):
-        entries.append((i, list(range(t + 1, t + 1 + len(parents))), ctx, parents, list(range(len(parents)))))
+        entries.append(attention.ForestEntry(i, list(range(t + 1, t + 1 + len(parents))), ctx, parents,
+                                             list(range(len(parents)))))
         t += 1 + len(parents) + 2  # a causal token before and two unrelated tokens after each forest
     batch = attention.ForestBatch.build(entries, max_nodes=64)
     query = torch.randn(t, h, d)
@@ -131,7 +132,7 @@ def test_chain_queries_keep_causal_attention(parents, chain):
     k_plane, v_plane = kv.cpu_planes(cache)
     brow = torch.tensor([4, 1, 5], dtype=torch.int32)
     n = len(parents)
-    entry = (0, list(range(1, n + 1)), ctx, parents, list(range(n)))
+    entry = attention.ForestEntry(0, list(range(1, n + 1)), ctx, parents, list(range(n)))
     kept = attention.drop_chain_queries(entry)
     assert kept[4] == list(range(chain, n)) and kept[1] == list(range(1 + chain, n + 1))
     assert kept[:1] + kept[2:4] == entry[:1] + entry[2:4]

@@ -11,25 +11,35 @@ The wrapping is an in-place subclass of each layer's ``impl`` object (:func:`ins
 own model's layers after loading; vLLM's classes are not modified. On CUDA the recompute is the Triton kernel
 ``dsbd_kernels.forest_attention.forest_attention`` over ``kv.layer_planes`` of the layer's cache as they are (no
 copy). Elsewhere (CPU) it is ``forest_attention_batched``, the requests of the pass padded and computed together in
-torch; with ``VLLM_DSBD_FOREST_ATTENTION=ref`` the kernel's per-request torch reference ``forest_attention_ref`` over
-a compact copy of the blocks the forest requests use (the CPU cache layout is not the kernels' layout, see
-``kv.py``).
+torch; with ``VLLM_DSBD_FOREST_ATTENTION=ref`` (read by the runner at start-up, given to :func:`install`) the
+kernel's per-request torch reference ``forest_attention_ref`` over a compact copy of the blocks the forest requests
+use (the CPU cache layout is not the kernels' layout, see ``kv.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_batched, forest_attention_ref
 
-# "kernel" (default: the Triton kernel on CUDA, batched torch elsewhere) or "ref" (the per-request reference everywhere)
-_IMPL = os.environ.get("VLLM_DSBD_FOREST_ATTENTION", "kernel")
+from vllm_dsbd import envs
 
 from .kv import layer_planes
+
+
+class ForestEntry(NamedTuple):
+    """One request's forest queries in a pass (:meth:`ForestBatch.build`). A NamedTuple: its fields have names, and
+    it still indexes and unpacks as the 5-tuple it replaces."""
+
+    req_row: int  # the request's row in the pass's attention metadata (its block-table row)
+    token_rows: list[int]  # rows of the pass's query tokens that are forest nodes, in order (empty: no query)
+    context_len: int  # tokens before the forest: positions [0, context_len) are visible to every node
+    parents: list[int]  # compact parent index of each of the request's forest nodes so far (-1: off the context)
+    query_nodes: list[int]  # the node each token row queries (``token_rows[i]`` queries ``query_nodes[i]``)
 
 
 @dataclass
@@ -52,24 +62,22 @@ class ForestBatch:
     ancestor_mask: torch.Tensor
 
     @staticmethod
-    def build(entries: list[tuple[int, list[int], int, list[int], list[int]]], max_nodes: int) -> "ForestBatch | None":
-        """From per-request entries ``(req_row, token_rows, context_len, parents, query_nodes)``:
-
-        ``parents``: compact parent index of each of the request's forest nodes so far (-1 = hangs off the context),
-        ``query_nodes``: which of those nodes the pass queries (``token_rows[i]`` queries node ``query_nodes[i]``).
-        Returns None when no entry has a query token."""
-        entries = [e for e in entries if e[1]]
+    def build(entries: list[ForestEntry], max_nodes: int) -> "ForestBatch | None":
+        """From per-request :class:`ForestEntry` s (``parents``: compact parent index of each of the request's forest
+        nodes so far, -1 = hangs off the context; ``query_nodes``: which of those nodes the pass queries,
+        ``token_rows[i]`` queries node ``query_nodes[i]``). Returns None when no entry has a query token."""
+        entries = [e for e in entries if e.token_rows]
         if not entries:
             return None
         rows, cu, ctx, flen, parents, query = [], [0], [], [], [], []
-        for req_row, token_rows, ctx_len, forest_parents, query_nodes in entries:
-            query.extend(len(parents) + q for q in query_nodes)  # the node's row among all entries' nodes
-            parents.extend(forest_parents)
-            rows.extend(token_rows)
-            cu.append(cu[-1] + len(token_rows))
-            ctx.append(ctx_len)
-            flen.append(len(forest_parents))
-        return ForestBatch.assemble([e[0] for e in entries], rows, cu, ctx, flen,
+        for e in entries:
+            query.extend(len(parents) + q for q in e.query_nodes)  # the node's row among all entries' nodes
+            parents.extend(e.parents)
+            rows.extend(e.token_rows)
+            cu.append(cu[-1] + len(e.token_rows))
+            ctx.append(e.context_len)
+            flen.append(len(e.parents))
+        return ForestBatch.assemble([e.req_row for e in entries], rows, cu, ctx, flen,
                                     torch.tensor(parents, dtype=torch.int64), query, max_nodes)
 
     @staticmethod
@@ -104,7 +112,7 @@ class ForestBatch:
         return cache[device]
 
 
-def drop_chain_queries(entry: tuple[int, list[int], int, list[int], list[int]]):
+def drop_chain_queries(entry: ForestEntry) -> ForestEntry:
     """``entry`` (a :meth:`ForestBatch.build` entry) without the query tokens that causal attention already gets right.
 
     Only for entries whose query token for node q sits at causal position ``ctx + q`` (the nodes' K/V at cache
@@ -113,14 +121,14 @@ def drop_chain_queries(entry: tuple[int, list[int], int, list[int], list[int]]):
     are q's ancestors-or-self exactly when nodes 0..q form one chain hanging off the context (``parents[j] == j - 1``):
     every node of a width-1 forest, and the first node of any forest. Those tokens keep the outputs of the layer's
     own attention (the same attention over the same keys; the recompute would only change rounding)."""
-    req_row, rows, ctx, parents, nodes = entry
+    parents, nodes = entry.parents, entry.query_nodes
     chain = 0
     while chain < len(parents) and parents[chain] == chain - 1:
         chain += 1
     keep = [k for k, q in enumerate(nodes) if q >= chain]
     if len(keep) == len(nodes):
         return entry
-    return req_row, [rows[k] for k in keep], ctx, parents, [nodes[k] for k in keep]
+    return entry._replace(token_rows=[entry.token_rows[k] for k in keep], query_nodes=[nodes[k] for k in keep])
 
 
 _ACTIVE = threading.local()
@@ -142,13 +150,18 @@ def active_batch() -> ForestBatch | None:
 
 
 def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: torch.Tensor,
-                             block_table: torch.Tensor, scale: float, output: torch.Tensor) -> None:
+                             block_table: torch.Tensor, scale: float, output: torch.Tensor,
+                             impl: str | None = None) -> None:
     """Overwrites ``output[batch.token_index]`` with forest attention of those query tokens over the paged cache.
 
     query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's
-    [num_reqs, max_blocks] int32 block table (rows in attention-metadata order)."""
+    [num_reqs, max_blocks] int32 block table (rows in attention-metadata order). ``impl``: "kernel" (the Triton
+    kernel on CUDA, batched torch elsewhere) or "ref" (the per-request reference everywhere); the layers pass what
+    :func:`install` was given; None: ``VLLM_DSBD_FOREST_ATTENTION`` now."""
+    if impl is None:
+        impl = envs.read(only=(envs.FOREST_ATTENTION,)).forest_attention
     k_plane, v_plane = layer_planes(kv_cache)
-    if query.is_cuda and _IMPL != "ref":
+    if query.is_cuda and impl != "ref":
         from dsbd_kernels.forest_attention import forest_attention
 
         b = batch.to(query.device)
@@ -161,7 +174,7 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
     batch = batch.to(query.device)
     q = query[batch.token_index]
     bt = block_table[batch.req_rows]
-    if _IMPL == "ref":
+    if impl == "ref":
         bs = k_plane.shape[1]
         need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
         # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
@@ -190,7 +203,8 @@ def _forest_impl_class(base: type) -> type:
         if batch is not None and attn_metadata is not None:
             out = output.view(output.shape[0], self.num_heads, -1) if output.dim() == 2 else output
             q = query.view(query.shape[0], self.num_heads, -1) if query.dim() == 2 else query
-            recompute_forest_outputs(batch, q, kv_cache, attn_metadata.block_table, self.scale, out)
+            recompute_forest_outputs(batch, q, kv_cache, attn_metadata.block_table, self.scale, out,
+                                     getattr(self, "_dsbd_forest_impl", None))
         return result
 
     sub = type(f"DSBDForest{base.__name__}", (base,), {"forward": forward, "__dsbd_base__": base})
@@ -198,17 +212,19 @@ def _forest_impl_class(base: type) -> type:
     return sub
 
 
-def install(layers: dict) -> int:
+def install(layers: dict, impl: str | None = None) -> int:
     """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module, e.g. the static forward
-    context) the forest-attention forward. Idempotent. Returns the number of layers changed. Layers whose features
-    forest attention cannot reproduce are refused before this, at start-up (``support.check_attention_layers``)."""
+    context) the forest-attention forward, computed by ``impl`` ("kernel" or "ref": ``envs.Env.forest_attention``,
+    which the runner read at start-up; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a layer
+    wrapped before takes the latest ``impl``). Returns the number of layers changed. Layers whose features forest
+    attention cannot reproduce are refused before this, at start-up (``support.check_attention_layers``)."""
     n = 0
     for layer in layers.values():
-        impl = getattr(layer, "impl", None)
-        if impl is None or getattr(type(impl), "__dsbd_base__", None) is not None:
+        attn = getattr(layer, "impl", None)
+        if attn is None or not hasattr(layer, "kv_cache"):
             continue
-        if not hasattr(layer, "kv_cache"):
-            continue
-        impl.__class__ = _forest_impl_class(type(impl))
-        n += 1
+        if getattr(type(attn), "__dsbd_base__", None) is None:
+            attn.__class__ = _forest_impl_class(type(attn))
+            n += 1
+        attn._dsbd_forest_impl = impl
     return n

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,13 +30,14 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
-from .attention import ForestBatch, drop_chain_queries, forest_scope
+from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
 from .reads import Reader
 from .sampler import _params
@@ -48,15 +48,13 @@ logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 # the draft loops with one host read per call (``DSBDDrafter._draft_static``, ``beams.drafter._draft_static``): "1"
 # (default, every device) or "0" (the general loops, one read per draft depth: a fallback)
-STATIC_DRAFT_ENV = "VLLM_DSBD_STATIC_DRAFT"
+STATIC_DRAFT_ENV = envs.STATIC_DRAFT
 
 
 def static_draft_default() -> bool:
-    """``VLLM_DSBD_STATIC_DRAFT`` (ValueError when it is neither 1 nor 0)."""
-    v = os.environ.get(STATIC_DRAFT_ENV, "1").strip().lower()
-    if v in ("", "1", "true", "yes", "on", "0", "false", "no", "off"):
-        return v not in ("0", "false", "no", "off")
-    raise ValueError(f"{STATIC_DRAFT_ENV} must be 1 or 0, got {v!r}")
+    """``VLLM_DSBD_STATIC_DRAFT`` as the environment says now (ValueError when it is neither 1 nor 0); the runner
+    passes what it read at start-up instead (``DSBDDrafter(static_drafting=...)``)."""
+    return envs.read(only=(STATIC_DRAFT_ENV,)).static_draft
 
 
 class NoDrafter:
@@ -108,7 +106,7 @@ class DraftJob:
 
 
 class DSBDDrafter(DraftModelProposer):
-    def __init__(self, vllm_config, device, runner, cfg: DSBDConfig):
+    def __init__(self, vllm_config, device, runner, cfg: DSBDConfig, static_drafting: bool | None = None):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.cfg = cfg
         self.runner = runner
@@ -117,7 +115,8 @@ class DSBDDrafter(DraftModelProposer):
         self.chain_drafting = True
         # wider calls: ``_draft_static`` first (False: the general loop; tests compare the two); after a call whose
         # draws broke its bet, the next ``_static_skip`` calls go straight to the loop (1, 2, 4 .. up to 16 calls)
-        self.static_drafting = static_draft_default()
+        # (None: VLLM_DSBD_STATIC_DRAFT now)
+        self.static_drafting = static_draft_default() if static_drafting is None else static_drafting
         self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
         self._static_skip = 0
         self._static_backoff = 0
@@ -289,8 +288,9 @@ class DSBDDrafter(DraftModelProposer):
             comp_l = comp.tolist()
             for k, i in enumerate(sub.tolist()):
                 q = int(qlens[k])
-                entries.append(drop_chain_queries((k, list(range(t, t + q)), int(root_pos[i]) + 1,
-                                                   parents[i][pv[i]].tolist(), comp_l[t : t + q])))
+                entries.append(drop_chain_queries(ForestEntry(
+                    req_row=k, token_rows=list(range(t, t + q)), context_len=int(root_pos[i]) + 1,
+                    parents=parents[i][pv[i]].tolist(), query_nodes=comp_l[t : t + q])))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
             lg = self.forward_ragged(t_np[ri, si], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),

@@ -10,24 +10,19 @@ CPU the torch layer runs (tests run the kernel there under Triton's interpreter,
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm_dsbd import envs
 from vllm_dsbd.core.params import BatchParams
 
-FUSED_ENV = "VLLM_DSBD_FUSED_VERIFY"
+FUSED_ENV = envs.FUSED_VERIFY
 
 
 def fused_default(device: torch.device) -> bool:
     """Whether the static paths verify with the kernel on ``device`` (``VLLM_DSBD_FUSED_VERIFY``: ``auto``, the
-    default, on CUDA; ``0`` never; ValueError for any other value)."""
-    v = os.environ.get(FUSED_ENV, "auto").strip().lower()
-    if v in ("", "auto"):
-        return device.type == "cuda"
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{FUSED_ENV} must be auto or 0, got {v!r}")
+    default, on CUDA; ``0`` never; ValueError for any other value), as the environment says now: the default of
+    callers that do not say (the runner says what it read at start-up, ``envs.Env.fused_verify_on``)."""
+    return envs.read(only=(FUSED_ENV,)).fused_verify_on(device)
 
 
 def fused_layer(logits: torch.Tensor, scores: torch.Tensor, live: torch.Tensor, params: BatchParams,

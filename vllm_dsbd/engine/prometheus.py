@@ -21,12 +21,15 @@ import sys
 import tempfile
 import threading
 
+from vllm_dsbd import envs
+
 _LOCK = threading.Lock()
 _OWNER = None  # the engine whose collectors are registered in this process
 
 
-PROMETHEUS_DIR_ENV = "VLLM_DSBD_PROMETHEUS_DIR"
-PROMETHEUS_PID_ENV = "VLLM_DSBD_PROMETHEUS_PID"
+# plumbing between the plugin's processes (written and read here, at the moments below; listed in vllm_dsbd/envs.py)
+PROMETHEUS_DIR_ENV = envs.PROMETHEUS_DIR
+PROMETHEUS_PID_ENV = envs.PROMETHEUS_PID
 _FRONTEND_DIR: tempfile.TemporaryDirectory | None = None
 
 

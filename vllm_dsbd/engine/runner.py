@@ -40,15 +40,14 @@ import logging
 import numpy as np
 import torch
 
+from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
 from . import attention, kv, load, reads, sampler
-from .beams import step as beam_step
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.sampling import top_rows
 from .beams.step import step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
-from .fused import fused_default
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
 
@@ -63,13 +62,20 @@ class DSBDRunnerMixin:
         with vllm_runner_init(vllm_config.speculative_config, cfg.draft):  # no draft model: vLLM builds a NoDrafter
             super().__init__(vllm_config, device)
         self.dsbd_cfg = cfg
-        # a bad VLLM_DSBD_STATIC_VERIFY / VLLM_DSBD_FUSED_VERIFY / VLLM_DSBD_STATIC_DRAFT stops the start-up
-        static = sampler.static_default(torch.device(device))
-        fused = fused_default(torch.device(device)) and static
+        # DSBD's environment variables, read once (vllm_dsbd/envs.py): a bad VLLM_DSBD_STATIC_VERIFY /
+        # VLLM_DSBD_FUSED_VERIFY / VLLM_DSBD_STATIC_DRAFT stops the start-up (VLLM_DSBD_STATIC_DRAFT only with a draft
+        # model, which is all that reads it)
+        self.dsbd_env = env = envs.read(only=[n for n in envs.ENGINE if cfg.draft or n != envs.STATIC_DRAFT])
+        dev = torch.device(device)
+        # the verification paths: the static ones (no host reads) or the row subsets (``sampler.verify``)
+        self.dsbd_static = env.static_verify_on(dev)
+        # the fused verification kernel: the static paths of plain requests, beam sampling's layers
+        self.dsbd_fused = env.fused_verify_on(dev)
         # beam sampling's layers in one read (every layer computed for every request) with the other static paths:
         # on a device by default; on the CPU, where a read costs nothing, one read per layer (stopping at the first
-        # layer that fails: measured 4-9 ms a step cheaper there, results/step_overhead/2026-11-24-static-drafting)
-        beam_step.STATIC_LAYERS = static
+        # layer that fails: measured 4-9 ms a step cheaper there, results/step_overhead/2026-11-24-static-drafting);
+        # tests switch it on a running engine
+        self.dsbd_static_layers = self.dsbd_static
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
@@ -103,14 +109,15 @@ class DSBDRunnerMixin:
             return
         logger.info("DSBD engine: width %d, depth %d, %s width, mode %s, verification %s, drafting %s",
                     self.dsbd_cfg.width, self.dsbd_cfg.depth, "dynamic" if self.dsbd_cfg.dynamic_width else "fixed",
-                    self.dsbd_cfg.mode, ("without host reads (static" + (", fused kernel)" if fused else ")"))
-                    if static else "on row subsets", "with one host read per call (static)"
+                    self.dsbd_cfg.mode, ("without host reads (static" + (", fused kernel)" if self.dsbd_fused
+                                                                        else ")"))
+                    if self.dsbd_static else "on row subsets", "with one host read per call (static)"
                     if self.drafter.static_drafting else "with one host read per depth")
 
     def _make_dsbd_drafter(self, vllm_config, device):
         if not self.dsbd_cfg.draft:
             return NoDrafter()
-        return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg)
+        return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg, static_drafting=self.dsbd_env.static_draft)
 
     # ------------------------------------------------------------------------------------------------------------
     # loading: forest attention on every attention layer of the target and the draft
@@ -120,7 +127,7 @@ class DSBDRunnerMixin:
 
         # refuse at start-up what forest attention cannot reproduce (sliding window, ALiBi, sinks, softcap, ...)
         check_attention_layers(self.compilation_config.static_forward_context)
-        n = attention.install(self.compilation_config.static_forward_context)
+        n = attention.install(self.compilation_config.static_forward_context, self.dsbd_env.forest_attention)
         logger.info("DSBD: forest attention installed on %d attention layers", n)
         return out
 
@@ -189,8 +196,9 @@ class DSBDRunnerMixin:
                 base = int(qsl[i]) + ns - n
                 node_rows.extend(range(base, base + n))
                 node_pos.extend([pf.root_pos + d for d in pf.depths[:n]])
-                entries.append(attention.drop_chain_queries((i, list(range(base, base + n)), L, pf.parents[:n],
-                                                                list(range(n)))))
+                entries.append(attention.drop_chain_queries(attention.ForestEntry(
+                    req_row=i, token_rows=list(range(base, base + n)), context_len=L, parents=pf.parents[:n],
+                    query_nodes=list(range(n)))))
             elif n:
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
@@ -199,11 +207,12 @@ class DSBDRunnerMixin:
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
                 node_pos, dtype=self.positions.dtype).to(dev)
-        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e[3]) for e in entries])
+        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e.parents) for e in entries])
         fb = attention.ForestBatch.build(entries, max_nodes=max_nodes)
         return plan, fb
 
-    def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int, row):
+    def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int,
+                   row: sampler.RowPlan) -> attention.ForestEntry | None:
         """Positions and the attention entry (trie and forest under ancestor masks, context = the linear context:
         the prompt and the beams' common prefix) of a beam request's scheduled slots ``[computed, computed + ns)``:
         the leaves of a step and the forest drafted after them, or the linear context and the trie recomputed after a
@@ -228,7 +237,8 @@ class DSBDRunnerMixin:
         self.positions[rows[0] : rows[-1] + 1] = torch.tensor([beam.position(s) for s in slots],
                                                               dtype=self.positions.dtype)
         nodes = [s - P for s in slots]
-        return (i, rows, P, beam.node_parents()[: nodes[-1] + 1], nodes)
+        return attention.ForestEntry(req_row=i, token_rows=rows, context_len=P,
+                                     parents=beam.node_parents()[: nodes[-1] + 1], query_nodes=nodes)
 
     # 3. the target pass under forest attention
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
@@ -322,7 +332,8 @@ class DSBDRunnerMixin:
                 kinds[row.state.beam.temperature > 0.0].append(k)
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, _, _ = reads.run(reads.gather(
-            sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg) if spec else None,
+            sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
+                           forest_static=self.dsbd_static, fused=self.dsbd_fused) if spec else None,
             *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))
         if spec:
             for k, res in zip(spec, verified):
@@ -357,7 +368,7 @@ class DSBDRunnerMixin:
             else:
                 results[i] = self._beam_result(i, row, out, None, moves)
         outs = yield from step_beams([(plan[i].state.beam, plan[i].state.beam.params.eos_token_id, f)
-                                      for i, f in ready])
+                                      for i, f in ready], self.dsbd_static_layers, self.dsbd_fused)
         for (i, _), out in zip(ready, outs):
             row = plan[i]
             beam, blocks = row.state.beam, None

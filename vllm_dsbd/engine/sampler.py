@@ -17,11 +17,11 @@ been moved into the first slots after the context (``kv.commit``, done by the ru
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.chain import ChainResult, verify_chains
 from vllm_dsbd.core.chain_static import verify_chains_static
@@ -33,38 +33,39 @@ from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .fused import fused_default, fused_layer
+from .beams.trie import StepResult
 from .reads import Reader
 from .state import PendingForest, RequestState
 
 # which verification paths a step takes: "auto" (default) the static ones (no host reads) on a device and the row
 # subsets on the CPU; "1" the static ones everywhere, "0" the row subsets everywhere (a fallback on a device)
-STATIC_ENV = "VLLM_DSBD_STATIC_VERIFY"
+STATIC_ENV = envs.STATIC_VERIFY
 
 
 def static_default(device: torch.device) -> bool:
     """Whether the static paths are the default on ``device`` (``VLLM_DSBD_STATIC_VERIFY``; ValueError when the value
-    is none of auto / 1 / 0)."""
-    v = os.environ.get(STATIC_ENV, "auto").strip().lower()
-    if v in ("", "auto"):
-        return device.type != "cpu"
-    if v in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return v in ("1", "true", "yes", "on")
-    raise ValueError(f"{STATIC_ENV} must be auto, 1 or 0, got {v!r}")
+    is none of auto / 1 / 0), as the environment says now: the default of callers that do not say (the runner says
+    what it read at start-up, ``envs.Env.static_verify_on``)."""
+    return envs.read(only=(STATIC_ENV,)).static_verify_on(device)
 
 
 @dataclass
 class RowPlan:
-    """What the sampler needs about one request of the step (built by the runner before the forward pass)."""
+    """What the sampler needs about one request of the step (built by the runner before the forward pass, in batch
+    order). A plain request fills the first two groups, a beam request (``state.beam``) the first and the last."""
 
-    state: RequestState
-    first_row: int  # its first logits row (the root)
+    # every request
+    state: RequestState  # the request's state between steps (``state.beam``: a beam request)
+    first_row: int  # its first logits row (the root; a beam request: its first leaf)
     context_len: int  # L: tokens before the first new token (= position of the first token emitted now)
+    # plain requests: the forest this pass verifies (none: a depth-0 iteration, one draw from the target)
     forest: PendingForest | None = None  # the verified forest, truncated to the n scheduled nodes
-    num_nodes: int = 0  # n
+    num_nodes: int = 0  # n: its nodes scheduled in this pass (their logits rows follow the root's)
     drafted_depth: int = 0  # depth the drafter built (before any truncation)
-    leaves: int = 0  # beam requests: leaves whose logits rows this pass has (first_row, first_row + 1, ...)
-    forest_nodes: int = 0  # beam requests: forest nodes whose logits rows follow the leaves'
-    beam_result: object = None  # beam requests: the beams.StepResult of this pass
+    # beam requests: the trie leaves and the forest after them (``runner._plan_beam``), then the step's outcome
+    leaves: int = 0  # leaves whose logits rows this pass has (first_row, first_row + 1, ...)
+    forest_nodes: int = 0  # forest nodes whose logits rows follow the leaves'
+    beam_result: StepResult | None = None  # this pass's beam step or partial step (set by ``runner._beam_result``)
 
 
 @dataclass
@@ -139,18 +140,20 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
     params = _params([r.state for r in rows], depth, cfg).to(dev)
-    static = static_default(dev)
+    if chain_static is None or forest_static is None:  # not said (the runner says): the environment's default now
+        static = static_default(dev)
+        chain_static = static if chain_static is None else chain_static
+        forest_static = static if forest_static is None else forest_static
     if (chain_fast_path and W == 1 and cfg.mode == "sample" and forest.max_depth == G
             and forest.q_joint.shape[-1] == V):
-        out = yield from _verify_chains(logits, rows, forest, compact, params, ctx, depth,
-                                        static if chain_static is None else chain_static)
+        out = yield from _verify_chains(logits, rows, forest, compact, params, ctx, depth, chain_static)
         if out is not None:
             return out
     # target logits at the parents of each layer: [:, 0, 0] the root, [:, d, j] after node (depth d, slot j)
     tl = torch.zeros(R, G + 1, W, V, device=dev)
     first = torch.tensor([r.first_row for r in rows], dtype=torch.int64, device=dev)
     tl[:, 0, 0] = logits[first].float()
-    if (static if forest_static is None else forest_static) and cfg.mode == "sample":
+    if forest_static and cfg.mode == "sample":
         use = fused_default(dev) if fused is None else fused
         out = yield from _verify_static(logits, rows, forest, compact, params, ctx, depth, tl, first,
                                         fused_layer if use else None)

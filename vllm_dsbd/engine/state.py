@@ -8,10 +8,10 @@ schedules as the request's "draft tokens") and how far the draft model's KV cach
 """
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass, field
 
+from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
@@ -20,8 +20,9 @@ from .beams.trie import BeamRequest
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout, as before it was
-# built); for comparisons in benchmarks/beams.py and tests, not a user setting
-RELAYOUT_ENV = "VLLM_DSBD_BEAM_RELAYOUT"
+# built); for comparisons in benchmarks/beams.py and tests, not a user setting. Read as each beam request registers
+# (:meth:`Requests.register`), so that one engine serves requests with and without it
+RELAYOUT_ENV = envs.BEAM_RELAYOUT
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Requests:
         if beam is not None:
             st.beam = BeamRequest(BeamParams.parse(beam, self.cfg.width), prompt_len, st.temperature, st.seed,
                                   st.top_k, st.top_p, self.cfg.width_threshold, self.cfg.min_width,
-                                  relayout=os.environ.get(RELAYOUT_ENV, "1") != "0")
+                                  relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout)
         self._states[req_id] = st
         return st
 

@@ -157,7 +157,7 @@ to add a speculative method with its own config keys and proposer; no such regis
 
 15. ``beam_scheduler`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output``,
    ``._free_request`` and ``.__init__``.
-   What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams.py``) stops when the DSBD runner says its beam
+   What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams/``) stops when the DSBD runner says its beam
    search is over (``ModelRunnerOutput.dsbd_finished``, kept on the scheduler by 13's ``update_from_output`` wrapper),
    with its best beam's finish reason; its beams travel to the front end as the request's ``kv_transfer_params``; prefix
    caching commits its blocks only up to its prompt; and the tokens vLLM outputs for it

@@ -1,4 +1,4 @@
-"""Patch: vLLM's scheduler serves DSBD beam requests (``extra_args["dsbd_beam"]``, ``engine/beams.py``).
+"""Patch: vLLM's scheduler serves DSBD beam requests (``extra_args["dsbd_beam"]``, ``engine/beams/``).
 
 A beam request's tokens in vLLM are ``prompt + trie nodes``: vLLM neither knows when its beam search is over nor may
 cache its trie blocks for other requests, and must not output the trie's slots as the request's tokens. Three changes

@@ -4,7 +4,7 @@ vLLM's ``LLM.beam_search`` (``entrypoints/generate/beam_search/offline.py``) is 
 engine request per live beam, each a prefill of prompt + beam (prefix caching turns most of it into cache hits).
 On a DSBD engine the same call sends one request per prompt with ``extra_args["dsbd_beam"]`` (width, max_tokens,
 length_penalty, ignore_eos, the tokenizer's EOS): the DSBD runner keeps the W beams of the request as a trie in the
-request's own KV slots (``engine/beams.py``), batched with every other request, and the scheduler (patch
+request's own KV slots (``engine/beams/``), batched with every other request, and the scheduler (patch
 ``beam_scheduler``) returns the finished beams in ``RequestOutput.kv_transfer_params``; here they become vLLM's
 ``BeamSearchOutput`` (the same fields: prompt + generated tokens, text of prompt + generated, cumulative
 log-probability, per-token logprobs of the chosen tokens, finish reason). At temperature 0 the beams are those of

@@ -3,7 +3,7 @@
 ``vllm.envs.validate_environ`` (envs.py:2090) warns "Unknown vLLM environment variable detected" for every variable
 that starts with ``VLLM_`` and is not a key of ``vllm.envs.environment_variables`` (or raises, with
 ``VLLM_ENGINE_ENVIRONMENT_HARD_FAIL``-style strict checking). DSBD's variables start with ``VLLM_DSBD_``; the plugin
-itself exports ``VLLM_DSBD_PROMETHEUS_DIR`` / ``_PID`` to every engine process (``engine/metrics.py``), so without
+itself exports ``VLLM_DSBD_PROMETHEUS_DIR`` / ``_PID`` to every engine process (``engine/prometheus.py``), so without
 this patch every DSBD server logged two such warnings per process.
 
 How: add each name to ``environment_variables`` with a getter that reads it, as vLLM's own entries do. Nothing else
@@ -15,26 +15,17 @@ from __future__ import annotations
 
 import os
 
+from vllm_dsbd import envs
 from vllm_dsbd.patches._patching import set_item
 
 PATCH_ID = "env_names"
 
-NAMES = (
-    "VLLM_DSBD_DISABLE",  # plugin.py: skip registration
-    "VLLM_DSBD_CACHE",  # models.py: where models and drafts are built
-    "VLLM_DSBD_FOREST_ATTENTION",  # engine/attention.py: "kernel" or "ref"
-    "VLLM_DSBD_BEAM_RELAYOUT",  # engine/state.py: "0" keeps beam requests' dead trie slots (no re-layout)
-    "VLLM_DSBD_STATIC_VERIFY",  # engine/sampler.py: "auto", "1" or "0": which verification paths a step takes
-    "VLLM_DSBD_FUSED_VERIFY",  # engine/fused.py: "auto" or "0": the fused verification kernel on CUDA
-    "VLLM_DSBD_STATIC_DRAFT",  # engine/drafter.py: "1" or "0": the draft loops with one host read per call
-    "VLLM_DSBD_PROMETHEUS_DIR",  # engine/metrics.py: multiprocess metrics directory (set by the plugin)
-    "VLLM_DSBD_PROMETHEUS_PID",  # engine/metrics.py: the front end's pid (set by the plugin)
-)
+NAMES = envs.NAMES  # every DSBD variable, with its meaning: vllm_dsbd/envs.py
 
 
 def apply() -> None:
-    import vllm.envs as envs
+    import vllm.envs as vllm_envs
 
     for name in NAMES:
-        set_item(PATCH_ID, envs.environment_variables, name, lambda name=name: os.environ.get(name),
+        set_item(PATCH_ID, vllm_envs.environment_variables, name, lambda name=name: os.environ.get(name),
                  where="vllm.envs.environment_variables")

@@ -46,9 +46,10 @@ def _offline() -> None:
 
 
 def default_cache_dir() -> pathlib.Path:
-    """$VLLM_DSBD_CACHE, else ~/.cache/vllm-dsbd."""
-    env = os.environ.get("VLLM_DSBD_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "vllm-dsbd"
+    """$VLLM_DSBD_CACHE, else ~/.cache/vllm-dsbd (``envs.CACHE``, read at each call)."""
+    from vllm_dsbd import envs
+
+    return envs.read(only=(envs.CACHE,)).cache_dir()
 
 
 def _read_stamp(folder: pathlib.Path) -> dict | None:

@@ -82,11 +82,11 @@ def chain(parents: list[int], depths: list[int]) -> list[int]:
     return path[::-1]
 
 
-def _verify_at_set_rate(logits, rows, cfg):
+def _verify_at_set_rate(logits, rows, cfg, **kw):
     """``sampler.verify`` (a reader, as the real one: ``engine/reads.py``) with paths passing at the set rate."""
     from vllm_dsbd.engine.sampler import RowResult
 
-    real = yield from _STATE["orig"](logits, rows, cfg)
+    real = yield from _STATE["orig"](logits, rows, cfg, **kw)
     rng, rate = _STATE["rng"], _STATE["rate"]
     out = []
     for row, res in zip(rows, real):
@@ -130,12 +130,12 @@ def _beam_layers_at_set_rate(self, cands, forest, top, eos):
     return cands, passed
 
 
-def _beam_sampling_at_set_rate(layers, params):
+def _beam_sampling_at_set_rate(layers, params, fused=None):
     """``beam_sampling.verify`` (T > 0 beam requests; a reader, as the real one) with layers passing at the set rate
     (see the module's docstring)."""
     from vllm_dsbd.engine.beams.sampling import Pair
 
-    pairs, ks = yield from _STATE["orig_beam_sample"](layers, params)
+    pairs, ks = yield from _STATE["orig_beam_sample"](layers, params, fused)
     rng, rate = _STATE["rng"], _STATE["rate"]
     out = []
     for ly, ps, k in zip(layers, pairs, ks):

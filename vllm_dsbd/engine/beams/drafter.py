@@ -30,7 +30,7 @@ from vllm_dsbd.core import rng
 from vllm_dsbd.core.sampling import beam_step
 
 from .. import reads
-from ..attention import ForestBatch
+from ..attention import ForestBatch, ForestEntry
 from ..kv import slots_of
 from ..state import RequestState
 from . import sampling as beam_sampling
@@ -113,10 +113,11 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
         qlens.append(len(s))
         seqs.append(B + n)
         trie = [x for x in s if x >= B]
-        entries.append((k, [t0 + x - job.start for x in trie], B, list(beam.parents), [x - B for x in trie]))
+        entries.append(ForestEntry(req_row=k, token_rows=[t0 + x - job.start for x in trie], context_len=B,
+                                   parents=list(beam.parents), query_nodes=[x - B for x in trie]))
         sample += [t0 + B + b.node - job.start for b in beam.live]
         t0 += len(s)
-    fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
+    fb = ForestBatch.build(entries, max_nodes=max(len(e.parents) for e in entries))
     # the draft logits stay on the device: each depth's beam step runs there for all requests at once, and what the
     # tries and forests (host lists) need comes over in one copy per depth
     logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
@@ -177,12 +178,13 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
             slots.append(slots_of(brow[k], [B + nd for nd in nodes], bs, owned[k]))
             qlens.append(len(nodes))
             seqs.append(B + n + len(f.tokens))
-            entries.append((e, list(range(t0, t0 + len(nodes))), B, beam.parents + f.parents, nodes))
+            entries.append(ForestEntry(req_row=e, token_rows=list(range(t0, t0 + len(nodes))), context_len=B,
+                                       parents=beam.parents + f.parents, query_nodes=nodes))
             t0 += len(nodes)
             for nd in nodes:
                 f.drafted[nd - n] = True
         sub = list(layer_of)
-        fb = ForestBatch.build(entries, max_nodes=max(len(e[3]) for e in entries))
+        fb = ForestBatch.build(entries, max_nodes=max(len(e.parents) for e in entries))
         logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
                                   list(range(t0)), fb, d)
         at = 0

@@ -18,21 +18,27 @@ from . import sampling as beam_sampling
 from .trie import BeamRequest, LiveBeam, PendingStep, StepResult, beam_params
 
 def step_one(beam: BeamRequest, eos_score_token: int | None,
-             forest_logits: torch.Tensor | Any | None = None) -> StepResult:
+             forest_logits: torch.Tensor | Any | None = None, static_layers: bool = True,
+             fused: bool | None = None) -> StepResult:
     """One beam step of one request over its collected leaves, then (a forest verified) more steps while the target's
     new beams are all forest nodes, whose logits this pass computed (``forest_logits``: [F, V] on any device, or their
     ``TopRows`` at T = 0; the first F forest nodes, the ones vLLM scheduled). ``eos_score_token``: the EOS id vLLM's
     length penalty looks at (the tokenizer's, even when EOS is ignored). :func:`step_beams` steps several requests at
-    once."""
-    return reads.run(step_beams([(beam, eos_score_token, forest_logits)]))[0]
+    once (``static_layers`` / ``fused`` there)."""
+    return reads.run(step_beams([(beam, eos_score_token, forest_logits)], static_layers, fused))[0]
 
 
-def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> reads.Reader[list[StepResult]]:
+def step_beams(items: list[tuple[BeamRequest, int | None, Any]], static_layers: bool = True,
+               fused: bool | None = None) -> reads.Reader[list[StepResult]]:
     """:func:`step_one` of several beam requests whose leaves are all in (``(request, eos_score_token,
     forest_logits)`` each); a reader (``engine/reads.py``). T = 0 steps are host work on their rows' best tokens; the
     T > 0 steps' device work runs for all of them together (``beam_sampling``): one beam-sampling draw for the
     requests without a forest and, side by side with it (one read for both), the verified layers of the requests
-    with one (:func:`_sample_layers`)."""
+    with one (:func:`_sample_layers`). ``static_layers``: all of a step's verified layers in one read of the device
+    (``beam_sampling.verify_forests``), or False: one read per layer (``beam_sampling.verify`` on the requests still
+    passing, stopping when none passes); the runner chooses with the other static paths (``envs.Env.static_verify_on``:
+    on a device, not on the CPU, unless VLLM_DSBD_STATIC_VERIFY says otherwise); the tests compare the two.
+    ``fused``: the layers' fused kernel (None: ``fused.fused_default`` of the rows' device)."""
     steps = [b.begin_step(eos, flogits) for b, eos, flogits in items]
     plain = []
     for st in steps:
@@ -45,7 +51,8 @@ def step_beams(items: list[tuple[BeamRequest, int | None, Any]]) -> reads.Reader
         elif st.forest is None:
             plain.append(st)
     yield from reads.gather(_sample_plain(plain) if plain else None,
-                            _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None]))
+                            _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None],
+                                           static_layers, fused))
     return [st.beam.end_step(st) for st in steps]
 
 
@@ -62,14 +69,8 @@ def _sample_plain(plain: list[PendingStep]) -> reads.Reader[None]:
         st.beam.steps += 1
 
 
-# all of a step's verified layers in one read of the device (``beam_sampling.verify_forests``); False: one read per
-# layer (``beam_sampling.verify`` on the requests still passing, stopping when none passes). The runner sets it with
-# the other static paths (``sampler.static_default``: on a device, not on the CPU, unless VLLM_DSBD_STATIC_VERIFY
-# says otherwise); the tests compare the two.
-STATIC_LAYERS = True
-
-
-def _sample_layers(steps: list[PendingStep]) -> reads.Reader[None]:
+def _sample_layers(steps: list[PendingStep], static_layers: bool = True,
+                   fused: bool | None = None) -> reads.Reader[None]:
     """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design.md`` §1; ``beam_sampling``). Layer d's
     target joint P (over the request's current beams) and the draft joint Q its depth-d nodes were drawn from give K
     outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so each
@@ -77,15 +78,15 @@ def _sample_layers(steps: list[PendingStep]) -> reads.Reader[None]:
     forest's rows), the next layer runs on them; the first layer that has a beam outside the forest, or no drafts
     (the bonus layer), ends the request's pass. Sets each step's last candidates, layers passed and widths of
     drafted layers. The device work runs for every request at once: all layers in one call and one read
-    (``STATIC_LAYERS``, where whether a layer passed is decided on the device too), or one call per layer."""
+    (``static_layers``, where whether a layer passed is decided on the device too), or one call per layer."""
     for st in steps:
         st.n0 = st.beam.graft(st.forest, len(st.flogits))
         st.rows = st.logits
     if not steps:
         return
-    if STATIC_LAYERS:
+    if static_layers:
         results = yield from beam_sampling.verify_forests(
-            [_plan(st) for st in steps], beam_params([st.beam for st in steps], steps[0].logits.device))
+            [_plan(st) for st in steps], beam_params([st.beam for st in steps], steps[0].logits.device), fused)
         for st, layers in zip(steps, results):
             passed = False
             for n, (pairs, k) in enumerate(layers):
@@ -107,7 +108,7 @@ def _sample_layers(steps: list[PendingStep]) -> reads.Reader[None]:
                 logq=f.q[f.layers[st.drafts[0]] - 1] if st.drafts else None, position=b.prompt_len + b.steps,
                 dynamic=b.params.dynamic_width))
         pairs, ks = yield from beam_sampling.verify(layers, beam_params([st.beam for st in active],
-                                                                       active[0].rows.device))
+                                                                       active[0].rows.device), fused)
         active = [st for st, ps, k in zip(active, pairs, ks) if _take(st, ps, k)]
 
 
