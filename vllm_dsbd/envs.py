@@ -11,7 +11,7 @@ Who reads what, and when:
   ``fused``), the beam step's layers (``beams.step.step_beams``' ``static_layers`` / ``fused``) and the drafter's
   ``static_drafting``;
 * ``VLLM_DSBD_BEAM_RELAYOUT`` is read as the runner registers each beam request (``state.Requests.register``), so
-  tests and ``benchmarks/beams.py`` switch it between the requests of one engine;
+  tests and ``benchmarks/engine/beams.py`` switch it between the requests of one engine;
 * ``testing/models.py``: ``VLLM_DSBD_CACHE``, at each call of ``default_cache_dir``;
 * ``engine/prometheus.py``: ``VLLM_DSBD_PROMETHEUS_DIR`` / ``_PID``, set by the plugin in the front end and read by
   the engine processes it starts (plumbing between processes, not settings: read and written there directly).
@@ -66,7 +66,7 @@ VARIABLES: tuple[Variable, ...] = (
              "or the per-request torch reference everywhere (ref) (engine/attention.py)", "forest_attention"),
     Variable(BEAM_RELAYOUT, "1", "0; any other value means on (never refused)",
              "0: beam requests keep their dead trie slots and their common prefix in the trie (no re-layout); for "
-             "comparisons in benchmarks/beams.py and tests, not a user setting (engine/state.py)", "beam_relayout"),
+             "comparisons in benchmarks/engine/beams.py and tests, not a user setting (engine/state.py)", "beam_relayout"),
     Variable(STATIC_VERIFY, "auto", "auto / empty, 1 / true / yes / on, 0 / false / no / off (any case)",
              "which verification paths a step takes: auto the static ones (no host reads) on a device and the row "
              "subsets on the CPU; 1 the static ones everywhere, 0 the row subsets everywhere (a fallback on a "

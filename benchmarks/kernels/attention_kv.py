@@ -66,7 +66,7 @@ from dsbd_kernels.kv_commit import KVCacheTable, copy_kv_slots, copy_kv_slots_re
 
 warnings.filterwarnings("ignore", message="Conversion of an array with ndim > 0")  # Triton's interpreter, numpy
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # as tests/kernel_utils.TOLERANCES
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # as tests/helpers/kernel_utils.TOLERANCES
 
 
 @dataclass(frozen=True)

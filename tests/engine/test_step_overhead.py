@@ -1,4 +1,4 @@
-"""The step-overhead benchmark (benchmarks/step_overhead.py) runs and measures what it says: a smoke run at batch 1
+"""The step-overhead benchmark (benchmarks/engine/step_overhead.py) runs and measures what it says: a smoke run at batch 1
 and 2, 6 tokens. Its numbers are not asserted (speed is measured in benchmarks, never in tests), only that each row
 timed real forward passes: the target's in every row, the draft's in the DSBD plain-request rows (the beam-search
 row's median step may run no draft pass) and never in plain vLLM's."""

@@ -1,6 +1,6 @@
 """A ``vllm serve`` subprocess for the server tests (``test_engine_serve``, ``test_engine_beams_serve``): started,
 waited for until ``/health`` answers, stopped at the end. Sets no environment of its own (the caller passes the
-server's, e.g. ``benchmarks/soak.server_env``)."""
+server's, e.g. ``vllm_dsbd/testing/server.server_env``)."""
 import contextlib
 import subprocess
 import time

@@ -1,4 +1,4 @@
-"""Soak of a DSBD OpenAI server, CI size: ``benchmarks/soak.py`` with 60 requests, 8 at a time.
+"""Soak of a DSBD OpenAI server, CI size: ``benchmarks/engine/soak.py`` with 60 requests, 8 at a time.
 
 The script starts its own DSBD server on 127.0.0.1 (tiny random Llama pair, engine width 4, depth 2, the engine core
 in a child process), fires a seeded mix of plain and beam requests, streaming and not, widths 1/2/4, T = 0 and 1,

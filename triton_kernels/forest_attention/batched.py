@@ -6,7 +6,7 @@ request's step. Here the requests of a chunk are padded to the longest one and c
 they use (indexing the cache's first dimension, so a strided cache plane is not copied whole), one visibility mask
 [requests, queries, positions] from the context lengths and the ancestor bits, one masked softmax. Positions past a
 request's own length are masked and their K/V zeroed (the cache may hold NaN there). Chunks keep the score tensor
-under ``max_elements``. Tested against ``forest_attention_ref`` (tests/test_forest_attention_batched.py).
+under ``max_elements``. Tested against ``forest_attention_ref`` (tests/kernels/test_forest_attention_batched.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ rows, whether or not a row still verifies, and what a row does not need is maske
 device, with a flag for the rows the chain core would decline (NaN logits). The caller reads them in one copy. Fixed
 shapes and no reads on the host also make the computation capturable in a CUDA graph (not done yet).
 
-Why the decisions are the chain core's (``tests/test_verify_chain.py`` compares both with the general path):
+Why the decisions are the chain core's (``tests/method/test_verify_chain.py`` compares both with the general path):
 - the joint, its normaliser, P and Q are the same operations on the same rows (the chain core already computes the
   joint on every row); exp, log, the uniforms and the Gumbel keys are element-wise and exact per entry, argmax and
   top-1 are exact;

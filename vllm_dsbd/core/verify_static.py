@@ -18,7 +18,7 @@ computed on every row and kept where ``verify_layer`` makes it:
 The only operations whose rounding may depend on the number of rows are the row sums over the joint (the residual's
 normaliser, the reset's, the check that T has mass): on a CPU a row sum of a lone long row on 2 threads can differ in
 the last bit from the same row among others (``docs/notebook``); with one row (a beam request's layer) the rows are the same
-and the results are bit for bit ``verify_layer``'s. ``tests/test_verify_static.py`` compares the two.
+and the results are bit for bit ``verify_layer``'s. ``tests/method/test_verify_static.py`` compares the two.
 """
 from __future__ import annotations
 

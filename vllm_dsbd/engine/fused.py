@@ -1,7 +1,7 @@
 """The fused verification kernel (``dsbd_kernels.verify.fused_verify_layer``) in the engine's static verification.
 
 One launch per layer computes the sampling rows' joint and their recursive rejection chain (``joint_logprobs`` +
-``verify_layer``, the same decisions: ``triton_kernels/verify/README.md``, ``tests/test_kernel_verify.py``), where the
+``verify_layer``, the same decisions: ``triton_kernels/verify/README.md``, ``tests/kernels/test_kernel_verify.py``), where the
 torch layer (``core.verify_static.verify_layer_static``) launches a few dozen small operations per draft. Measured on
 an H100 (``docs/notebook``, 2026-11-22: V = 32000, W = 4, depth 3): 5.4 vs 33.6 ms at batch 1, 10.0 vs 31.8 ms at batch 64
 against the torch core. So on CUDA the static paths use it (``sampler.verify`` for plain requests, mode "sample";

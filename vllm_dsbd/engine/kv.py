@@ -11,7 +11,7 @@ Layouts (measured on vLLM 0.26.0):
   (block, head) the first ``block_size * head_size`` elements hold K **transposed** (``[head_size, block_size]``) and
   the rest hold V (``[block_size, head_size]``). ``cpu_planes`` returns strided views in the plane convention over
   exactly those elements (the K plane's head_size stride is ``block_size``, not 1, so the Triton kernels, which want a
-  unit stride there, cannot take it; the torch references can). Checked by ``tests/test_engine_units.py``.
+  unit stride there, cannot take it; the torch references can). Checked by ``tests/unit/test_engine_units.py``.
 * GPU backends of vLLM 0.26 (FlashAttention, Triton, FlexAttention): logical shape
   ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` with K and V of a token side by side in the last
   dimension (memory order NHD by default: ``[num_blocks, block_size, num_kv_heads, 2 * head_size]``); the backends

@@ -11,7 +11,7 @@ read. :func:`run` drives a reader (or a gathered set) to its result.
 
 The readers do their device work in the order they are driven; what they hand over across a yield is device
 tensors they made themselves (never a buffer another reader writes), so running them side by side changes nothing
-but the number of copies (``tests/test_engine_step_reads.py`` compares the two). ``MERGE = False`` makes
+but the number of copies (``tests/engine/test_engine_step_reads.py`` compares the two). ``MERGE = False`` makes
 :func:`gather` run its readers one after the other (one copy per read, as before): the tests' reference.
 
 This module imports no vLLM.

@@ -8,7 +8,7 @@ i.e. what ``core.reference.dsbd_decode`` does when ``max_new_tokens`` leaves no 
 is read with ``core.iteration_outputs`` (one output beam: the first output of the last processed layer; in mode
 "sample", the default, every layer has exactly one output, K = 1, so the emitted tokens are exact target samples).
 At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` makes the same decisions, bit
-for bit, with a fraction of the operations (the chain fast path; ``tests/test_verify_chain.py`` compares the two).
+for bit, with a fraction of the operations (the chain fast path; ``tests/method/test_verify_chain.py`` compares the two).
 
 The result goes back to vLLM in its sampled-token format: ``[num_reqs, 1 + max_nodes]`` int32 rows holding the
 accepted path's tokens then the last layer's token, padded with -1. vLLM then counts ``len - 1`` accepted draft
@@ -117,7 +117,7 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     general path also synchronises at the core's data-dependent branches (``core/verify.py``).
 
     At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` gives the same results as
-    the general path (``tests/test_verify_chain.py`` compares them) for a fraction of its cost;
+    the general path (``tests/method/test_verify_chain.py`` compares them) for a fraction of its cost;
     ``chain_fast_path=False`` always takes the general path. On a device (not the CPU), or with ``chain_static``,
     the chain path is ``core.chain_static.verify_chains_static``: the same decisions with no host synchronisation
     but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper;

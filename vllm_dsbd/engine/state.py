@@ -20,7 +20,7 @@ from .beams.trie import BeamRequest
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout, as before it was
-# built); for comparisons in benchmarks/beams.py and tests, not a user setting. Read as each beam request registers
+# built); for comparisons in benchmarks/engine/beams.py and tests, not a user setting. Read as each beam request registers
 # (:meth:`Requests.register`), so that one engine serves requests with and without it
 RELAYOUT_ENV = envs.BEAM_RELAYOUT
 

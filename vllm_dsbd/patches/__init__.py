@@ -169,16 +169,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    changed token following (DESIGN §2 "shrinking the request at re-layout"), and the blocks past the slots it uses go
    back to the pool; vLLM's token stops (EOS, ``stop_token_ids``, which for a request that does not ignore EOS include
    the generation config's other EOS ids) are off for it, as its appended tokens are trie slots
-   (``tests/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
+   (``tests/engine/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
    know when the search ends (the engine request has ``ignore_eos`` and a large ``max_tokens``), has no per-request
    output channel from the runner but ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), would
    cache trie blocks (K/V under trie masks and positions) for any request with the same tokens
-   (``tests/test_engine_beams.py`` sees 144 cached tokens served instead of 112 without the cap), and would output (and
+   (``tests/engine/test_engine_beams.py`` sees 144 cached tokens served instead of 112 without the cap), and would output (and
    stream) the trie's slots, which are no beam. ``_update_request_with_output`` is where the tokens vLLM appends to a
    request become the tokens it outputs, and the only place where the two can differ (the front end, in or across
    processes, sees only the latter): a streamed beam request (``DELTA`` / ``CUMULATIVE``, the server's ``"stream":
    true`` with ``vllm_xargs``) streams the settled prefix, never retracted, and every beam request's final
-   ``CompletionOutput`` is its best beam (``tests/test_engine_beam_stream.py``). Engine ``logprobs`` are refused for
+   ``CompletionOutput`` is its best beam (``tests/engine/test_engine_beam_stream.py``). Engine ``logprobs`` are refused for
    beam requests (``requests.check_request``): vLLM slices them by the number of tokens output. vLLM's token list only
    grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
    keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap

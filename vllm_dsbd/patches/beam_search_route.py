@@ -8,7 +8,7 @@ request's own KV slots (``engine/beams/``), batched with every other request, an
 ``beam_scheduler``) returns the finished beams in ``RequestOutput.kv_transfer_params``; here they become vLLM's
 ``BeamSearchOutput`` (the same fields: prompt + generated tokens, text of prompt + generated, cumulative
 log-probability, per-token logprobs of the chosen tokens, finish reason). At temperature 0 the beams are those of
-vLLM's loop token for token (tests/test_engine_beams.py).
+vLLM's loop token for token (tests/engine/test_engine_beams.py).
 
 Refused with a ``ValueError`` naming the parameter: ``structured_outputs`` (the trie's beams would each need their
 own grammar state), a beam width above the engine's DSBD width, and a request whose trie may not fit

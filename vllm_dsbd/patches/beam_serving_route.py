@@ -9,7 +9,7 @@ the DSBD runner keeps the W beams as a trie in the request's own KV slots, and t
 ``RequestOutput`` vLLM's loop yields, with what that loop puts in it: n = beam_width outputs, best first, each with
 the generated tokens (a final EOS only with ``include_stop_str_in_output``), the text of those tokens without a final
 EOS, the cumulative log-probability, per-token logprobs, finish reason "stop" (EOS; ``stop_reason`` = the EOS id) or
-"length". At temperature 0 the choices are vLLM's own (tests/test_engine_beams_serve.py: same text, token ids,
+"length". At temperature 0 the choices are vLLM's own (tests/serve/test_engine_beams_serve.py: same text, token ids,
 finish reasons and token logprobs as a plain vLLM server).
 
 Why: vLLM's online beam search (``entrypoints/generate/beam_search/online.py:28-220``) is a front-end loop: per
