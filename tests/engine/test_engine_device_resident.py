@@ -77,16 +77,16 @@ class Observer:
                 obs.current.fetched.extend(tuple(t.shape) for t in tensors)
             return orig_fetch(tensors)
 
-        def verify(logits, rows, cfg):  # readers, as the entry points they wrap
+        def verify(logits, rows, cfg, **kw):  # readers, as the entry points they wrap
             if not obs.active:
-                return (yield from orig_verify(logits, rows, cfg))  # the reference runs: the CPU's default path
+                return (yield from orig_verify(logits, rows, cfg, **kw))  # the reference runs: the CPU's default path
             for r in rows:
                 if r.forest is not None:
                     f = r.forest.forest
                     obs.forest_tensors.append(all(sim_device.on_device(t) for t in (f.valid, f.q_joint, f.parent)))
             mode = sim_device.SimulatedDevice()
-            out = obs.observe(mode, orig_verify(sim_device.tag(logits), rows, cfg, chain_static=obs.static,
-                                                forest_static=obs.static))
+            out = obs.observe(mode, orig_verify(sim_device.tag(logits), rows, cfg, **{**kw, "chain_static": obs.static,
+                                                                                     "forest_static": obs.static}))
             obs.calls.append(("verify", len(rows), mode))
             return out
 
