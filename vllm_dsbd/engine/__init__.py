@@ -5,7 +5,6 @@ beam sampling) whose beams live inside the engine, with or without a draft model
 attention (:mod:`.attention`, :mod:`.kv`), verification (:mod:`.sampler`, :mod:`.fused`), drafting (:mod:`.drafter`),
 beam requests (:mod:`.beams`), host reads (:mod:`.reads`), load-aware speculation (:mod:`.load`), graph safety
 (:mod:`.graphs`), start-up refusals (:mod:`.support`) and metrics (:mod:`.metrics`, :mod:`.prometheus`). Importing this
-package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do.
-
-The story: docs/design.md §3; the module map: §4.
+package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do. The story: docs/design.md §3; the module map:
+§4.
 """

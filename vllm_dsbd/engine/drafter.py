@@ -3,9 +3,8 @@
 :class:`DSBDDrafter` keeps vLLM's ``DraftModelProposer`` for what vLLM expects of a draft-model proposer (loading, KV
 group, dummy runs) and replaces the proposal (:meth:`DSBDDrafter.propose_forests`): a catch-up pass, then one draft pass
 per depth under forest attention. Forest nodes are written at the slots where the target will write them, so one commit
-after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`.
-
-The drafting loops (general, chain, static with its bet): docs/design.md §3.4.
+after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
+drafting loops (general, chain, static with its bet): docs/design.md §3.4.
 """
 from __future__ import annotations
 
@@ -162,12 +161,9 @@ class DSBDDrafter(DraftModelProposer):
     # ------------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_forests(self, jobs: list[DraftJob]) -> Reader[list[PendingForest]]:
-        """Drafts one forest per job (all jobs batched: one draft pass per depth) and updates each state's draft_len. A
-        reader (``engine/reads.py``): the runner drives it beside the beam requests' drafting.
-
-        The draft logits, draws and forests stay on the draft's device; the host reads each depth's draws in the general
-        loop, or once per call at width 1 (:meth:`_draft_chains`) and, when the draws fill every width, at any width
-        (:meth:`_draft_static`)."""
+        """Drafts one forest per job (batched: one draft pass per depth) and updates each state's draft_len; a reader
+        (``engine/reads.py``). Host reads: one per depth in the general loop, one per call in :meth:`_draft_chains` and,
+        when the draws fill every width, :meth:`_draft_static`."""
         if not jobs:
             return []
         dev = self.device
@@ -313,11 +309,9 @@ class DSBDDrafter(DraftModelProposer):
         return out
 
     def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows):
-        """``propose_forests``'s depth loop at width 1 with no host read until the end: draws and next token ids stay on
-        the device, passes are planned from the requested depths. A chain that ends (EOS) has its depth cut on the
-        device and its later passes run masked: the same draws, bit for bit, as the loop (a masked row never reaches a
-        live joint). Returns (steps, valid, parent, token slots per depth as numpy [R, W], the final depths in numpy and
-        on the device)."""
+        """The depth loop at width 1 with no host read until the end (draws and token ids stay on the device); an ended
+        chain is masked, not skipped: the same draws, bit for bit. Returns (steps, valid, parent, token slots per depth
+        as numpy [R, W], the final depths in numpy and on the device)."""
         dev = self.device
         G, W = int(depth_np.max()), full.shape[1]
         eos = (params.eos >= 0)[:, None]
@@ -353,11 +347,9 @@ class DSBDDrafter(DraftModelProposer):
 
     def _draft_static(self, full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np, bs, owned,
                       block_rows):
-        """``propose_forests``'s depth loop at any width with one host read at the end, on a bet: every request's draws
-        fill its width (``widths``, host) at every depth whose pass runs on it, so node (d, s) sits at compact index
-        ``(d - 1) w + s`` and ancestor masks are built on the device. Returns None when the bet failed (the caller then
-        runs the general loop: the same keyed draws, whose passes rewrite the draft K/V in its layout), else what
-        :meth:`_draft_chains` returns."""
+        """The depth loop at any width with one host read at the end, on a bet that every request's draws fill its width
+        (``widths``) wherever a pass runs, so the layout is known in advance. None when the bet failed (the caller runs
+        the general loop: the same keyed draws), else what :meth:`_draft_chains` returns."""
         dev = self.device
         R, W, V = full.shape
         G = int(depth_np.max())

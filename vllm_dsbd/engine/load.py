@@ -5,9 +5,8 @@ verified-token budget and every request's draft shape shrinks, level by level (d
 (:func:`plan`). The plan depends only on the batch's shapes and the budget, never on a draw, an acceptance or a timing:
 every tensor-parallel rank computes the same, and every output law is unchanged (a forest's shape is fixed before its
 coins are drawn). ``"auto"``: the knee of a start-up timing table (``load_probe.py``), never below one request's full
-step. Imports neither vLLM nor torch.
-
-The levels, the plan and the probe: docs/design.md §3.6; settings: docs/usage/configuration.md.
+step. Imports neither vLLM nor torch. The levels, the plan and the probe: docs/design.md §3.6; settings:
+docs/usage/configuration.md.
 """
 from __future__ import annotations
 
@@ -56,11 +55,8 @@ def levels(width: int, depth: int) -> list[Level]:
 
 
 def plan(shapes: Sequence[Shape], budget: int | None) -> list[Level]:
-    """The level of every request of a step (same order as ``shapes``), within ``budget`` scheduled tokens.
-
-    ``budget`` None: every request at its full shape (pinned speculation). Otherwise the highest level at which the
-    whole batch fits (``(0, 0)`` if none does: no request drafts), then requests in order one level up while the
-    total stays within ``budget``."""
+    """The level of every request of a step (order of ``shapes``) within ``budget`` scheduled tokens (None: every
+    request at its full shape): the highest level at which the whole batch fits, then requests in order one level up."""
     if not shapes:
         return []
     top = Level(max(s.width for s in shapes), max(s.depth for s in shapes))

@@ -5,9 +5,8 @@ attention batch (``_prepare_inputs``; beam requests: ``_plan_beam``), the target
 (``_model_forward``), verification and the KV commit instead of rejection sampling (``_sample``; beam requests:
 ``_beam_steps``), and the next forests (``propose_draft_token_ids``). ``sample_tokens`` hands beam requests' finished
 beams, settled tokens and re-layouts to the scheduler (patch ``beam_scheduler``). Each of ``_sample`` and
-``propose_draft_token_ids`` reads the device once per round for all its kinds of work (``reads.gather``).
-
-The step in vLLM's hooks: docs/design.md §3.1; readers: §3.2; beam requests: §3.3.
+``propose_draft_token_ids`` reads the device once per round for all its kinds of work (``reads.gather``). The step in
+vLLM's hooks: docs/design.md §3.1; readers: §3.2; beam requests: §3.3.
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@ One call per step over the target's logits rows (per request: the root's row, th
 in compact depth-major order) verifies every forest exactly (``core.verify_forest``, or its chain and static forms,
 which make the same decisions) and returns the emitted tokens in vLLM's sampled-token format. vLLM's linear rollback is
 right once the runner has moved the accepted path's K/V into the first slots after the context (``kv.commit`` with
-:attr:`RowResult.path`).
-
-Rows, paths and output format: docs/design.md §3.1.
+:attr:`RowResult.path`). Rows, paths and output format: docs/design.md §3.1.
 """
 from __future__ import annotations
 
@@ -101,14 +99,10 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
            forest_static: bool | None = None, fused: bool | None = None) -> Reader[list[RowResult]]:
-    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass. A reader
-    (``engine/reads.py``; ``reads.run(verify(...))`` alone).
-
-    Runs on the logits' device; the results' host values come in one copy at the end (the general path also reads at the
-    core's data-dependent branches). Depths are the runner's host ints (``PendingForest.depth``). Paths, all with the
-    same decisions: at width 1 in mode "sample" the chain path (``chain_fast_path=False``: always the general path);
-    with ``chain_static`` / ``forest_static`` (defaults: :func:`static_default`) the static forms with no host read but
-    the final copy, verifying sampling rows with the fused kernel when ``fused`` (default ``fused.fused_default``)."""
+    """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
+    (``engine/reads.py``). Runs on the logits' device, one host copy at the end (the general path also reads at the
+    core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and with ``chain_static`` /
+    ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel when ``fused``."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device

@@ -4,9 +4,8 @@
 unquantised paged cache, so sliding windows, ALiBi, sinks, softcapping, other attention classes and quantised KV caches
 are refused, naming feature and layer. :func:`check_engine_config` (patch ``vllm_post_init``): settings vLLM applies in
 the sampler DSBD replaces: ``--logits-processors`` and a reasoning config with thinking delimiters are refused;
-installed logits-processor plugins, which vLLM skips for every speculative method, get a warning.
-
-Why each: docs/design.md §3.7.
+installed logits-processor plugins, which vLLM skips for every speculative method, get a warning. Why each:
+docs/design.md §3.7.
 """
 from __future__ import annotations
 

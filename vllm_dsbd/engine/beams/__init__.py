@@ -4,8 +4,7 @@ A beam request keeps its live beams as a trie in its own KV slots after its line
 common prefix); vLLM's token list is always ``linear context + trie tokens in slot order``, so its tokens, block hashes
 and recomputation stay true. Each step is the target's own beam step (vLLM's ``LLM.beam_search`` at T = 0, target beam
 sampling at T > 0), repeated on the draft forest while its layers pass; then the kept nodes move down, the request is
-re-laid out, and its settled prefix is what vLLM outputs.
-
-Files: ``trie.py`` (:class:`~.trie.BeamRequest`), ``step.py`` (the batched step), ``sampling.py`` (T > 0 device work),
-``drafter.py`` (draft forests). None of them imports vLLM. The story: docs/design.md §3.3.
+re-laid out, and its settled prefix is what vLLM outputs. Files: ``trie.py`` (:class:`~.trie.BeamRequest`), ``step.py``
+(the batched step), ``sampling.py`` (T > 0 device work), ``drafter.py`` (draft forests). None of them imports vLLM. The
+story: docs/design.md §3.3.
 """

@@ -4,9 +4,8 @@ one joint, one draw or one verified layer for all, and one copy of what their tr
 Request r's beams are rows ``[r, :S_r]`` of an ``[R, S, V]`` block; rows past S_r score -inf, so their joint entries are
 never drawn and each request gets what its own call would (up to the rounding of the normaliser over the padding; random
 keys are per request and joint entry). Nothing reads the device but the final copy: :func:`sample`, :func:`verify`,
-:func:`verify_forests` and :func:`top_rows` are readers (``engine/reads.py``). Imports no vLLM.
-
-Used by ``step.py`` (the target's steps) and ``drafter.py`` (the draft's); docs/design.md §3.3.
+:func:`verify_forests` and :func:`top_rows` are readers (``engine/reads.py``). Imports no vLLM. Used by ``step.py`` (the
+target's steps) and ``drafter.py`` (the draft's); docs/design.md §3.3.
 """
 from __future__ import annotations
 
@@ -107,11 +106,10 @@ def _read(rows: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, score: torch.
 
 def sample(logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]], params: BatchParams,
            positions: list[int], stream: rng.Stream) -> Reader[tuple[list[list[Pair]], torch.Tensor]]:
-    """Beam sampling's step for R requests (``core.beam_step`` on their rows side by side): W_r (beam, token) pairs
-    drawn without replacement from each request's joint, in draw order. ``logits[r]`` ``[S_r, V]`` float32,
-    ``scores[r]`` / ``live[r]`` its beams' scores and which take part; ``params`` one row per request (``beam_params``),
-    ``positions`` the new tokens' positions. Returns (per request its pairs, the joints log P [R, S * V] float32, -inf
-    past a request's beams)."""
+    """Beam sampling's step for R requests (``core.beam_step`` on their rows side by side): W_r pairs drawn without
+    replacement from each joint, in draw order. ``logits[r]`` ``[S_r, V]`` float32, ``scores[r]`` / ``live[r]`` its
+    beams', ``params`` one row per request, ``positions`` the new tokens'. Returns (per request its pairs, log P [R, S *
+    V] float32, -inf past a request's beams)."""
     dev = logits[0].device
     rows, sc = joint_rows(logits, scores, torch.float32)
     S = rows.shape[1]
@@ -209,11 +207,9 @@ class Plan:
 
 def verify_forests(plans: list[Plan], params: BatchParams,
                    fused: bool | None = None) -> Reader[list[list[tuple[list[Pair], int]]]]:
-    """:func:`verify` of every layer of R requests' forests with one device read: each layer runs on the device, and
-    whether a request's layer passed (drafts, some non-EOS output, every non-EOS output a draft, a step left) is decided
-    there too; the next layer's beams are the drafts, scored by the outputs they matched (-inf: dead slots), and a
-    stopped request has K = 0 after. Returns per request its layers' (outputs, K) up to where it stopped: what
-    layer-by-layer :func:`verify` returns (the same keyed draws, up to rounding over more padding)."""
+    """:func:`verify` of every layer of R requests' forests with one device read; whether a layer passed is decided on
+    the device, and a stopped request has K = 0 after. Returns per request its layers' (outputs, K): what layer-by-layer
+    :func:`verify` returns (the same keyed draws, up to rounding over more padding)."""
     dev = plans[0].leaves.device
     R, V = len(plans), plans[0].leaves.shape[-1]
     L = max(min(len(p.drafts) + 1, p.layers) for p in plans)

@@ -31,11 +31,9 @@ def step_one(beam: BeamRequest, eos_score_token: int | None,
 def step_beams(items: list[tuple[BeamRequest, int | None, Any]], static_layers: bool = True,
                fused: bool | None = None) -> reads.Reader[list[StepResult]]:
     """:func:`step_one` of several beam requests whose leaves are all in (``(request, eos_score_token, forest_logits)``
-    each); a reader (``engine/reads.py``). T = 0 steps are host work on their rows' best tokens; the T > 0 device work
-    runs for all of them together: one draw for the requests without a forest and, in the same read, the verified layers
-    of those with one (:func:`_sample_layers`). ``static_layers``: all verified layers in one read (``verify_forests``),
-    else one read per layer while some request passes (the runner's choice: ``dsbd_static_layers``). ``fused``: the
-    layers' fused kernel (None: ``fused.fused_default`` of the rows' device)."""
+    each); a reader. T = 0 steps are host work; the T > 0 draws and verified layers run on the device for all at once,
+    in one read. ``static_layers``: all layers in one read (else one per layer); ``fused``: the layers' kernel (None:
+    ``fused.fused_default``)."""
     steps = [b.begin_step(eos, flogits) for b, eos, flogits in items]
     plain = []
     for st in steps:

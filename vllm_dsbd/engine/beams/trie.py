@@ -298,12 +298,10 @@ class BeamRequest:
         return out
 
     def _relayout(self, out: StepResult) -> None:
-        """After a step: the live beams' common prefix leaves the trie for the linear context (a prefix token at depth d
-        to slot ``prompt_len + d - 1``, where its RoPE position already is), dead nodes are dropped, kept nodes move
-        down in slot order. ``out`` gets the K/V moves (composed with the step's own) and, when vLLM's token list
-        changes, the new output tokens (``prefix + trie up to leaf 0``) for the runner and scheduler (patch
-        ``beam_relayout``). Leaves have no K/V yet, so they move for free; beams, scores and positions are unchanged
-        (docs/design.md §3.3)."""
+        """After a step: the live beams' common prefix leaves the trie for the linear context, dead nodes are dropped,
+        kept nodes move down in slot order. ``out`` gets the K/V moves (composed with the step's own) and, when vLLM's
+        token list changes, the new output tokens (patch ``beam_relayout``). Beams, scores and positions are unchanged
+        (design §3.3)."""
         W = len(self.live)
         through: dict[int, int] = {}  # node -> live beams whose path runs through it
         for b in self.live:
