@@ -62,7 +62,7 @@ class DSBDRunnerMixin:
         self._dsbd_results: list[sampler.RowResult] | None = None
         self._dsbd_planes: dict[int, kv.PlaneSet] | None = None
         self._dsbd_last_plan: list[sampler.RowPlan] | None = None
-        # beam requests finished this step: req id -> payload for the front end (patch beam_finish reads it)
+        # beam requests finished this step: req id -> payload for the front end (patch beam_scheduler reads it)
         self._dsbd_finished: dict[str, dict] = {}
         # beam requests' tokens settled this step: req id -> tokens (their output; patch beam_scheduler reads it)
         self._dsbd_settled: dict[str, list[int]] = {}

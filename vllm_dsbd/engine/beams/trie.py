@@ -300,7 +300,7 @@ class BeamRequest:
     def _relayout(self, out: StepResult) -> None:
         """After a step: the live beams' common prefix leaves the trie for the linear context, dead nodes are dropped,
         kept nodes move down in slot order. ``out`` gets the K/V moves (composed with the step's own) and, when vLLM's
-        token list changes, the new output tokens (patch ``beam_relayout``). Beams, scores and positions are unchanged
+        token list changes, the new output tokens (patch ``beam_scheduler``). Beams, scores and positions are unchanged
         (design §3.3)."""
         W = len(self.live)
         through: dict[int, int] = {}  # node -> live beams whose path runs through it
