@@ -1,19 +1,10 @@
-"""Forest attention inside vLLM's attention layers.
+"""Forest attention inside vLLM's attention layers (vLLM 0.26 has no tree attention).
 
-vLLM 0.26 has no tree attention: every backend computes causal attention over a request's linear positions. A DSBD
-forest node must instead see the context and its own ancestors only. The engine therefore wraps the platform's
-attention implementation of every attention layer (target and draft): the base implementation runs as usual (it
-writes the K/V of every query token to its slot and computes causal outputs), then, when a :class:`ForestBatch` is
-active (:func:`forest_scope`), the outputs of the forest query tokens are recomputed with forest attention over the
-paged cache and written over the causal ones.
-
-The wrapping is an in-place subclass of each layer's ``impl`` object (:func:`install`), done by the DSBD runner on its
-own model's layers after loading; vLLM's classes are not modified. On CUDA the recompute is the Triton kernel
-``dsbd_kernels.forest_attention.forest_attention`` over ``kv.layer_planes`` of the layer's cache as they are (no
-copy). Elsewhere (CPU) it is ``forest_attention_batched``, the requests of the pass padded and computed together in
-torch; with ``VLLM_DSBD_FOREST_ATTENTION=ref`` (read by the runner at start-up, given to :func:`install`) the
-kernel's per-request torch reference ``forest_attention_ref`` over a compact copy of the blocks the forest requests
-use (the CPU cache layout is not the kernels' layout, see ``kv.py``).
+:func:`install` gives every attention layer's ``impl`` an in-place subclass whose ``forward`` runs the base (causal)
+attention, which also writes every query token's K/V, then, while a :class:`ForestBatch` is active
+(:func:`forest_scope`), recomputes the forest query tokens' outputs under their ancestor masks over the paged cache and
+writes them over the causal ones: the Triton kernel on CUDA, a batched torch path elsewhere, the per-request reference
+with ``VLLM_DSBD_FOREST_ATTENTION=ref``. vLLM's classes are not modified. How and why: docs/design.md §3.5.
 """
 from __future__ import annotations
 
@@ -83,10 +74,9 @@ class ForestBatch:
     @staticmethod
     def assemble(req_rows: list[int], token_rows: list[int], cu: list[int], ctx: list[int], flen: list[int],
                  parents: torch.Tensor, query: list[int], max_nodes: int) -> "ForestBatch":
-        """The batch of :meth:`build`'s entries given as their fields: host lists for the pass's layout, and every
-        entry's forest parents concatenated in ``parents`` (int64, local indices, on any device: the ancestor masks
-        are built there, with no read on the host; the drafter passes its draws' parents as they are) with
-        ``query`` the query tokens' rows among those nodes."""
+        """The batch of :meth:`build`'s entries given as their fields: host lists for the pass's layout, ``parents``
+        every entry's forest parents concatenated (int64, local indices, on any device: the masks are built there with
+        no host read) and ``query`` the query tokens' rows among those nodes."""
         # every entry's forest in one call (the masks of all nodes, then the query nodes' rows): per-entry calls
         # cost ~0.3 ms each on a CPU, and beam requests' tries rarely repeat a shape
         cu_nodes = parents.new_tensor([0, *flen]).cumsum(0)  # int64, where the parents are
@@ -113,14 +103,10 @@ class ForestBatch:
 
 
 def drop_chain_queries(entry: ForestEntry) -> ForestEntry:
-    """``entry`` (a :meth:`ForestBatch.build` entry) without the query tokens that causal attention already gets right.
-
-    Only for entries whose query token for node q sits at causal position ``ctx + q`` (the nodes' K/V at cache
-    positions ``ctx + j`` and the request's query tokens the last of its sequence, in node order): the target pass of
-    plain requests and the drafter's passes. Causal attention of such a token sees the context and nodes 0..q, which
-    are q's ancestors-or-self exactly when nodes 0..q form one chain hanging off the context (``parents[j] == j - 1``):
-    every node of a width-1 forest, and the first node of any forest. Those tokens keep the outputs of the layer's
-    own attention (the same attention over the same keys; the recompute would only change rounding)."""
+    """``entry`` without the query tokens causal attention already gets right: nodes 0..q of a chain hanging off the
+    context (``parents[j] == j - 1``; every node of a width-1 forest, the first of any), whose causal view is exactly
+    their ancestors-or-self. Only for entries whose query for node q sits at causal position ``ctx + q`` (plain
+    requests' target pass, the drafter's passes)."""
     parents, nodes = entry.parents, entry.query_nodes
     chain = 0
     while chain < len(parents) and parents[chain] == chain - 1:
@@ -154,10 +140,9 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
                              impl: str | None = None) -> None:
     """Overwrites ``output[batch.token_index]`` with forest attention of those query tokens over the paged cache.
 
-    query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's
-    [num_reqs, max_blocks] int32 block table (rows in attention-metadata order). ``impl``: "kernel" (the Triton
-    kernel on CUDA, batched torch elsewhere) or "ref" (the per-request reference everywhere); the layers pass what
-    :func:`install` was given; None: ``VLLM_DSBD_FOREST_ATTENTION`` now."""
+    query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's [num_reqs,
+    max_blocks] int32 block table (rows in attention-metadata order). ``impl``: "kernel" or "ref" (what :func:`install`
+    was given; None: ``VLLM_DSBD_FOREST_ATTENTION`` now)."""
     if impl is None:
         impl = envs.read(only=(envs.FOREST_ATTENTION,)).forest_attention
     k_plane, v_plane = layer_planes(kv_cache)
@@ -213,11 +198,10 @@ def _forest_impl_class(base: type) -> type:
 
 
 def install(layers: dict, impl: str | None = None) -> int:
-    """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module, e.g. the static forward
-    context) the forest-attention forward, computed by ``impl`` ("kernel" or "ref": ``envs.Env.forest_attention``,
-    which the runner read at start-up; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a layer
-    wrapped before takes the latest ``impl``). Returns the number of layers changed. Layers whose features forest
-    attention cannot reproduce are refused before this, at start-up (``support.check_attention_layers``)."""
+    """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module) the forest-attention forward with
+    ``impl`` ("kernel" or "ref"; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a wrapped layer
+    takes the latest ``impl``). Returns the number of layers changed. Unsupported layers are refused before this
+    (``support.check_attention_layers``)."""
     n = 0
     for layer in layers.values():
         attn = getattr(layer, "impl", None)

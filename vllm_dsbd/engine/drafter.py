@@ -1,21 +1,10 @@
-"""The DSBD drafter: beam-samples a forest with the draft model for every decoding request.
+"""The DSBD drafter: beam-samples a forest with the draft model for every decoding (plain) request.
 
-It derives from vLLM's ``DraftModelProposer`` for everything vLLM expects of a draft-model proposer (loading the
-draft model next to the target, its attention groups and KV-cache group, profiling dummy runs) and replaces the
-proposal itself (:meth:`DSBDDrafter.propose_forests`), which per batch of requests runs:
-
-* pass 0 ("catch-up", causal attention): the tokens whose draft K/V are missing, from ``draft_len`` to the root (the
-  last emitted token) at their linear positions: usually the root alone, plus the last accepted node when the whole
-  depth was accepted, or the whole prompt after the prefill. Its logits at the root give depth 1.
-* depth d = 1..G: ``core.beam_step`` on the draft logits at the live beams (W draws without replacement from the
-  draft's joint, keyed randomness ``(seed, position, DRAFT_DRAW)``); then, if deeper depths are needed, pass d runs the
-  draft on the depth-d nodes (W query tokens per request) under forest attention: node (d, j) at position
-  root + d and at slot ``L + compact index`` (L = root position + 1), seeing the context and its ancestors only.
-
-Forest node (d, j) of a request is written where the target will write it (slot of position L + its compact index),
-so after verification one commit moves the accepted path's K/V of target and draft layers alike.
-
-An engine without a draft model gets :class:`NoDrafter` instead (nothing to load, no forest to draft).
+:class:`DSBDDrafter` keeps vLLM's ``DraftModelProposer`` for what vLLM expects of a draft-model proposer (loading, KV
+group, dummy runs) and replaces the proposal (:meth:`DSBDDrafter.propose_forests`): a catch-up pass, then one draft pass
+per depth under forest attention. Forest nodes are written at the slots where the target will write them, so one commit
+after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
+drafting loops (general, chain, static with its bet): docs/design.md §3.4.
 """
 from __future__ import annotations
 
@@ -78,11 +67,10 @@ class NoDrafter:
 
 @contextlib.contextmanager
 def vllm_runner_init(spec, has_draft: bool):
-    """Around vLLM's runner ``__init__``: an engine without a draft model is seen as vLLM's method "custom_class" with
-    :class:`NoDrafter` as the class. vLLM's runner picks its drafter by method and raises "Unknown speculative
-    decoding method" for one it does not know (gpu_model_runner.py:595-653); "dsbd" without a draft is not a
-    draft-model engine (patch ``uses_draft_model``). Nothing else in that ``__init__`` (nor in the worker's
-    ``init_device``, which builds vLLM's runner: ``worker.py``) reads the method or the model."""
+    """Around vLLM's runner ``__init__``: an engine without a draft model is seen as method "custom_class" with
+    :class:`NoDrafter`, because vLLM's runner raises "Unknown speculative decoding method" for a method it does not know
+    (gpu_model_runner.py:595-653) and "dsbd" without a draft is not a draft-model engine (patch ``uses_draft_model``).
+    Nothing else in that ``__init__`` (nor in the worker's ``init_device``) reads the method or the model."""
     if has_draft:
         yield
         return
@@ -173,16 +161,9 @@ class DSBDDrafter(DraftModelProposer):
     # ------------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_forests(self, jobs: list[DraftJob]) -> Reader[list[PendingForest]]:
-        """Drafts one forest per job (all jobs batched: one draft pass per depth). Updates each state's draft_len.
-        A reader (``engine/reads.py``): the runner drives it beside the beam requests' drafting, one read for both.
-
-        The draft logits, the beam steps and the forest (its draft joints included) stay on the draft model's device;
-        what the next pass's inputs need (each depth's draws: valid, parent and token slots, [R, W] each, and the
-        requests' depths) comes to the host in one copy per depth in the general loop; one copy for all depths at
-        width 1 (:meth:`_draft_chains`) and, when the draws fill every request's width, at any width
-        (:meth:`_draft_static`). Token ids, positions and slots of every pass are
-        built with numpy over the whole batch (no per-request tensor ops); the per-request loops left only slice
-        Python lists."""
+        """Drafts one forest per job (batched: one draft pass per depth) and updates each state's draft_len; a reader
+        (``engine/reads.py``). Host reads: one per depth in the general loop, one per call in :meth:`_draft_chains` and,
+        when the draws fill every width, :meth:`_draft_static`."""
         if not jobs:
             return []
         dev = self.device
@@ -328,13 +309,9 @@ class DSBDDrafter(DraftModelProposer):
         return out
 
     def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows):
-        """``propose_forests``'s depth loop at width 1, with no read on the host until the end: each depth's draw and
-        the next pass's token ids stay on the device, and the passes are planned from the requested depths. A request
-        whose chain ends (an EOS draw) has its depth cut on the device, as the loop does; its later passes still run
-        (their draws are masked: no live beam), where the loop would skip them. The same draws, bit for bit: a masked
-        row's logits never reach a live joint. Every request has width 1; the engine may be wider (W slots, slot 0
-        used, as the loop lays them out). Returns (steps, valid, parent, token slots per depth as numpy [R, W], the
-        final depths in numpy and on the device)."""
+        """The depth loop at width 1 with no host read until the end (draws and token ids stay on the device); an ended
+        chain is masked, not skipped: the same draws, bit for bit. Returns (steps, valid, parent, token slots per depth
+        as numpy [R, W], the final depths in numpy and on the device)."""
         dev = self.device
         G, W = int(depth_np.max()), full.shape[1]
         eos = (params.eos >= 0)[:, None]
@@ -370,17 +347,9 @@ class DSBDDrafter(DraftModelProposer):
 
     def _draft_static(self, full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np, bs, owned,
                       block_rows):
-        """``propose_forests``'s depth loop at any width with no read on the host until the end, on a bet: that every
-        request's draws fill its width (``widths``, host) at every depth whose pass runs on it (the usual case: W
-        draws without replacement need only W tokens of support). Then the forest's layout is known in advance
-        (depth-major, ``w`` nodes per depth, node (d, s) at compact index ``(d - 1) w + s``), so each pass is
-        planned from the requested depths and widths, its token ids stay on the device and its ancestor masks are
-        built there from the draws' parents. A request whose draws all end (EOS) has its depth cut on the device,
-        as the loop does; its later passes still run with its draws masked (as in :meth:`_draft_chains`). One copy
-        at the end brings the draws over and checks the bet; if it failed (a request's draws fewer than its width
-        at a depth whose pass ran on it and that the loop would have drafted), returns None: the caller runs the
-        general loop, whose draws are the same (keyed randomness, the same logits wherever the layouts agree) and
-        whose passes rewrite the forest's draft K/V in its own layout. Returns what ``_draft_chains`` returns."""
+        """The depth loop at any width with one host read at the end, on a bet that every request's draws fill its width
+        (``widths``) wherever a pass runs, so the layout is known in advance. None when the bet failed (the caller runs
+        the general loop: the same keyed draws), else what :meth:`_draft_chains` returns."""
         dev = self.device
         R, W, V = full.shape
         G = int(depth_np.max())

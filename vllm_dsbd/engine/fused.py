@@ -1,12 +1,9 @@
 """The fused verification kernel (``dsbd_kernels.verify.fused_verify_layer``) in the engine's static verification.
 
-One launch per layer computes the sampling rows' joint and their recursive rejection chain (``joint_logprobs`` +
-``verify_layer``, the same decisions: ``triton_kernels/verify/README.md``, ``tests/kernels/test_kernel_verify.py``), where the
-torch layer (``core.verify_static.verify_layer_static``) launches a few dozen small operations per draft. Measured on
-an H100 (``docs/notebook``, 2026-11-22: V = 32000, W = 4, depth 3): 5.4 vs 33.6 ms at batch 1, 10.0 vs 31.8 ms at batch 64
-against the torch core. So on CUDA the static paths use it (``sampler.verify`` for plain requests, mode "sample";
-``beam_sampling.verify`` for beam requests at T > 0); ``VLLM_DSBD_FUSED_VERIFY=0`` keeps the torch layer. On the
-CPU the torch layer runs (tests run the kernel there under Triton's interpreter, ``fused=True``).
+One launch per layer computes the sampling rows' joint and recursive rejection chain with the same decisions as
+``joint_logprobs`` + ``verify_layer_static`` (``tests/kernels/test_kernel_verify.py``), where the torch layer launches a
+few dozen small operations per draft. On CUDA the static paths use it (``VLLM_DSBD_FUSED_VERIFY=0``: the torch layer);
+on the CPU the torch layer runs. Measurements: docs/notebook/gpu-2026-11-22.md.
 """
 from __future__ import annotations
 
@@ -19,9 +16,9 @@ FUSED_ENV = envs.FUSED_VERIFY
 
 
 def fused_default(device: torch.device) -> bool:
-    """Whether the static paths verify with the kernel on ``device`` (``VLLM_DSBD_FUSED_VERIFY``: ``auto``, the
-    default, on CUDA; ``0`` never; ValueError for any other value), as the environment says now: the default of
-    callers that do not say (the runner says what it read at start-up, ``envs.Env.fused_verify_on``)."""
+    """Whether the static paths verify with the kernel on ``device`` (``VLLM_DSBD_FUSED_VERIFY``: ``auto``, the default,
+    on CUDA; ``0`` never; ValueError otherwise), as the environment says now; the runner passes what it read at
+    start-up."""
     return envs.read(only=(FUSED_ENV,)).fused_verify_on(device)
 
 

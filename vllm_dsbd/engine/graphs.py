@@ -1,33 +1,12 @@
 """CUDA-graph safety of a DSBD engine: no CUDA graph may ever replay over forest attention.
 
-The forest recompute runs in Python inside each attention layer's ``impl.forward`` (:mod:`.attention`), reading the
-forest of the current pass. A CUDA graph replays the kernels it captured and skips Python, so a graph that contains
-attention would replay the plain causal attention of its capture over a forest: wrong outputs, no error. What vLLM
-0.26 captures, by ``compilation_config.cudagraph_mode``:
-
-* FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE: the whole forward, attention included, for uniform decode batches
-  (1 + ``num_speculative_tokens`` query tokens per request: every DSBD decode batch) and, for FULL, mixed batches too.
-  GPU platforms default to FULL_AND_PIECEWISE (optimization levels 2 and 3, ``config/vllm.py``).
-* PIECEWISE: the pieces between the splitting ops. Attention is outside every piece iff the graph is split at the
-  attention custom op (``CompilationConfig.is_attention_compiled_piecewise()``: Dynamo split or Inductor partition),
-  or with ``VLLM_USE_BREAKABLE_CUDAGRAPH`` (attention ops end the capture segment and run eagerly, except under a
-  FULL runtime mode).
-* NONE: nothing.
-
-A DSBD engine therefore runs with PIECEWISE where attention is outside the pieces, and NONE otherwise
-(:func:`enforce`, called by the ``vllm_post_init`` patch at the end of ``VllmConfig.__post_init__``, after every vLLM
-override that could raise the mode again); the DSBD worker checks the result before building its runner
-(:func:`check`). The GPU runner's later resolution (``resolve_cudagraph_mode_and_sizes``) only lowers the mode, and
-the draft model's dispatcher knows PIECEWISE and NONE only (``llm_base_proposer.initialize_cudagraph_keys``); the
-DSBD drafter's own passes run with no runtime graph mode at all.
-
-With ``full_cuda_graphs`` (DSBD setting, off by default) the full modes are kept: a pass without forest attention
-(every forest a chain, which the layers' causal attention computes right, ``attention.drop_chain_queries``, and no
-beam request's trie) is exactly a vLLM spec-decode pass and may replay a full graph; a pass with forest attention
-never does, because the DSBD runner excludes FULL from its dispatch (``runner._determine_batch_execution_and_padding``,
-vLLM's own exclusion for cascade attention). Those passes replay PIECEWISE graphs where attention is outside the
-pieces, and run eagerly otherwise, so a mode whose piecewise graphs would contain attention is lowered
-(FULL_AND_PIECEWISE -> FULL_DECODE_ONLY, PIECEWISE -> NONE).
+The forest recompute runs in Python inside each attention layer's ``impl.forward``; a graph replay skips Python, so a
+graph containing attention would replay plain causal attention over a forest: wrong outputs, no error. So
+:func:`enforce` (patch ``vllm_post_init``, at the end of ``VllmConfig.__post_init__``, after every vLLM override that
+could raise the mode) lowers ``cudagraph_mode`` to PIECEWISE where attention is outside the pieces, else NONE, and the
+worker checks the result (:func:`check`). With ``full_cuda_graphs`` the full modes stay for passes without forest
+attention; the runner excludes FULL from passes with it. What vLLM 0.26 captures in each mode, and why this is enough:
+docs/design.md §3.5.
 """
 from __future__ import annotations
 

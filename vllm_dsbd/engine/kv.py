@@ -1,23 +1,11 @@
 """Paged KV cache access for DSBD: logical position -> slot, per-layer cache planes, and the commit (compaction).
 
-Vocabulary (as in ``triton_kernels/README.md``): *slot* = physical cache row
-``block_table[r, t // block_size] * block_size + t % block_size`` of logical position t of request r; a *plane* is a
-4-D ``[num_blocks, block_size, num_kv_heads, head_size]`` view of one layer's K or V.
-
-Layouts (measured on vLLM 0.26.0):
-
-* CPU (``CPU_ATTN``): one tensor per layer, logical shape ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
-  but ``ops.cpu_attn_reshape_and_cache`` does NOT store a token's K and V side by side in that last dimension: per
-  (block, head) the first ``block_size * head_size`` elements hold K **transposed** (``[head_size, block_size]``) and
-  the rest hold V (``[block_size, head_size]``). ``cpu_planes`` returns strided views in the plane convention over
-  exactly those elements (the K plane's head_size stride is ``block_size``, not 1, so the Triton kernels, which want a
-  unit stride there, cannot take it; the torch references can). Checked by ``tests/unit/test_engine_units.py``.
-* GPU backends of vLLM 0.26 (FlashAttention, Triton, FlexAttention): logical shape
-  ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` with K and V of a token side by side in the last
-  dimension (memory order NHD by default: ``[num_blocks, block_size, num_kv_heads, 2 * head_size]``); the backends
-  read ``kv.transpose(1, 2).split(head_size, -1)``, and so does :func:`layer_planes`. Unit stride in head_size: the
-  Triton kernels take these views as they are (:func:`commit` uses ``dsbd_kernels.kv_commit.copy_kv_slots`` on
-  CUDA). An older ``[2, num_blocks, block_size, num_kv_heads, head_size]`` layout is ``kv.unbind(0)``.
+A *slot* is the physical row ``block_table[r, t // block_size] * block_size + t % block_size``; a *plane* a 4-D
+``[num_blocks, block_size, num_kv_heads, head_size]`` view of one layer's K or V. Layouts (vLLM 0.26.0) a maintainer
+must keep: on the CPU (``CPU_ATTN``) each (block, head) holds K **transposed** (``[head_size, block_size]``) then V, so
+:func:`cpu_planes` gives strided views only the torch references take; on the GPU backends K and V of a token sit side
+by side in the last dimension (:func:`gpu_planes`, unit stride: the Triton kernels take them as they are). Details:
+docs/design.md §3.5; tested by ``tests/unit/test_engine_units.py``.
 """
 from __future__ import annotations
 
@@ -105,10 +93,9 @@ def _same_geometry(planes: Sequence[torch.Tensor]) -> bool:
 
 
 def commit(planes: "PlaneSet | Iterable[torch.Tensor]", src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
-    """Copies every plane's rows ``src_slots`` to ``dst_slots`` (all sources read before any write). On CUDA one
-    launch of ``dsbd_kernels.kv_commit.copy_kv_slots`` (commit pairs satisfy its ordering condition: destinations
-    ``ctx + k`` from sources ``ctx + n_k``, n increasing); elsewhere its torch reference. Pairs with src == dst are
-    dropped first."""
+    """Copies every plane's rows ``src_slots`` to ``dst_slots`` (all sources read before any write; pairs with src ==
+    dst dropped). On CUDA one launch of ``copy_kv_slots``, whose ordering condition commit pairs satisfy (destinations
+    ``ctx + k`` from sources ``ctx + n_k``, n increasing); elsewhere its torch reference."""
     keep = src_slots != dst_slots
     if not keep.any():
         return

@@ -1,29 +1,12 @@
-"""Load-aware speculation (``docs/design.md`` §2): how wide and deep each request of a step drafts, from the batch alone.
+"""Load-aware speculation: how wide and deep each request of a step drafts, from the batch alone.
 
-Verifying a forest costs the target almost nothing while the step's scheduled tokens stay under the device's compute
-knee (a few hundred on an H100) and real time past it. So a step has a *verified-token budget* B, and the draft shape
-of every request shrinks as the batch grows, down to no draft at all (depth 0):
-
-* a request's tokens in a step are ``leaves + nodes``: a plain request schedules its root (1) and its forest, a beam
-  request its W live leaves and its forest (:class:`Shape`);
-* the shapes a request may draft with are the *levels* ``(depth, width)`` in lexicographic order, deepest first:
-  ``(G, W), (G, W - 1), ..., (G, 1), (G - 1, W), ..., (1, 1)``, then ``(0, 0)`` (no forest); a request drafts at
-  most ``min(width, its width)`` nodes per depth and ``min(depth, its depth)`` depths (depth before width: a chain
-  gains more per node than a wider layer);
-* :func:`plan`: every request gets the highest level at which the whole batch fits in B, then requests in batch
-  order go one level up while the batch still fits (the budget is used, and levels differ by at most one);
-* a request whose shape is pinned (a beam request that set its own ``depth``) keeps its full shape and is counted.
-
-The plan is a function of the shapes of the batch's requests and of B only: never of a random draw, an acceptance or
-a timing, so every tensor-parallel rank computes the same plan, and the output law of every request is unchanged
-(a forest's shape is fixed before its coins are drawn; ``docs/design.md`` §1).
-
-B comes from the config (``verify_budget``: an integer, ``"auto"``, or ``None`` = pinned, always the configured
-shape). ``"auto"``: the target's forward pass is timed once at start-up at 1, 2, 4, ... tokens (``load_probe.py``),
-and B is the knee of that table (:func:`knee`), but never less than one request's full step (:func:`auto_budget`):
-at batch 1 DSBD always drafts what was configured.
-
-This module imports neither vLLM nor torch.
+Verifying costs the target almost nothing under the device's compute knee and real time past it, so a step has a
+verified-token budget and every request's draft shape shrinks, level by level (depth first), as the batch grows
+(:func:`plan`). The plan depends only on the batch's shapes and the budget, never on a draw, an acceptance or a timing:
+every tensor-parallel rank computes the same, and every output law is unchanged (a forest's shape is fixed before its
+coins are drawn). ``"auto"``: the knee of a start-up timing table (``load_probe.py``), never below one request's full
+step. Imports neither vLLM nor torch. The levels, the plan and the probe: docs/design.md §3.6; settings:
+docs/usage/configuration.md.
 """
 from __future__ import annotations
 
@@ -72,11 +55,8 @@ def levels(width: int, depth: int) -> list[Level]:
 
 
 def plan(shapes: Sequence[Shape], budget: int | None) -> list[Level]:
-    """The level of every request of a step (same order as ``shapes``), within ``budget`` scheduled tokens.
-
-    ``budget`` None: every request at its full shape (pinned speculation). Otherwise the highest level at which the
-    whole batch fits (``(0, 0)`` if none does: no request drafts), then requests in order one level up while the
-    total stays within ``budget``."""
+    """The level of every request of a step (order of ``shapes``) within ``budget`` scheduled tokens (None: every
+    request at its full shape): the highest level at which the whole batch fits, then requests in order one level up."""
     if not shapes:
         return []
     top = Level(max(s.width for s in shapes), max(s.depth for s in shapes))

@@ -1,11 +1,8 @@
 """The start-up probe of ``verify_budget="auto"`` (``load.py``): the target's forward time at 1, 2, 4, ... tokens.
 
-Run once per engine by the worker after vLLM's own warm-up (and, on a GPU, after its graph capture), through vLLM's
-``_dummy_run`` (the pass vLLM profiles and warms up with: ``n`` tokens as ``min(n, max_num_seqs)`` requests, short
-contexts), with the drafter's dummy pass switched off, so only the target is timed. Each size: one warm-up pass, then
-the least of ``REPEATS`` timed passes (noise only adds time). Probing stops at the first size over twice the knee
-line (the sizes after it cannot count, and on a CPU they are slow). With tensor parallelism every rank runs the
-same passes (they are collective): rank 0 decides when to stop and its table is the one every rank uses.
+Run once by the worker after vLLM's warm-up, through vLLM's ``_dummy_run`` with the drafter's dummy pass off; per size
+the least of ``REPEATS`` timed passes. With tensor parallelism rank 0 decides when to stop and its table is every rank's
+(the passes are collective). Details: docs/design.md §3.6.
 """
 from __future__ import annotations
 

@@ -1,33 +1,11 @@
-"""DSBD statistics: layers passed per iteration and the width of each verified layer, logged and in Prometheus.
+"""DSBD statistics: layers passed per iteration, the width of each verified layer, beam requests' passes and steps, KV
+commits and the draft depth load-aware speculation allowed.
 
-Per engine (worker) process, :class:`DSBDStats` counts what the verification sampler did and logs a summary line
-(``DSBD: ...``) at most every ``log_interval_s`` seconds, and updates these Prometheus metrics (``prometheus_client``,
-default registry of the process that runs the model runner):
-
-* ``vllm:dsbd_iterations_total``: iterations that verified a forest (one per request per engine step);
-* ``vllm:dsbd_layers_passed``: histogram of layers passed per iteration (buckets 0..depth); tokens gained per
-  iteration = layers passed + 1;
-* ``vllm:dsbd_layer_width{layer="d"}``: histogram of the width K of verified draft layer d (1-based; beam requests
-  at T > 0 count theirs too);
-* ``vllm:dsbd_target_passes_total``: target passes that emitted tokens for a request that is not a beam request (one
-  per request per engine step, its prefill's last chunk included, forest or not): target passes per token =
-  ``target_passes / emitted_tokens``, counted by the engine;
-* ``vllm:dsbd_emitted_tokens_total``: tokens emitted by DSBD iterations (forest or not);
-* ``vllm:dsbd_kv_commit_slots_total``: KV slots moved by commits (accepted paths that were not already in place);
-* ``vllm:dsbd_draft_nodes_total``: draft forest nodes verified by the target;
-* ``vllm:dsbd_draft_depth``: histogram of the draft depth load-aware speculation (``load.py``) allowed each decoding
-  request in each step (buckets 0..64; the configured depth when pinned; beam requests that pin their own depth are
-  not counted). A request's actual forest can be shallower (its last tokens, EOS).
-
-How they reach ``LLM.get_metrics()`` and ``/metrics`` from the engine's process: ``prometheus.py``.
-
-vLLM's own spec-decode metrics describe a DSBD engine as follows (patches ``spec_stats_depths`` and
-``spec_stats_prometheus``): ``vllm:spec_decode_num_drafts`` = forests verified (= ``vllm:dsbd_iterations``),
-``..._num_draft_tokens`` = forest nodes verified (= ``vllm:dsbd_draft_nodes``), ``..._num_accepted_tokens`` = layers
-passed (= the sum of ``vllm:dsbd_layers_passed``), ``..._num_accepted_tokens_per_pos{position="p"}`` = iterations
-that passed depth p + 1 (one series per depth). vLLM's "draft acceptance rate" is accepted / drafted: for a forest
-with W nodes per depth it is at most 1/W by construction; the number to read is the mean acceptance length (tokens
-per target pass).
+Per engine (worker) process :class:`DSBDStats` counts what verification did, logs a ``DSBD: ...`` summary at most every
+``log_interval_s`` seconds and updates the ``vllm:dsbd_*`` Prometheus collectors (``prometheus.py`` carries them across
+processes). vLLM's own spec-decode metrics count forests, nodes and layers passed (patches ``spec_stats_depths``,
+``spec_stats_prometheus``): its "draft acceptance rate" is at most 1/W by construction. What each metric means:
+docs/usage/metrics.md; docs/design.md §3.7.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """DSBD's Prometheus collectors and how their values cross processes (the counting is ``metrics.py``).
 
-How they reach ``LLM.get_metrics()`` and ``/metrics``:
-
-* in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): collectors in the default registry of that process;
-* engine core in a child process (the default of ``vllm serve`` and ``LLM``): the plugin's ``register()`` in the
-  first (front-end) process calls :func:`setup_frontend`, which makes a temporary directory, exports it to the
-  processes it starts (``VLLM_DSBD_PROMETHEUS_DIR``, with its own pid in ``VLLM_DSBD_PROMETHEUS_PID``; a program
-  started as a separate program, not by ``multiprocessing`` nor as a Ray actor, makes its own) and registers a
-  ``prometheus_client`` ``MultiProcessCollector`` over it in its default registry; an engine in another process then
-  creates its collectors with memory-mapped values in that directory (prometheus_client's multiprocess mode, for
-  these collectors only), and the front end serves them with its own metrics. vLLM's Ray executor passes the front
-  end's environment to its worker actors, so a rank-0 worker on the front end's machine writes there too. Not
-  covered: ``--api-server-count > 1`` (vLLM then serves only its own multiprocess directory), and a rank-0 Ray worker
-  on another machine (the directory is local; its counters stay in that worker's process).
+An in-process engine registers in its process's default registry. With the engine core in a child process, the front end
+(:func:`setup_frontend`) exports a multiprocess directory (``VLLM_DSBD_PROMETHEUS_DIR`` / ``_PID``) and serves a
+``MultiProcessCollector`` over it; the engine creates its collectors memory-mapped there. Not covered:
+``--api-server-count > 1``, a rank-0 Ray worker on another machine. The route step by step: docs/design.md §3.7.
 """
 from __future__ import annotations
 
@@ -75,9 +66,9 @@ def _child_dir() -> str | None:
 
 
 def _collectors(mmap_dir: str | None = None, depth: int = 0) -> dict | None:
-    """The DSBD collectors (not registered). ``mmap_dir``: create them with memory-mapped values in that directory
-    (prometheus_client's multiprocess mode, switched on only while these are built), with the per-layer width
-    children of layers 1..depth made up front (a child made later would not be memory-mapped)."""
+    """The DSBD collectors (not registered). ``mmap_dir``: memory-mapped values in that directory (multiprocess mode
+    only while these are built), with the per-layer width children of layers 1..depth made up front (a child made later
+    would not be memory-mapped)."""
     try:
         from prometheus_client import values
     except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
@@ -132,8 +123,8 @@ def _build_collectors() -> dict:
 
 def collectors_for(stats) -> dict | None:
     """The collectors of one engine's :class:`~vllm_dsbd.engine.metrics.DSBDStats`, created on first use (vLLM
-    unregisters every ``vllm:`` collector when it builds its stat logger, after the runner exists) and kept
-    registered in the default registry; a newer engine in the same process takes the names over."""
+    unregisters every ``vllm:`` collector when it builds its stat logger, after the runner exists); a newer engine in
+    the same process takes the names over."""
     global _OWNER
     from prometheus_client import REGISTRY
 

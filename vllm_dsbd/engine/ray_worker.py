@@ -1,10 +1,6 @@
-"""vLLM's Ray worker actor on the CPU platform (used by the ``cpu_ray_executor`` patch).
-
-``RayExecutorV2`` asks each ``RayWorkerProc`` actor for the accelerator ids Ray gave it
-(``get_accelerator_ids()[ray_device_key]``) and then hands every worker the sorted ids of its node. A CPU worker
-holds no accelerator: Ray reports none under "CPU" (a KeyError) and the CPU worker never reads the ids. This subclass
-answers (node id, no ids). It lives in an importable module because Ray pickles the actor class by reference: the
-actor process imports it from here before any plugin is loaded there.
+"""vLLM's Ray worker actor on the CPU platform (patch ``cpu_ray_executor``): it answers (node id, no ids) where
+``RayExecutorV2`` asks for accelerator ids, which Ray has none of under "CPU" (a KeyError). It lives in an importable
+module because Ray pickles the actor class by reference, before any plugin is loaded in the actor.
 """
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""A step's host reads of the device, one copy for all its kinds of work (the device-resident step: one read per round).
+"""A step's host reads of the device, one copy for all its kinds of work (one read per round).
 
-A DSBD step has several kinds of work that each end by reading a few small device tensors on the host: plain
-requests' verification, beam requests' steps (T = 0 best tokens, T > 0 draws and verified layers), then drafting
-(plain and beam forests). Each read makes the host wait for the device. The functions that read are written as
-generators: where they read, they ``yield`` the list of device tensors they need and are sent back their host copies
-(``host, = yield [t]``), then go on on the host. :func:`gather` runs several such readers side by side, round by
-round: every reader runs its device work up to its next read, then one copy brings what all of them asked for
-(:func:`fetch`), so a step reads the device once per round (the most reads one kind makes), not once per kind and
-read. :func:`run` drives a reader (or a gathered set) to its result.
-
-The readers do their device work in the order they are driven; what they hand over across a yield is device
-tensors they made themselves (never a buffer another reader writes), so running them side by side changes nothing
-but the number of copies (``tests/engine/test_engine_step_reads.py`` compares the two). ``MERGE = False`` makes
-:func:`gather` run its readers one after the other (one copy per read, as before): the tests' reference.
-
-This module imports no vLLM.
+Code that reads the device is a *reader*: a generator that yields the device tensors it needs and is sent their host
+copies (``host, = yield [t]``). :func:`gather` runs readers side by side, one copy per round (:func:`fetch`);
+:func:`run` drives one to its result. Readers hand across a yield only device tensors they made themselves, so merging
+changes nothing but the number of copies; ``MERGE = False`` runs them one after the other (the tests' reference).
+Imports no vLLM. The protocol: docs/design.md §3.2.
 """
 from __future__ import annotations
 

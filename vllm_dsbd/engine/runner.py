@@ -1,36 +1,12 @@
 """The DSBD model runner: a mixin over vLLM 0.26's V1 ``GPUModelRunner`` (and its CPU subclass).
 
-Where an engine step goes through it (the methods are vLLM's; ours wrap or replace them):
-
-1. ``_update_states``: vLLM updates its persistent batch; we register new and resumed requests (``state.Requests``)
-   and forget finished ones.
-2. ``_prepare_inputs``: vLLM builds input ids, linear positions and slot mappings. Each decoding request was scheduled
-   as ``[root, n forest nodes]`` (the nodes are the "draft tokens" our drafter proposed last step, in compact
-   depth-major order, so node c's K/V land at the slot of position L + c, L = root position + 1). We check that the
-   scheduled tokens are our forest (or a prefix of it, if vLLM scheduled fewer), give node c the position
-   ``root + depth(c)`` (RoPE), and build the forest attention batch (``attention.ForestBatch``) for the target pass
-   and the verification plan (``sampler.RowPlan``).
-3. ``_model_forward``: the target pass runs with the forest batch active, so the wrapped attention layers recompute
-   the forest queries with their ancestor masks.
-4. ``_sample`` (replaces the rejection sampler and the plain sampler): ``sampler.verify`` checks every forest with
-   ``core.verify_forest`` and returns the emitted tokens in vLLM's format; then ``_commit_kv`` moves the accepted
-   path's K/V (target and draft layers) into slots L, L+1, ... (``kv.commit``), which makes vLLM's linear rollback
-   (``num_computed_tokens -= rejected``) true.
-5. ``propose_draft_token_ids`` (replaces the chain drafter): ``drafter.DSBDDrafter.propose_forests`` drafts the next
-   forest of every request from its new root; the node tokens go back to the scheduler as the request's draft
-   tokens (at most ``width * depth``; vLLM's ``num_speculative_tokens`` is ``width * depth + width - 1``).
-
-A beam request (``extra_args["dsbd_beam"]``, ``beams.py``) takes the same five places with its own branch: its
-scheduled tokens are trie leaves and the draft forest after them (``_plan_beam``: positions and the attention entry
-over trie and forest), ``_beam_steps`` steps its beams (``beams.BeamRequest``: the target's beam step, repeated on
-the forest while its layers pass) and moves the kept nodes' K/V (``_move_kv``), its "draft tokens" are its remaining
-leaves plus the forest ``beam_drafter.propose_beam_forests`` drafts (``_beam_draft_job``), and ``sample_tokens`` hands
-finished beams to the scheduler (``ModelRunnerOutput.dsbd_finished``, read by patch ``beam_scheduler``), and the tokens
-each beam request's step settled (``ModelRunnerOutput.dsbd_settled``: what vLLM outputs for the request, see
-``BeamRequest.settle``).
-
-Host reads: in 4, plain verification and the T = 0 and T > 0 beam steps, and in 5, plain and beam drafting, run side
-by side as readers (``reads.gather``): each ends with one read of the device for all of them (``engine/reads.py``).
+It wraps or replaces the five places of an engine step: request states (``_update_states``), positions and the forest
+attention batch (``_prepare_inputs``; beam requests: ``_plan_beam``), the target pass under forest attention
+(``_model_forward``), verification and the KV commit instead of rejection sampling (``_sample``; beam requests:
+``_beam_steps``), and the next forests (``propose_draft_token_ids``). ``sample_tokens`` hands beam requests' finished
+beams, settled tokens and re-layouts to the scheduler (patch ``beam_scheduler``). Each of ``_sample`` and
+``propose_draft_token_ids`` reads the device once per round for all its kinds of work (``reads.gather``). The step in
+vLLM's hooks: docs/design.md §3.1; readers: §3.2; beam requests: §3.3.
 """
 from __future__ import annotations
 
@@ -71,10 +47,9 @@ class DSBDRunnerMixin:
         self.dsbd_static = env.static_verify_on(dev)
         # the fused verification kernel: the static paths of plain requests, beam sampling's layers
         self.dsbd_fused = env.fused_verify_on(dev)
-        # beam sampling's layers in one read (every layer computed for every request) with the other static paths:
-        # on a device by default; on the CPU, where a read costs nothing, one read per layer (stopping at the first
-        # layer that fails: measured 4-9 ms a step cheaper there, results/step_overhead/2026-11-24-static-drafting);
-        # tests switch it on a running engine
+        # beam sampling's layers in one read (every layer computed) with the other static paths: on a device by
+        # default; on the CPU, where a read costs nothing, one read per layer, stopping at the first that fails
+        # (cheaper there); tests switch it on a running engine
         self.dsbd_static_layers = self.dsbd_static
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
@@ -87,7 +62,7 @@ class DSBDRunnerMixin:
         self._dsbd_results: list[sampler.RowResult] | None = None
         self._dsbd_planes: dict[int, kv.PlaneSet] | None = None
         self._dsbd_last_plan: list[sampler.RowPlan] | None = None
-        # beam requests finished this step: req id -> payload for the front end (patch beam_finish reads it)
+        # beam requests finished this step: req id -> payload for the front end (patch beam_scheduler reads it)
         self._dsbd_finished: dict[str, dict] = {}
         # beam requests' tokens settled this step: req id -> tokens (their output; patch beam_scheduler reads it)
         self._dsbd_settled: dict[str, list[int]] = {}
@@ -213,11 +188,10 @@ class DSBDRunnerMixin:
 
     def _plan_beam(self, i: int, beam, computed: int, ns: int, sched: list[int], qstart: int,
                    row: sampler.RowPlan) -> attention.ForestEntry | None:
-        """Positions and the attention entry (trie and forest under ancestor masks, context = the linear context:
-        the prompt and the beams' common prefix) of a beam request's scheduled slots ``[computed, computed + ns)``:
-        the leaves of a step and the forest drafted after them, or the linear context and the trie recomputed after a
-        preemption (linear slots causally, as vLLM computes them). ``row.leaves`` / ``row.forest_nodes``: leaves and
-        forest nodes whose logits this pass gives (the last token and the drafts, not vLLM's -1 placeholders)."""
+        """Positions and the attention entry of a beam request's scheduled slots ``[computed, computed + ns)``: the
+        leaves and the forest after them, or after a preemption the linear context (causal) and the trie. Sets
+        ``row.leaves`` / ``row.forest_nodes``: the leaves and forest nodes whose logits this pass gives (not vLLM's -1
+        placeholders)."""
         P = beam.base
         drafts = [t for t in sched if t >= 0]
         leaves = beam.leaf_tokens(beam.fixed)
@@ -242,10 +216,9 @@ class DSBDRunnerMixin:
 
     # 3. the target pass under forest attention
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        """vLLM's choice of CUDA-graph mode for the pass, with FULL excluded when the pass has forest attention (it
-        runs in Python inside the attention layers, which a full graph would skip): vLLM's own exclusion for cascade
-        attention, ``invalid_modes={FULL}`` in its dispatch. Passes without it (every forest a chain, no beam trie)
-        are plain spec-decode passes; with ``full_cuda_graphs`` they may replay a full graph (``graphs.py``)."""
+        """vLLM's choice of CUDA-graph mode for the pass, with FULL excluded when the pass has forest attention: the
+        recompute runs in Python inside the attention layers, which a full graph would skip (vLLM's own exclusion for
+        cascade attention; docs/design.md §3.5)."""
         if self._dsbd_forest is not None:  # vLLM 0.26's callers pass it by name
             kwargs["use_cascade_attn"] = True
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
@@ -261,9 +234,9 @@ class DSBDRunnerMixin:
             self._dsbd_forest = None
 
     def sample_tokens(self, *args, **kwargs):
-        """vLLM's output of the step, with the finished beam requests' beams attached (``dsbd_finished``: req id ->
-        payload) for the scheduler (patch ``beam_scheduler``), which finishes those requests, and the beam requests'
-        newly settled tokens (``dsbd_settled``: req id -> tokens), which the scheduler outputs for them."""
+        """vLLM's output of the step, with beam requests' finished beams (``dsbd_finished``: req id -> payload), settled
+        tokens (``dsbd_settled``: req id -> tokens) and re-layouts (``dsbd_relayout``) for the scheduler (patch
+        ``beam_scheduler``)."""
         out = super().sample_tokens(*args, **kwargs)
         relayout = self._relayout_requests()  # after vLLM's bookkeeping (which appends the step's rows)
         finished, self._dsbd_finished = self._dsbd_finished, {}
@@ -277,13 +250,11 @@ class DSBDRunnerMixin:
         return out
 
     def _relayout_requests(self) -> dict[str, tuple[list[int], int]]:
-        """Puts this step's re-layouts of beam requests (``BeamRequest._relayout``) in vLLM's worker state, after
-        vLLM's bookkeeping appended the step's rows (and after the drafter, which may run before or after that
-        bookkeeping and reads the beams' own lists): the request's tokens (its state's output list, which the input
-        batch shares, ``token_ids_cpu``, ``num_tokens_no_spec``) become ``prompt + new output tokens``, and the KV
-        blocks past its slots in use (linear context, trie, the forest just drafted) leave its block table. Returns
-        req id -> (new output tokens, slots in use) for the scheduler (patch ``beam_scheduler``), which does the same
-        to its ``Request`` and hands the same blocks back, so the next step's lengths and block tables agree."""
+        """Puts this step's re-layouts of beam requests in vLLM's worker state: their tokens become ``prompt + new
+        output tokens`` and the blocks past their slots in use leave the block table. Must run after vLLM's bookkeeping
+        appended the step's rows (and after the drafter, which reads the beams' own lists). Returns req id -> (new
+        output tokens, slots in use): the scheduler does the same to its ``Request``, so the next step's lengths and
+        block tables agree."""
         pending, self._dsbd_relayout_pending = self._dsbd_relayout_pending, {}
         batch, out = self.input_batch, {}
         for req_id, tokens in pending.items():
@@ -350,9 +321,8 @@ class DSBDRunnerMixin:
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
 
     def _beam_steps(self, plan: list, logits, ks: list[int], results: list, moves: list) -> reads.Reader[None]:
-        """The part of the step of beam requests ``ks`` (plan indices, all T = 0 or all T > 0), a reader: each
-        collects its leaves' rows (leaves, then forest nodes; ``_beam_rows``); those with every leaf in step their
-        beams together (``beams.step_beams``), the others move on to their next leaves. Fills ``results`` (plan
+        """The step of beam requests ``ks`` (plan indices, all T = 0 or all T > 0), a reader: those with every leaf in
+        step their beams together (``step_beams``), the others move on to their next leaves. Fills ``results`` (plan
         order) and the K/V ``moves``."""
         beam_rows = yield from _beam_rows(logits, plan, ks)
         bt = self.input_batch.block_table[0]
@@ -389,9 +359,8 @@ class DSBDRunnerMixin:
         return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
 
     def _dsbd_logprobs(self, logits, plan, results, max_len: int):
-        """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits
-        (vLLM's default ``raw_logprobs``; ``raw_logits`` gives the logits), as vLLM's rejection sampler returns them
-        (``[num_reqs * max_len]`` rows, padding filtered out by vLLM)."""
+        """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits, as
+        vLLM's rejection sampler returns them (``[num_reqs * max_len]`` rows, padding filtered out by vLLM)."""
         n = self.input_batch.sampling_metadata.max_num_logprobs
         if n is None:
             return None
@@ -498,8 +467,8 @@ class DSBDRunnerMixin:
         return out
 
     def _load_levels(self, discard) -> list[load.Level]:
-        """The draft limits of every request of the batch this step (load.py: from the batch's shapes and the
-        budget, never from a draw); each decoding request's depth goes to ``vllm:dsbd_draft_depth``."""
+        """The draft limits of every request of the batch this step (``load.plan``: from the batch's shapes and the
+        budget, never from a draw); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
         cfg, shapes = self.dsbd_cfg, []
         for req_id in self.input_batch.req_ids:
             st = self.dsbd_requests.get(req_id)
@@ -518,11 +487,9 @@ class DSBDRunnerMixin:
         return levels
 
     def _beam_draft_job(self, i: int, st, num_leaf_drafts: int, level: load.Level | None = None) -> BeamDraftJob | None:
-        """The draft job of a beam request after a full step (T = 0: the draft's beam search; T > 0: its beam
-        sampling): depth up to the steps left (and the request's ``depth``), nodes up to the draft slots left after
-        the leaves and the KV blocks the request owns now (the drafter writes the forest's draft K/V). Without a
-        pinned depth, drafting pauses after forests that passed no layer (``BeamRequest.draft_skip``): the beams do not
-        depend on it (every beam step is the target's), only the cost does."""
+        """The draft job of a beam request after a full step, or None: depth up to the steps left (and the request's
+        ``depth``), nodes up to the draft slots left after the leaves and the KV blocks the request owns now (the
+        drafter writes the forest's draft K/V and may not write past them)."""
         if not self.dsbd_cfg.draft:  # an engine without a draft model drafts no forest
             return None
         beam = st.beam
@@ -582,11 +549,9 @@ def gpu_runner_class() -> type:
 
 
 def _beam_rows(logits: torch.Tensor, plan: list, ks: list[int]) -> reads.Reader[dict]:
-    """What the beam steps of beam requests ``ks`` (plan indices) read of their logits rows (leaves, then forest
-    nodes), gathered on the logits' device in one index: T > 0 the float32 rows, which stay there (the beam step
-    runs on them there); T = 0 their ``beams.TopRows`` (each row's ``2W`` best tokens and log-probabilities),
-    computed there for all such requests at once and read in one copy (a reader). No logits row leaves the
-    device. Plan index -> its rows."""
+    """What the beam steps of beam requests ``ks`` (plan indices) read of their logits rows (leaves, then forest nodes),
+    a reader: T > 0 the float32 rows, left on the device; T = 0 their ``TopRows``, computed on the device and read in
+    one copy. No logits row leaves the device. Returns plan index -> its rows."""
     if not ks:
         return {}
     spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]

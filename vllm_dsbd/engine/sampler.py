@@ -1,19 +1,10 @@
-"""DSBD's sampler: replaces vLLM's rejection sampler (and its plain sampler) for every request of a DSBD engine.
+"""DSBD's sampler: replaces vLLM's rejection sampler (and plain sampler) for every request of a DSBD engine.
 
-One call per engine step, over the logits vLLM computed for the step (``logits_indices``): per request, one row at
-the root (the last emitted token, or the last prompt token) and, for a request that had a forest scheduled, one row
-after each of its n forest nodes (in compact depth-major order). The forest of each request is checked with
-``core.verify_forest`` layer by layer (a request without a forest is a depth-0 iteration: one draw from the target,
-i.e. what ``core.reference.dsbd_decode`` does when ``max_new_tokens`` leaves no room for drafts), and the emitted beam
-is read with ``core.iteration_outputs`` (one output beam: the first output of the last processed layer; in mode
-"sample", the default, every layer has exactly one output, K = 1, so the emitted tokens are exact target samples).
-At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` makes the same decisions, bit
-for bit, with a fraction of the operations (the chain fast path; ``tests/method/test_verify_chain.py`` compares the two).
-
-The result goes back to vLLM in its sampled-token format: ``[num_reqs, 1 + max_nodes]`` int32 rows holding the
-accepted path's tokens then the last layer's token, padded with -1. vLLM then counts ``len - 1`` accepted draft
-tokens and rolls the request back by ``num_draft - accepted`` slots, which is right once the accepted path's K/V have
-been moved into the first slots after the context (``kv.commit``, done by the runner with :attr:`RowResult.path`).
+One call per step over the target's logits rows (per request: the root's row, then one after each scheduled forest node
+in compact depth-major order) verifies every forest exactly (``core.verify_forest``, or its chain and static forms,
+which make the same decisions) and returns the emitted tokens in vLLM's sampled-token format. vLLM's linear rollback is
+right once the runner has moved the accepted path's K/V into the first slots after the context (``kv.commit`` with
+:attr:`RowResult.path`). Rows, paths and output format: docs/design.md §3.1.
 """
 from __future__ import annotations
 
@@ -108,24 +99,10 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
            forest_static: bool | None = None, fused: bool | None = None) -> Reader[list[RowResult]]:
-    """Verifies every request of a step. logits: [num_logits_rows, V] from vLLM's target pass. A reader
-    (``engine/reads.py``: the runner drives it beside the step's other work; ``reads.run(verify(...))`` alone).
-
-    Runs on the logits' device (the drafter keeps its forests there): the rows the forests need are gathered there and
-    the core verifies all requests at once; what the results need comes to the host in one copy at the end. The
-    forests' depths are the runner's host ints (``PendingForest.depth``; read from the tensors when not given). The
-    general path also synchronises at the core's data-dependent branches (``core/verify.py``).
-
-    At width 1 in mode "sample" every forest is a chain and ``core.chain.verify_chains`` gives the same results as
-    the general path (``tests/method/test_verify_chain.py`` compares them) for a fraction of its cost;
-    ``chain_fast_path=False`` always takes the general path. On a device (not the CPU), or with ``chain_static``,
-    the chain path is ``core.chain_static.verify_chains_static``: the same decisions with no host synchronisation
-    but the results' one copy (every row and layer computed under masks; on a CPU the row subsets are cheaper;
-    ``VLLM_DSBD_STATIC_VERIFY`` changes the default: :func:`static_default`).
-    Likewise at any width in mode "sample" on a device, or with ``forest_static``, the general path is
-    ``core.verify_static.verify_forest_static``: ``verify_forest``'s decisions with no host synchronisation but the
-    results' one copy; it verifies the sampling rows with the fused kernel on CUDA (``fused``; default
-    ``fused.fused_default``)."""
+    """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
+    (``engine/reads.py``). Runs on the logits' device, one host copy at the end (the general path also reads at the
+    core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and with ``chain_static`` /
+    ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel when ``fused``."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device
@@ -207,11 +184,10 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
 def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, compact: torch.Tensor,
                    params: BatchParams, ctx: torch.Tensor, depth: list[int], tl: torch.Tensor,
                    first: torch.Tensor, layer=None) -> Reader[list[RowResult] | None]:
-    """Mode "sample" (one output per layer) without host synchronisations: the target rows of every node gathered
-    under the forest's mask, ``verify_forest_static``, then one copy of what the results need. A layer's output is
-    the node it passes through (a chain of accepted nodes, then the last layer's token), so the emitted tokens are
-    the layers' tokens up to the last processed one and the path is the passed layers' nodes. None: a processed
-    row without an output (NaN logits), which the general path then reports."""
+    """Mode "sample" without host reads: the target rows of every node gathered under the forest's mask,
+    ``verify_forest_static``, then one copy. A layer's output is the node it passes through, so the emitted tokens are
+    the layers' tokens up to the last processed one and the path is the passed layers' nodes. None: a processed row
+    without an output (NaN logits), which the general path then reports."""
     R, L = tl.shape[:2]
     G = L - 1
     valid = forest.valid[..., None]

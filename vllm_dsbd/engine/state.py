@@ -1,10 +1,6 @@
-"""What the DSBD engine remembers about each request between engine steps.
-
-A request is *registered* (:meth:`Requests.register`) the first time the runner sees it (new or resumed after a
-preemption): its seed is fixed then, once (``SamplingParams.seed``, or a number drawn from the engine's own
-generator, seeded by ``model_config.seed`` so that every tensor-parallel rank and every rerun draws the same), and its
-sampling settings are read. Between steps it carries the forest drafted at the end of the last step (the tokens vLLM
-schedules as the request's "draft tokens") and how far the draft model's KV cache is valid.
+"""What the DSBD engine remembers about each request between engine steps: its seed and sampling settings (fixed when it
+registers, new or resumed), the forest drafted last step (vLLM's "draft tokens" for it) and how far the draft model's KV
+cache is valid. Seeds and why draft K/V are recomputed: docs/design.md §3.4.
 """
 from __future__ import annotations
 
@@ -19,8 +15,8 @@ from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 from .beams.trie import BeamRequest
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
-# "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout, as before it was
-# built); for comparisons in benchmarks/engine/beams.py and tests, not a user setting. Read as each beam request registers
+# "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout); for comparisons
+# in benchmarks/engine/beams.py and tests, not a user setting. Read as each beam request registers
 # (:meth:`Requests.register`), so that one engine serves requests with and without it
 RELAYOUT_ENV = envs.BEAM_RELAYOUT
 
@@ -75,12 +71,9 @@ class Requests:
 
     def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0) -> RequestState:
         """(Re)registers a request that starts (or restarts after a preemption) with ``num_computed_tokens`` tokens
-        already in the cache (a prefix-cache hit). Their draft K/V are NOT trusted: the request that computed a
-        cached block need not have run the draft over it (a request that never drafted: depth 0, a T > 0 beam
-        request, one token to go), and a draft over a block of zeros or stale K/V drafts badly (measured: with the
-        target as its own draft, 23 of 828 forest nodes' layers passed instead of nearly all). So the first draft
-        pass of a request runs the draft over its whole context. A resumed beam request keeps its trie (its slots
-        are recomputed from vLLM's token list, which holds the trie's tokens)."""
+        already in the cache. Their draft K/V are NOT trusted (the request that computed a cached block need not have
+        run the draft over it, and a draft over zeros or stale K/V drafts badly), so its first draft pass covers the
+        whole context. A resumed beam request keeps its trie (its slots are recomputed from vLLM's token list)."""
         old = self._states.get(req_id)
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache
             old.pending = None

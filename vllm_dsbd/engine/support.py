@@ -1,21 +1,11 @@
 """What a DSBD engine cannot do, refused at start-up with the reason (never a wrong answer or a crash mid-decode).
 
-* :func:`check_attention_layers` (the DSBD runner, right after the target and draft models are loaded): forest
-  attention (:mod:`.attention`) is plain causal decoder self-attention over an unquantised paged KV cache, recomputed
-  under an ancestor mask. A layer with a sliding window, ALiBi, attention sinks or logit softcapping, any attention
-  layer class other than vLLM's ``Attention`` (MLA, Mamba and other state layers, chunked-local, cross or encoder
-  attention, ...), or a quantised KV cache would get forest outputs that ignore its feature: refused, naming the
-  feature and the layer.
-* :func:`check_engine_config` (the ``vllm_post_init`` patch, when the ``VllmConfig`` is built): engine-level settings
-  that vLLM applies in the sampler the DSBD verification sampler replaces.
-  - ``logits_processors`` (``--logits-processors``): refused. (vLLM 0.26 itself refuses them with speculative
-    decoding, but only in the worker.) Logits-processor plugins installed in the environment (entry-point group
-    ``vllm.logits_processors``), which vLLM silently skips for every speculative method, get a warning naming them.
-  - thinking-token budgets (``SamplingParams.thinking_token_budget``, enforced in vLLM's samplers and enabled by
-    ``VllmConfig.reasoning_config``, whose only consumer in vLLM 0.26 is that budget): a reasoning config with
-    thinking delimiters (``--reasoning-config``) is refused. The one ``--reasoning-parser`` creates on its own stays
-    (the parser also serves the front end); requests that set ``thinking_token_budget`` are refused one by one
-    (``requests.check_request``, patch ``request_validation``).
+:func:`check_attention_layers` (the runner, after loading): forest attention is plain causal self-attention over an
+unquantised paged cache, so sliding windows, ALiBi, sinks, softcapping, other attention classes and quantised KV caches
+are refused, naming feature and layer. :func:`check_engine_config` (patch ``vllm_post_init``): settings vLLM applies in
+the sampler DSBD replaces: ``--logits-processors`` and a reasoning config with thinking delimiters are refused;
+installed logits-processor plugins, which vLLM skips for every speculative method, get a warning. Why each:
+docs/design.md §3.7.
 """
 from __future__ import annotations
 
@@ -86,7 +76,7 @@ def check_attention_layers(layers: dict) -> None:
 
 def check_engine_config(vllm_config) -> None:
     """Refuses (ValueError) the engine settings a DSBD engine would ignore; warns about installed logits-processor
-    plugins (see the module docstring)."""
+    plugins."""
     model_config = vllm_config.model_config
     procs = getattr(model_config, "logits_processors", None)
     if procs:

@@ -1,12 +1,8 @@
 """DSBD workers: vLLM's CPU and GPU workers, building the DSBD model runner.
 
-vLLM 0.26 has no hook to choose the model runner class (``init_device`` builds ``CPUModelRunner`` /
-``GPUModelRunner`` by name), but it does let the config choose the worker class (``parallel_config.worker_cls``).
-The plugin's ``dsbd_worker`` patch points a "dsbd" engine's ``worker_cls`` at the classes here. Their ``init_device``
-runs vLLM's (device, distributed environment, seeds and vLLM's own runner), then replaces the runner with the DSBD
-runner of the same kind before anything was loaded into it. (vLLM's runner is built and dropped once at start-up; the
-alternative, rebinding vLLM's module globals while ``init_device`` runs, would be one more patch of vLLM.) For an
-engine without a draft model vLLM's runner is built as the DSBD runner builds its own (``drafter.vllm_runner_init``).
+vLLM 0.26 has no hook to choose the runner class, but the config chooses the worker class: patch ``dsbd_worker`` points
+a "dsbd" engine's ``worker_cls`` here. ``init_device`` runs vLLM's, then replaces vLLM's runner with the DSBD runner of
+the same kind before anything is loaded into it (docs/design.md §3.1).
 """
 from __future__ import annotations
 
@@ -61,9 +57,8 @@ class _DecisionsMixin:
         runner = self.model_runner
         if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == AUTO_BUDGET:
             if getattr(runner.device, "type", str(runner.device)) != "cuda":
-                # a CPU's forward times on shared cores move between runs (the tiny test pair's knee measured 16 and
-                # 32 tokens in two runs), and with them the forests and a seeded T > 0 request's tokens: "auto" is
-                # pinned there; an integer budget makes a CPU engine load-aware
+                # a CPU's forward times on shared cores move between runs, and with them the forests and a seeded
+                # T > 0 request's tokens: "auto" is pinned there; an integer budget makes a CPU engine load-aware
                 logger.info("DSBD load-aware speculation: verify_budget 'auto' is measured on a GPU only; on %s the "
                             "draft shape is pinned (give an integer verify_budget to make it load-aware)",
                             runner.device)

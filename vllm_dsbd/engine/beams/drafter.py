@@ -1,23 +1,11 @@
-"""Draft forests for beam requests (DSBD full width): the draft model beam-searches (T = 0) or beam-samples (T > 0) a
-few steps ahead of the W live beams of every beam request of the step, in one draft pass per depth.
+"""Draft forests for beam requests: the draft beam-searches (T = 0) or beam-samples (T > 0) a few steps ahead of the W
+live beams of every beam request of the step, one draft pass per depth for all of them.
 
-* Pass 0 ("catch-up"): the slots whose draft K/V are missing, from the first of them to the end of the trie (the
-  prompt's after its prefill, then the new leaves and any node whose draft K/V never were): the linear context (the
-  prompt and the beams' common prefix) causally, trie nodes under the trie's ancestor masks
-  (``attention.ForestBatch``, context = the linear context). Its logits at the
-  live leaves start the draft's beam search.
-* Depth d = 1..G: the draft's beam step from the current beams. T = 0: scored as the target's beam search scores
-  them (cumulative log-probabilities, EOS finishing a beam so never continued), the W best (beam, token) pairs of the
-  joint. T > 0: W pairs drawn without replacement from the draft's beam-sampling joint Q (``core.beam_step``, keyed
-  by the request's seed and the tokens' position), in draw order, with Q kept for the exact verification
-  (``step.py``); a drafted EOS is not continued. The depth-d nodes go after the trie and the earlier depths
-  (node c of the forest at slot ``base + len(trie) + c``); if deeper depths follow, pass d runs the draft on them under
-  forest attention.
-
-The forest goes back to the request (``BeamRequest.forest``); its tokens follow the remaining leaves as the request's
-draft tokens, so the target computes them with the leaves in the next pass and ``step.py`` verifies them.
-A forest is cut (deepest nodes first) to what fits in the scheduler's draft slots and in the KV blocks the request
-owns now (the drafter may not write beyond them).
+A catch-up pass computes the draft K/V still missing (linear context causally, trie nodes under their ancestor masks);
+each depth's pairs go after the trie (forest node c at slot ``base + len(trie) + c``) and become the request's draft
+tokens after its remaining leaves. A forest is cut (deepest nodes first) to the draft slots and the KV blocks the
+request owns now: the drafter may not write beyond them. Catch-up, depth steps, the static loop's bet: docs/design.md
+§3.3 ("Beam drafting").
 """
 from __future__ import annotations
 
@@ -59,12 +47,10 @@ def catch_up_start(st: RequestState) -> int:
 
 def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]],
                    d: int) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
-    """The draft's beam-sampling step at temperature T > 0 of several beam requests at once (``core.beam_step``, each
-    request's temperature, top-k and top-p on its joint, keyed by its seed, the depth-d tokens' position and
-    ``Stream.DRAFT_DRAW``; ``beam_sampling.sample``): W (beam, token) pairs drawn without replacement from each draft
-    joint Q, in draw order, read in one copy. EOS is an ordinary draw (a drafted EOS is not continued). Returns
-    (per request [(beam, token, draft score)], log Q [R, S * V] float32: row r is request r's joint, -inf past its
-    beams)."""
+    """The draft's beam-sampling step (T > 0) of several beam requests at once (``core.beam_step`` keyed by each
+    request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): W pairs drawn without replacement from each draft
+    joint Q, in draw order, read in one copy; a drafted EOS is not continued. Returns (per request [(beam, token, draft
+    score)], log Q [R, S * V] float32: row r request r's, -inf past its beams)."""
     pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device),
                                                   [b.prompt_len + b.steps + d - 1 for b in beams],
                                                   rng.Stream.DRAFT_DRAW))
@@ -251,14 +237,11 @@ def _static_layout(jobs: list[BeamDraftJob]) -> bool:
 def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tensor], beams_of: list,
                   brow: np.ndarray, bs: int, owned: list[int],
                   block_rows: torch.Tensor) -> reads.Reader[list[BeamForest] | None]:
-    """:func:`_draft_loop` with one host copy for all depths, on a bet: that each depth's draws fill every request's
-    width (cut to the nodes left, :func:`_plan`) wherever a pass runs on them. Then every node's number, slot and
-    position are known in advance; the draws, their scores, the next depth's beams and the passes' token ids stay
-    on the device, and each pass's ancestor masks are built there from the draws' parents
-    (``ForestBatch.assemble``). Every depth draws for every request (the ones whose beams all ended are masked; a
-    pass planned for them still runs, its K/V unused). The copy at the end gives the draws to the same bookkeeping
-    as the loop's (:func:`_grow`), which checks the bet: if a pass the loop would run saw another layout, returns
-    None and the caller runs the loop (the same keyed draws; its passes rewrite the forest's draft K/V)."""
+    """:func:`_draft_loop` with one host copy for all depths, on a bet: each depth's draws fill every request's width
+    (cut to the nodes left, :func:`_plan`) wherever a pass runs on them, so every node's number, slot and position are
+    known in advance and the masks are built on the device (``ForestBatch.assemble``). The final copy feeds
+    :func:`_grow`, which checks the bet: None when a pass the loop would run saw another layout (the caller then runs
+    the loop: the same keyed draws, rewriting the forest's draft K/V)."""
     beams = [j.state.beam for j in jobs]
     dev, V, R = leaf_logits[0].device, leaf_logits[0].shape[-1], len(jobs)
     plan = [_plan(j) for j in jobs]

@@ -1,16 +1,11 @@
 """The device work of beam sampling (T > 0) for several beam requests at once: their beams' logits rows side by side,
-one joint, one draw or one verified layer for all of them, and one copy of what their tries need to the host.
+one joint, one draw or one verified layer for all, and one copy of what their tries need.
 
-Used by the target's beam steps (``step.step_beams``: a step of every beam request whose leaves are in, layer after
-layer while forests pass) and by the draft's (``drafter.py``: each depth of every request's forest). Request r's
-beams are rows ``[r, :S_r]`` of an ``[R, S, V]`` block (S = the most beams of a request); the rows past S_r are not
-live (score -inf), so their joint entries are -inf and never drawn: each request's results are those of its own
-``[1, S_r, V]`` call, up to the rounding of the joint's normaliser over a longer row of -inf entries (the random
-keys are per request and per joint entry, ``core.rng``). Nothing here reads the device but the final copy (and
-``choose_width`` takes its draft count from the host); :func:`sample`, :func:`verify` and :func:`verify_forests`
-are readers (``engine/reads.py``): the caller drives them, beside other work or alone (``reads.run``).
-
-This module imports no vLLM.
+Request r's beams are rows ``[r, :S_r]`` of an ``[R, S, V]`` block; rows past S_r score -inf, so their joint entries are
+never drawn and each request gets what its own call would (up to the rounding of the normaliser over the padding; random
+keys are per request and joint entry). Nothing reads the device but the final copy: :func:`sample`, :func:`verify`,
+:func:`verify_forests` and :func:`top_rows` are readers (``engine/reads.py``). Imports no vLLM. Used by ``step.py`` (the
+target's steps) and ``drafter.py`` (the draft's); docs/design.md §3.3.
 """
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ from ..reads import Reader
 @dataclass
 class TopRows:
     """What a deterministic beam step (T = 0) reads of logits rows: each row's ``2W`` best tokens and their
-    log-probabilities (float32 ``log_softmax`` of the logits, then ``topk``: vLLM's beam search gets the same from its
-    sampler), as host lists. The runner computes them on the logits' device for every such request of a step and
-    copies them over at once (:func:`top_rows`), so no logits row leaves the device."""
+    log-probabilities (float32 ``log_softmax`` then ``topk``, as vLLM's beam search gets them from its sampler), as host
+    lists, computed on the logits' device (:func:`top_rows`)."""
 
     vals: list[list[float]]
     idx: list[list[int]]
@@ -112,11 +106,10 @@ def _read(rows: torch.Tensor, idx: torch.Tensor, ok: torch.Tensor, score: torch.
 
 def sample(logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]], params: BatchParams,
            positions: list[int], stream: rng.Stream) -> Reader[tuple[list[list[Pair]], torch.Tensor]]:
-    """Beam sampling's step for R requests (``core.beam_step`` on their rows side by side): W_r (beam, token) pairs
-    drawn without replacement from each request's joint, in draw order. ``logits[r]`` ``[S_r, V]`` float32 rows of
-    request r's beams, ``scores[r]`` / ``live[r]`` their beam-sampling scores and which take part; ``params`` one
-    row per request (``beams.beam_params``), ``positions`` the new tokens' positions. Returns (per request its pairs,
-    the joints log P [R, S * V] float32, row r request r's, -inf past its beams)."""
+    """Beam sampling's step for R requests (``core.beam_step`` on their rows side by side): W_r pairs drawn without
+    replacement from each joint, in draw order. ``logits[r]`` ``[S_r, V]`` float32, ``scores[r]`` / ``live[r]`` its
+    beams', ``params`` one row per request, ``positions`` the new tokens'. Returns (per request its pairs, log P [R, S *
+    V] float32, -inf past a request's beams)."""
     dev = logits[0].device
     rows, sc = joint_rows(logits, scores, torch.float32)
     S = rows.shape[1]
@@ -142,10 +135,9 @@ class Layer:
 
 def verify(layers: list[Layer], params: BatchParams,
            fused: bool | None = None) -> Reader[tuple[list[list[Pair]], list[int]]]:
-    """DSBD's exact verification of one layer for R requests at once (``core.verify_layer``'s rule, as
-    ``core.verify_static.verify_layer_static`` computes it, or the fused kernel: ``fused``, default on CUDA,
-    ``engine/fused.py``): the target joint P over each request's beams, K = W_r outputs (or the dynamic-width rule's
-    K from P and Q) that are K draws without replacement from P, in emission order. Returns (per request its
+    """DSBD's exact verification of one layer for R requests at once (``core.verify_layer``'s rule, computed by
+    ``verify_layer_static`` or the fused kernel, ``fused``): K = W_r outputs (or the dynamic-width rule's K from P and
+    Q) that are K draws without replacement from the target joint P, in emission order. Returns (per request its
     outputs, per request K)."""
     dev = layers[0].logits.device
     rows, sc = joint_rows([ly.logits for ly in layers], [ly.scores for ly in layers], torch.float32)
@@ -215,14 +207,9 @@ class Plan:
 
 def verify_forests(plans: list[Plan], params: BatchParams,
                    fused: bool | None = None) -> Reader[list[list[tuple[list[Pair], int]]]]:
-    """:func:`verify` of every layer of R requests' forests with one read of the device: each layer of every
-    request still verifying runs on the device, and whether a request's layer *passed* (it had drafts, some output is
-    not an EOS, every output that is not an EOS is one of the layer's drafts, and a step is left) is decided there
-    too; the next layer's beams are the layer's drafts (their logits rows among ``nodes``), scored by the outputs
-    they matched (-inf for the others: dead slots). A request that stopped has K = 0 in later layers (its rows a
-    dummy beam). Returns per request its layers' (outputs, K), up to the layer it stopped at: what calling
-    :func:`verify` layer after layer on the requests still passing returns (the same draws, keyed per request and
-    position, up to the rounding of joints over more padding)."""
+    """:func:`verify` of every layer of R requests' forests with one device read; whether a layer passed is decided on
+    the device, and a stopped request has K = 0 after. Returns per request its layers' (outputs, K): what layer-by-layer
+    :func:`verify` returns (the same keyed draws, up to rounding over more padding)."""
     dev = plans[0].leaves.device
     R, V = len(plans), plans[0].leaves.shape[-1]
     L = max(min(len(p.drafts) + 1, p.layers) for p in plans)

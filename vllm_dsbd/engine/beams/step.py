@@ -30,15 +30,10 @@ def step_one(beam: BeamRequest, eos_score_token: int | None,
 
 def step_beams(items: list[tuple[BeamRequest, int | None, Any]], static_layers: bool = True,
                fused: bool | None = None) -> reads.Reader[list[StepResult]]:
-    """:func:`step_one` of several beam requests whose leaves are all in (``(request, eos_score_token,
-    forest_logits)`` each); a reader (``engine/reads.py``). T = 0 steps are host work on their rows' best tokens; the
-    T > 0 steps' device work runs for all of them together (``beam_sampling``): one beam-sampling draw for the
-    requests without a forest and, side by side with it (one read for both), the verified layers of the requests
-    with one (:func:`_sample_layers`). ``static_layers``: all of a step's verified layers in one read of the device
-    (``beam_sampling.verify_forests``), or False: one read per layer (``beam_sampling.verify`` on the requests still
-    passing, stopping when none passes); the runner chooses with the other static paths (``envs.Env.static_verify_on``:
-    on a device, not on the CPU, unless VLLM_DSBD_STATIC_VERIFY says otherwise); the tests compare the two.
-    ``fused``: the layers' fused kernel (None: ``fused.fused_default`` of the rows' device)."""
+    """:func:`step_one` of several beam requests whose leaves are all in (``(request, eos_score_token, forest_logits)``
+    each); a reader. T = 0 steps are host work; the T > 0 draws and verified layers run on the device for all at once,
+    in one read. ``static_layers``: all layers in one read (else one per layer); ``fused``: the layers' kernel (None:
+    ``fused.fused_default``)."""
     steps = [b.begin_step(eos, flogits) for b, eos, flogits in items]
     plain = []
     for st in steps:
@@ -71,14 +66,10 @@ def _sample_plain(plain: list[PendingStep]) -> reads.Reader[None]:
 
 def _sample_layers(steps: list[PendingStep], static_layers: bool = True,
                    fused: bool | None = None) -> reads.Reader[None]:
-    """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design.md`` §1; ``beam_sampling``). Layer d's
-    target joint P (over the request's current beams) and the draft joint Q its depth-d nodes were drawn from give K
-    outputs that are K draws without replacement from P (K = W, or the dynamic-width rule from P and Q only), so each
-    layer is exactly one step of target beam sampling. While every new beam is a forest node (its logits are in the
-    forest's rows), the next layer runs on them; the first layer that has a beam outside the forest, or no drafts
-    (the bonus layer), ends the request's pass. Sets each step's last candidates, layers passed and widths of
-    drafted layers. The device work runs for every request at once: all layers in one call and one read
-    (``static_layers``, where whether a layer passed is decided on the device too), or one call per layer."""
+    """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design.md`` §1, §3.3): each layer's K
+    outputs are K draws without replacement from the target joint P over the current beams (K = W, or the dynamic-width
+    rule from P and Q only), so each layer is exactly one step of target beam sampling; while every new beam is a forest
+    node the next layer runs on its rows. Sets each step's last candidates, layers passed and drafted layers' widths."""
     for st in steps:
         st.n0 = st.beam.graft(st.forest, len(st.flogits))
         st.rows = st.logits

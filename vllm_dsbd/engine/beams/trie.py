@@ -1,4 +1,4 @@
-"""One beam request's trie, its draft forest and its answer (:class:`BeamRequest`; the story is in ``__init__.py``).
+"""One beam request's trie, its draft forest and its answer (:class:`BeamRequest`; the story: docs/design.md §3.3).
 
 The batched step that drives it is ``step.py``; this module imports no vLLM.
 """
@@ -298,13 +298,10 @@ class BeamRequest:
         return out
 
     def _relayout(self, out: StepResult) -> None:
-        """After a step: the live beams' common prefix (their common ancestors above the leaves) leaves the trie for
-        the linear context, and the dead nodes (on no live beam) are dropped; the kept nodes move down in slot order
-        (a prefix token at depth d to slot ``prompt_len + d - 1``, where its RoPE position already is). ``out``
-        gets the K/V moves (composed with the step's own, from where each node's K/V are now) and, when vLLM's
-        token list changes, the request's new output tokens (``prefix + trie up to leaf 0``), which the runner and
-        the scheduler put in place of the old (patch ``beam_relayout``). The leaves have no K/V yet (leaf 0 is vLLM's
-        last token, the others its next drafts), so they move for free. Beams, scores and positions are unchanged."""
+        """After a step: the live beams' common prefix leaves the trie for the linear context, dead nodes are dropped,
+        kept nodes move down in slot order. ``out`` gets the K/V moves (composed with the step's own) and, when vLLM's
+        token list changes, the new output tokens (patch ``beam_scheduler``). Beams, scores and positions are unchanged
+        (design §3.3)."""
         W = len(self.live)
         through: dict[int, int] = {}  # node -> live beams whose path runs through it
         for b in self.live:
@@ -379,9 +376,10 @@ class BeamRequest:
         return ranked[: self.params.n or self.params.width]
 
     def settle(self) -> list[int]:
-        """The tokens settled since the last call (after a step): the longest common prefix of the live beams and
-        the ``n`` best finished beams, past the ``settled`` tokens already handed out; once the search is over, the
-        rest of the best beam. Every beam the request can still return extends the settled prefix."""
+        """The tokens settled since the last call: the longest common prefix of the live beams and the ``n`` best
+        finished beams, past the ``settled`` tokens already handed out; once the search is over, the rest of the best
+        beam. Every beam the request can still return extends the settled prefix, so a settled token is never
+        retracted."""
         s = self.settled
         if not self.live:
             best = self.best()
@@ -411,9 +409,8 @@ class BeamRequest:
 
 
 def beam_params(beams: list[BeamRequest], device=None) -> BatchParams:
-    """The settings of beam requests as the core takes them (one row each, on ``device``; their host facts computed
-    before they move): temperature, top-k / top-p on the joint, width, seed and the dynamic-width rule; EOS is
-    handled by the requests, not in the core (``eos=-1``)."""
+    """The core's settings of beam requests (one row each, on ``device``; host facts computed before they move):
+    temperature, top-k / top-p on the joint, width, seed, dynamic-width rule; ``eos=-1`` (the requests handle EOS)."""
     ws = [b.params.width for b in beams]
     p = BatchParams.make(len(beams), temperature=[b.temperature for b in beams], top_k=[b.top_k for b in beams],
                          top_p=[b.top_p for b in beams], width=ws, seed=[b.seed for b in beams], eos=-1,
