@@ -177,8 +177,8 @@ def main():
     print(f"DSBD made {per_pass:.2f} tokens per target pass against 1.00, and ran at {speed:.2f}x plain's tokens/s "
           "here: " + ("fewer target passes pay on this machine." if speed > 1 else
                       "fewer target passes do not pay yet, because drafting and verification run as many small "
-                      "operations per step and the draft model is a large fraction of this small target (NOTES.md has "
-                      "the numbers)."))
+                      "operations per step and the draft model is a large fraction of this small target "
+                      "(docs/results.md has the numbers)."))
     if W:
         print_beams(tok, PROMPTS, plain[3]["beams"], dsbd[3]["beams"], W)
 

@@ -180,7 +180,7 @@ def page(rows: list[dict], meta: dict, pngs: list[str], out: Path) -> None:
     for r in rows:
         lines.append("| " + " | ".join(("-" if isinstance(r[c], float) and math.isnan(r[c]) else
                                         f.format(r[c]) if r[c] is not None else "-") for c, f in cols) + " |")
-    lines += ["", "## Goals (issue 5)", ""] + goals(rows) + [""]
+    lines += ["", "## Goals", ""] + goals(rows) + [""]
     if meta.get("note"):
         lines += [meta["note"], ""]
     for p in pngs:

@@ -67,7 +67,7 @@ def test_harness_runs_and_reports(tmp_path):
     assert set(hist) <= {"1", "2"} and hist, hist  # layers 1..depth
     assert all(1 <= int(w) <= 2 for h in hist.values() for w in h)
     page = (out / "README.md").read_text()
-    assert "## Goals" in page and "dsbd-single W=2 g=2 dyn" in page  # the goals section (its heading may name an issue)
+    assert "## Goals" in page and "dsbd-single W=2 g=2 dyn" in page  # the goals section
 
 
 def test_harness_top_k_reaches_every_engine(tmp_path):

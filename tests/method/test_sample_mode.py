@@ -1,4 +1,4 @@
-"""Mode "sample" (what a plain request gets on a DSBD engine, DESIGN.md §1): one sequence; each verified layer checks
+"""Mode "sample" (what a plain request gets on a DSBD engine, docs/design.md §1): one sequence; each verified layer checks
 the up to W drafts of a multi-draft forest and emits ONE token (K = 1), so the output is exactly target sampling at
 temperature > 0 and plain greedy decoding at temperature 0, whatever W and the draft.
 
