@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 
 
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(2)
     target_dir = models.smollm2_dir()
-    draft_dir, draft_desc = draft_folder(target_dir, 8)
+    draft_dir, draft_desc = draft_folder(target_dir, 8, pathlib.Path(__file__).resolve().parents[2])
     T = models.next_token_logits_fn(models.load_hf(target_dir))
     D = models.next_token_logits_fn(models.load_hf(draft_dir))
     tok = models.load_tokenizer(target_dir)

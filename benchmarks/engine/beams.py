@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, as demo_vllm.py runs
         target = models.smollm2_dir()
-        draft, draft_desc = draft_folder(target, 8)
+        draft, draft_desc = draft_folder(target, 8, ROOT)
         name = "SmolLM2-135M-Instruct"
     tok = models.load_tokenizer(target)
     prompts, prompt_desc, _ = load_prompts(tok, args.num_prompts, 128, args.tiny)

@@ -129,7 +129,7 @@ def main():
 
     torch.manual_seed(0)
     target = models.smollm2_dir()
-    draft, draft_kind = draft_folder(target, args.draft_layers)
+    draft, draft_kind = draft_folder(target, args.draft_layers, Path(__file__).resolve().parents[2])
     if args.paths:
         print(f"target folder: {target}\ndraft folder:  {draft} ({draft_kind})\nserve it:\n"
               f"  {serve_command(target, draft, args.width, args.depth)}")

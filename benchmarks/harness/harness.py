@@ -91,7 +91,8 @@ def main(argv=None) -> int:
                            ("HF_HUB_OFFLINE", "1")):
             os.environ.setdefault(key, value)
         target = models.smollm2_dir()
-        draft, draft_kind = draft_folder(target, 8) if args.draft is None else (Path(args.draft), "given")
+        repo = Path(__file__).resolve().parents[2]
+        draft, draft_kind = draft_folder(target, 8, repo) if args.draft is None else (Path(args.draft), "given")
         target_name = "SmolLM2-135M-Instruct"
     else:
         target, draft, target_name = Path(args.target), Path(args.draft), args.target

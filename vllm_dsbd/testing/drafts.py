@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def draft_folder(target: Path, n_layers: int) -> tuple[Path, str]:
+def draft_folder(target: Path, n_layers: int, root: Path | None = None) -> tuple[Path, str]:
     """The best draft available offline: the distilled one if its artifact is committed, else truncated layers.
-    The artifacts are looked for in the checkout this package runs from (an editable install)."""
-    root = Path(__file__).resolve().parents[2]
+    The artifacts are looked for in ``root``'s ``drafts/`` (default: the checkout this package runs from, an editable
+    install, else the working directory: a non-editable install on the GPU machine runs from the repository root)."""
+    roots = [root] if root is not None else [Path(__file__).resolve().parents[2], Path.cwd()]
+    root = next((r for r in roots if (r / "drafts").is_dir()), roots[0])
     artifacts = sorted((root / "drafts").glob("smollm2-*")) if (root / "drafts").exists() else []
     if artifacts:
         try:
