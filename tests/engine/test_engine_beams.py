@@ -5,7 +5,8 @@ Tiny random Llama target of ``test_engine_greedy.py``, with the tokenizer's EOS 
 own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same float32 weights. Checked:
 
 * ``LLM.beam_search`` on the DSBD engine (one engine request per prompt, beams as a trie in the request's KV slots)
-  returns exactly the plain engine's sequences, in order, for W = 2 and 4 with length_penalty != 1, cumulative
+  returns exactly the plain engine's sequences, in order, for W = 2 and 4 with length_penalty != 1 (W = 4 also at
+  temperature 1.0 and 0.7, where both engines give the T = 0 beams: beam sampling needs ``dsbd_beam``), cumulative
   log-probabilities equal to 1e-4; beams did finish on EOS (not vacuous), and the engine's counters show the beam
   steps were made in the engine (``vllm:dsbd_beam_steps``) with fewer target passes than vLLM's loop makes requests;
 * a batch mixing beam requests (``extra_args["dsbd_beam"]``) and plain greedy requests, with long prompts and a KV
@@ -47,6 +48,7 @@ SHORT = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 
 _rng = random.Random(99)
 LONG = [[_rng.randrange(3, 400) for _ in range(110)] for _ in range(3)]
 CASES = [(2, 0.8), (4, 1.3)]  # (beam width, length penalty)
+TEMPERATURES = (1.0, 0.7)  # LLM.beam_search at T > 0: vLLM's beams still (it ranks raw log-probabilities)
 BLOCK_SIZE, NUM_BLOCKS = 16, 16  # 256 slots: the least max_model_len allows, far less than the mixed batch needs
 RELAYOUT_PROMPT = LONG[2][:20]
 CACHED = LONG[0] + LONG[1][:2]  # 112 tokens: 7 full blocks; the trie starts on a block boundary
@@ -62,9 +64,10 @@ def setup(tmp_path_factory):
     return folder, draft, eos
 
 
-def _beam_search(llm, prompts, width, lp):
+def _beam_search(llm, prompts, width, lp, temperature=0.0):
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
-                           BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=lp))
+                           BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, length_penalty=lp,
+                                            temperature=temperature))
     return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
 
 
@@ -123,6 +126,7 @@ def plain(setup):
     folder, _, _ = setup
     with dsbd_llm(folder, max_num_seqs=8) as llm:
         beams = {case: _beam_search(llm, SHORT, *case) for case in CASES}
+        beams.update({(*CASES[1], t): _beam_search(llm, SHORT, *CASES[1], temperature=t) for t in TEMPERATURES})
         long_beams = _beam_search(llm, LONG, WIDTH, 1.0)
         greedy = [list(o.outputs[0].token_ids) for o in
                   llm.generate([{"prompt_token_ids": p} for p in SHORT + LONG], _greedy_params(), use_tqdm=False)]
@@ -229,6 +233,8 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         out["beam_layers"] = metric(llm, "vllm:dsbd_beam_layers_passed")
         out["no_draft"] = {case: _beam_search_no_draft(llm, SHORT, *case, eos) for case in CASES}
         out["no_draft_nodes"] = metric(llm, "vllm:dsbd_beam_draft_nodes") - out["beam_nodes"]
+        out["beams"].update({(*CASES[1], t): _beam_search(llm, SHORT, *CASES[1], temperature=t)
+                             for t in TEMPERATURES})
         # prefix caching: a plain request whose prompt is a beam request's prompt followed by the tokens of the
         # beam request's slots (vLLM's token list of that request: the beams' common prefix, then the trie) must not
         # be served the blocks past the prompt
@@ -292,6 +298,16 @@ def test_beam_search_equals_vllm(dsbd, plain, setup, case):
     ends = [t[-1] for g in got for t, _ in g]
     assert eos in ends, ends
     assert any(len(t) == len(p) + MAX_TOKENS for g, p in zip(got, SHORT) for t, _ in g)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_beam_search_at_a_temperature_equals_vllm(dsbd, plain, temperature):
+    """``LLM.beam_search`` at T > 0 means vLLM's beam search (deterministic: vLLM ranks raw log-probabilities at any
+    temperature), never beam sampling: the DSBD engine's beams are the plain engine's at the same temperature, and
+    those are vLLM's beams at T = 0."""
+    key = (*CASES[1], temperature)
+    _assert_same_beams(plain["beams"][key], plain["beams"][CASES[1]])
+    _assert_same_beams(dsbd["beams"][key], plain["beams"][key])
 
 
 def test_beam_search_without_a_draft_equals_vllm(dsbd, plain):

@@ -7,8 +7,12 @@ length_penalty, ignore_eos, the tokenizer's EOS): the DSBD runner keeps the W be
 request's own KV slots (``engine/beams/``), batched with every other request, and the scheduler (patch
 ``beam_scheduler``) returns the finished beams in ``RequestOutput.kv_transfer_params``; here they become vLLM's
 ``BeamSearchOutput`` (the same fields: prompt + generated tokens, text of prompt + generated, cumulative
-log-probability, per-token logprobs of the chosen tokens, finish reason). At temperature 0 the beams are those of
-vLLM's loop token for token (tests/engine/test_engine_beams.py).
+log-probability, per-token logprobs of the chosen tokens, finish reason). The beams are those of vLLM's loop token
+for token (tests/engine/test_engine_beams.py) at every temperature: vLLM's loop ranks the raw log-probabilities its
+one-token requests return (``logprobs_mode`` "raw_logprobs", v1/sample/sampler.py:80-93), which the temperature does
+not change, so the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` says. Beam sampling
+(temperature > 0) is only asked for explicitly, with ``extra_args["dsbd_beam"]`` on a ``SamplingParams``
+(``beam_request_params`` with its ``temperature`` left to the params' own builds such a request).
 
 Refused with a ``ValueError`` naming the parameter: ``structured_outputs`` (the trie's beams would each need their
 own grammar state), a beam width above the engine's DSBD width, and a request whose trie may not fit
@@ -32,8 +36,13 @@ def apply() -> None:
     when_imported(MODULE, _patch)
 
 
-def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int):
-    """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request)."""
+def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
+                        temperature: float | None = None):
+    """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request).
+
+    ``temperature``: the engine request's; None takes ``params.temperature`` (above 0: beam sampling, the explicit
+    ``dsbd_beam`` route). The ``LLM.beam_search`` and ``use_beam_search`` routes pass 0: vLLM's beam search ranks
+    raw log-probabilities at every temperature."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_dsbd.requests import BEAM_KEY, BeamParams
@@ -48,7 +57,9 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
         raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "
                          f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than max_model_len "
                          f"{max_model_len}; lower max_tokens or beam_width, or raise max_model_len")
-    return SamplingParams(temperature=params.temperature, max_tokens=bp.engine_tokens(), ignore_eos=True,
+    if temperature is None:
+        temperature = params.temperature
+    return SamplingParams(temperature=temperature, max_tokens=bp.engine_tokens(), ignore_eos=True,
                           detokenize=False, skip_clone=True, extra_args={BEAM_KEY: bp.to_dict()})
 
 
@@ -96,7 +107,7 @@ def _patch(mod: types.ModuleType) -> None:
                     raise ValueError("prompts: only text and token prompts are supported for beam search on a "
                                      "DSBD engine")
                 sps.append(beam_request_params(params, tokenizer.eos_token_id, len(inp["prompt_token_ids"]),
-                                               cfg.model_config.max_model_len, width))
+                                               cfg.model_config.max_model_len, width, temperature=0.0))
             outs = self.generate([{"prompt_token_ids": list(inp["prompt_token_ids"])} for inp in inputs], sps,
                                  use_tqdm=use_tqdm, lora_request=lora_request)
             return [beam_outputs(inp, out, tokenizer) for inp, out in zip(inputs, outs)]
