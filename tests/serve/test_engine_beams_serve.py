@@ -9,11 +9,14 @@ both ways: on EOS after 0 to 3 tokens and at ``max_tokens`` (asserted); the tiny
 servers get the same trivial one.
 
 The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 and 4 (length penalty,
-``include_stop_str_in_output``, two prompts in one request), ``/v1/chat/completions`` with ``n`` = 2. Every choice is
+``include_stop_str_in_output``, two prompts in one request), ``/v1/chat/completions`` with ``n`` = 2; and one at
+temperature 1 (the OpenAI default), where vLLM's beams are its temperature-0 beams and DSBD's too (beam sampling is
+only asked for with ``dsbd_beam``). Every choice is
 equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 1e-4; not the top-logprob
 alternatives, which vLLM's loop takes from its 2 * n candidates per step and DSBD does not keep). A width above the
-DSBD server's and a beam search that cannot fit ``max_model_len`` are 400s naming ``n`` / ``max_tokens``, and a good
-request afterwards still gets the same answer.
+DSBD server's, a beam search that cannot fit ``max_model_len``, ``stop`` strings (which vLLM's loop silently ignores)
+and top-logprob alternatives (completions ``logprobs`` 2, chat ``top_logprobs`` 2) are 400s naming the parameter, and
+a good request afterwards still gets the same answer.
 
 Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
 with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
@@ -64,6 +67,8 @@ REQUESTS = [
      {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi there"}], "use_beam_search": True, "n": 2,
       "temperature": 0, "max_tokens": 6, "return_token_ids": True, "logprobs": True, "top_logprobs": 0,
       "return_tokens_as_token_ids": True}),
+    # temperature 1 (the OpenAI default): vLLM's beam search all the same, not beam sampling
+    ("n4_t1", *_cmpl(n=4, length_penalty=1.3, temperature=1.0)),
 ]
 STREAM_TOKENS = 10
 STREAMS = [("w2", [83, 60], 2), ("w4", [10, 20, 30], 4)]  # (name, prompt, width): beams that share a long prefix
@@ -79,9 +84,13 @@ def _beam_cmpl(prompt, width, **kw):
             "return_token_ids": True, "vllm_xargs": _beam_xargs(width), **kw}
 
 
-BAD = [  # (payload, parameter named): DSBD server only
-    (_cmpl(n=8)[1], "n"),
-    (_cmpl(n=WIDTH, max_tokens=100)[1], "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
+BAD = [  # (path, payload, parameter named): DSBD server only
+    (*_cmpl(n=8), "n"),
+    (*_cmpl(n=WIDTH, max_tokens=100), "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
+    # never silently ignored: stop strings (vLLM's loop ignores them) and top-logprob alternatives
+    (*_cmpl(n=2, stop=["\n"]), "stop"),
+    (*_cmpl(n=2, logprobs=2), "logprobs"),
+    ("/v1/chat/completions", {**REQUESTS[4][2], "top_logprobs": 2}, "top_logprobs"),
 ]
 
 
@@ -172,7 +181,7 @@ def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
             out[name] = _post(base, path, payload)
             assert out[name][0] == 200, (name, out[name], tail())
         out["time_s"] = time.monotonic() - t0
-        out["bad"] = [_post(base, "/v1/completions", payload) for payload, _ in BAD]
+        out["bad"] = [_post(base, path, payload) for path, payload, _ in BAD]
         out["after_bad"] = _post(base, REQUESTS[0][1], REQUESTS[0][2])
         out["alive"] = proc.poll() is None
         with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
@@ -219,7 +228,9 @@ def test_beam_search_choices_equal_plain_vllm(dsbd, plain, name):
 def test_requests_not_vacuous(plain, models):
     eos = models[2]
     n = {name: len(plain[name][1]["choices"]) for name, *_ in REQUESTS}
-    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2}
+    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2, "n4_t1": 4}
+    # vLLM's beams do not depend on the temperature
+    _assert_same(plain["n4_t1"][1], plain["n4"][1], "n4_t1 vs n4")
     reasons = {name: [c["finish_reason"] for c in plain[name][1]["choices"]] for name, *_ in REQUESTS}
     assert all("length" in r for r in reasons.values()), reasons
     assert all("stop" in reasons[name] for name in ("n2", "n4", "n4_stop_str")), reasons
@@ -242,7 +253,7 @@ def test_beams_ran_in_the_engine(dsbd):
 
 
 def test_bad_beam_requests_are_400_and_server_keeps_serving(dsbd, plain):
-    for (code, body), (_, param) in zip(dsbd["bad"], BAD):
+    for (code, body), (*_, param) in zip(dsbd["bad"], BAD):
         assert code == 400, (code, body)
         assert body["error"]["param"] == param, body
         assert body["error"]["message"].startswith(f"{param}: "), body

@@ -191,16 +191,23 @@ to add a speculative method with its own config keys and proposer; no such regis
    What: on a DSBD engine, one engine request per prompt with ``extra_args["dsbd_beam"]`` instead of vLLM's front-end
    loop (one request per live beam per token); the beams come back as vLLM's ``BeamSearchOutput``. Why: the loop
    runs at 0.07x plain decoding on an H100 (``docs/notebook``, GPU) and cannot use DSBD. How: wrap; other engines call the
-   original; ``structured_outputs``, a width above the engine's and a trie that may not fit ``max_model_len`` raise
-   ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
+   original; the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` (vLLM's loop ranks raw
+   log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs``, a width above the
+   engine's and a trie that may not fit ``max_model_len`` raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.
 
 17. ``beam_serving_route`` - target ``vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin
-   .beam_search`` (the OpenAI ``use_beam_search`` path of ``/v1/completions`` and ``/v1/chat/completions``).
+   .beam_search`` (the OpenAI ``use_beam_search`` path of ``/v1/completions`` and ``/v1/chat/completions``), and
+   ``to_beam_search_params`` of ``vllm.entrypoints.openai.completion.protocol.CompletionRequest`` and
+   ``vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`` (they note the request's ``stop``,
+   ``stop_token_ids`` and top-logprob counts on the ``BeamSearchParams`` they return, as ``_dsbd_unsupported``, an
+   attribute only the DSBD route reads: every engine gets vLLM's params otherwise unchanged).
    What/Why: as 16, for the server: one engine request per prompt, the beams back as the one finished
    ``RequestOutput`` vLLM's loop yields (n choices, best first, text, token ids, cumulative logprob, finish and stop
-   reason). How: wrap the async generator; bad requests raise ``VLLMValidationError`` with ``param`` ("n",
-   "max_tokens", "prompt") inside it, so the server answers 400 and keeps serving. When it can go: with 16.
+   reason); temperature 0 on the engine request, as 16. How: wrap the async generator; bad requests raise
+   ``VLLMValidationError`` with ``param`` ("n", "max_tokens", "prompt", "stop", "stop_token_ids", "logprobs",
+   "top_logprobs": vLLM's loop silently ignores stop strings and tokens, and the engine keeps the chosen tokens'
+   log-probabilities only) inside it, so the server answers 400 and keeps serving. When it can go: with 16.
 
 18. ``spec_repr`` - target ``vllm.config.speculative.SpeculativeConfig.__repr__``.
    What: a "dsbd" config without a draft model prints ``SpeculativeConfig(method='dsbd', model=None,

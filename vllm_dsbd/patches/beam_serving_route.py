@@ -26,12 +26,22 @@ handler answers 400 with ``param``, and the engine never sees the request) from 
 original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
 ``max_model_len`` (``prompt + max_tokens * (n + 1) + 2`` slots, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
-other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). Per-token
-logprobs hold the chosen token only (vLLM's loop returns its 2 * beam_width candidates per step plus the token its
-one-token request sampled, first), so a request that also asks for ``logprobs`` / ``top_logprobs`` gets the chosen
-tokens' log-probabilities, equal to vLLM's, but other top alternatives (vLLM's first is the sampled token, not the
-chosen one). Temperature is passed on as ``beam_search_route`` does: above 0 the DSBD engine samples beams, while
-vLLM's loop ranks raw log-probabilities whatever the temperature (the OpenAI endpoints default to temperature 1).
+other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``), and a
+request with ``stop``, ``stop_token_ids``, completions ``logprobs`` > 0 or chat ``top_logprobs`` > 0 (``param`` that
+field): vLLM's loop ignores stop strings and stop tokens silently (``BeamSearchParams`` has no such field; a beam ends
+at EOS or ``max_tokens``), and the in-engine beams carry the chosen tokens' log-probabilities only (what completions
+``logprobs: 0`` and chat ``logprobs: true`` return, equal to vLLM's), not the alternatives vLLM's loop takes from its
+2 * beam_width candidates per step (the first of them the token its one-token request sampled), so such requests are
+refused rather than answered differently. The refusal reads the request's fields from ``to_beam_search_params`` of
+``CompletionRequest`` and ``ChatCompletionRequest`` (wrapped to note them on the ``BeamSearchParams`` they return,
+as ``_dsbd_unsupported``; plain engines never read it). The engine request runs at temperature 0 whatever the request's
+temperature: vLLM's loop ranks the raw log-probabilities its one-token requests return
+(``entrypoints/generate/beam_search/online.py:59-65`` passes the temperature to those requests, whose logprobs are
+computed before any temperature, v1/sample/sampler.py:80-93), so its beams do not depend on the temperature and the
+OpenAI endpoints' default temperature 1 gives the same beams as temperature 0 (one exception, random on vLLM too:
+the token a one-token request samples is among its logprobs, so above temperature 0 a sampled EOS outside the top
+2 * beam_width adds a finished candidate to vLLM's loop, which the engine does not draw). Beam sampling is asked for explicitly
+(``vllm_xargs`` ``dsbd_beam`` on a request without ``use_beam_search``).
 
 When it can go: vLLM's online beam search runs in the engine and lets a speculative method serve it (with
 ``beam_search_route``).
@@ -46,10 +56,50 @@ from vllm_dsbd.patches._patching import when_imported, wrap_method
 
 PATCH_ID = "beam_serving_route"
 MODULE = "vllm.entrypoints.generate.beam_search.online"
+# the OpenAI request classes whose ``to_beam_search_params`` build the params of ``use_beam_search`` requests
+REQUEST_MODULES = {"vllm.entrypoints.openai.completion.protocol": "CompletionRequest",
+                   "vllm.entrypoints.openai.chat_completion.protocol": "ChatCompletionRequest"}
+UNSUPPORTED_ATTR = "_dsbd_unsupported"
 
 
 def apply() -> None:
     when_imported(MODULE, _patch)
+    for module, cls in REQUEST_MODULES.items():
+        when_imported(module, lambda mod, cls=cls: _patch_request(getattr(mod, cls)))
+
+
+def unsupported_fields(request) -> list[tuple[str, object]]:
+    """The (field, value) pairs of an OpenAI completion or chat request that a DSBD beam search refuses: stop strings,
+    stop token ids, and top-logprob alternatives (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0). The chosen
+    tokens' log-probabilities (completions ``logprobs: 0``, chat ``logprobs: true``) are served, equal to vLLM's."""
+    out = []
+    for name in ("stop", "stop_token_ids", "logprobs", "top_logprobs"):
+        value = getattr(request, name, None)
+        if name in ("stop", "stop_token_ids"):
+            refuse = bool(value)
+        else:  # chat's logprobs is a bool (the chosen tokens only); an int above 0 asks for alternatives
+            refuse = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if refuse:
+            out.append((name, value))
+    return out
+
+
+_STOP_WHY = "vLLM's beam search ignores it: a beam ends at EOS or max_tokens"
+_LOGPROBS_WHY = ("the in-engine beams carry the chosen tokens' log-probabilities only, not the alternatives vLLM's "
+                 "beam search takes from its 2 * n candidates per step; 0 gives the chosen tokens' log-probabilities")
+_WHY = {"stop": _STOP_WHY, "stop_token_ids": _STOP_WHY, "logprobs": _LOGPROBS_WHY, "top_logprobs": _LOGPROBS_WHY}
+
+
+def _patch_request(cls: type) -> None:
+    def make(orig):
+        def to_beam_search_params(self, *args, **kwargs):
+            params = orig(self, *args, **kwargs)
+            setattr(params, UNSUPPORTED_ATTR, unsupported_fields(self))  # read by the DSBD route only
+            return params
+
+        return to_beam_search_params
+
+    wrap_method(PATCH_ID, cls, "to_beam_search_params", make)
 
 
 # request field of a ``BeamParams.parse`` key (``beam_request_params``' messages name ``extra_args['dsbd_beam'][key]``)
@@ -113,6 +163,9 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     if prompt["type"] != "token":
         raise VLLMValidationError("prompt: only text and token prompts are supported for beam search on a DSBD "
                                   "engine", parameter="prompt", value=prompt["type"])
+    for name, value in getattr(params, UNSUPPORTED_ATTR, None) or ():
+        raise VLLMValidationError(f"{name}: not supported with use_beam_search on a DSBD engine ({_WHY[name]}); "
+                                  f"leave {name} out", parameter=name, value=value)
     width = DSBDConfig.from_vllm_config(cfg).width
     if isinstance(params.beam_width, int) and params.beam_width > width:
         raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's DSBD "
@@ -122,7 +175,7 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     prompt_token_ids = prompt["prompt_token_ids"]
     try:
         sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
-                                 cfg.model_config.max_model_len, width)
+                                 cfg.model_config.max_model_len, width, temperature=0.0)
     except ValueError as e:
         raise _validation_error(str(e)) from e
     sp.output_kind = RequestOutputKind.FINAL_ONLY
