@@ -58,8 +58,21 @@ def _request_base(seed, position):
 
 @triton.jit
 def _uniform(key, index):
-    """rng.uniform: key uint32 scalar, index int64 (any shape) -> fp32 in (0, 1), 23 bits. (fmix32 inlined.)"""
-    h = (key ^ index.to(tl.uint32)) * 0x01000193
+    """rng.uniform: key uint32 scalar, index int64 (any shape) -> fp32 in (0, 1), 23 bits. (fmix32 inlined.)
+    fmix32(fmix32(key ^ 0x3C6EF372) ^ fmix32(index * 0x01000193 + 0x6A09E667)), as rng._bits."""
+    k = key ^ 0x3C6EF372
+    k = k ^ (k >> 16)
+    k = k * 0x85EBCA6B
+    k = k ^ (k >> 13)
+    k = k * 0xC2B2AE35
+    k = k ^ (k >> 16)
+    h = index.to(tl.uint32) * 0x01000193 + 0x6A09E667
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    h = h ^ k
     h = h ^ (h >> 16)
     h = h * 0x85EBCA6B
     h = h ^ (h >> 13)

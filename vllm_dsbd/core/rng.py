@@ -6,6 +6,10 @@ stateful, so a replayed request repeats exactly and every tensor-parallel rank b
 broadcast. The hash is murmur3's 32-bit finaliser over uint32 words held in int64 tensors (the same arithmetic a
 Triton kernel can do in uint32).
 
+The number at (key, index) is fmix32(fmix32(key ^ 0x3C6EF372) ^ fmix32(index * 0x01000193 + 0x6A09E667)): the index is
+mixed before it meets the key. (Until 2026-11-25 it was fmix32((key ^ index) * 0x01000193), so keys k and k ^ d gave the
+same numbers at indices i and i ^ d: for d below the index range, one array was the other's permutation.)
+
 Why keying by position is exact: a decision at position p uses only numbers keyed by p, and whether a later iteration
 starts at p' is decided by numbers keyed by positions < p'; so every decision sees numbers independent of everything
 that came before it.
@@ -72,19 +76,34 @@ def _fmix32_i32_(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
+_KEY_SALT = 0x3C6EF372
+_INDEX_MUL = 0x01000193
+_INDEX_ADD = 0x6A09E667
+
+
 def _bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """fmix32((key ^ index) * 0x01000193) as int32; key: uint32 values in int64, index: int64 (low 32 bits used)."""
-    k = key.to(torch.int64)
-    h = (torch.where(k >= 2**31, k - 2**32, k).to(torch.int32)
-         ^ torch.where((index & _M32) >= 2**31, (index & _M32) - 2**32, index & _M32).to(torch.int32))
-    h = h * _i32(0x01000193)
+    """fmix32(fmix32(key ^ 0x3C6EF372) ^ fmix32(index * 0x01000193 + 0x6A09E667)) as int32; key: uint32 values in
+    int64, index: int64 (low 32 bits used). Each mix runs on its own operand's shape (key [R, 1] against index [1, N]
+    mixes R keys and N indices once; only the last fmix32 runs on the broadcast [R, N]).
+
+    Why distinct keys give unrelated arrays: with K = fmix32(key ^ c) and g(i) = fmix32(i * m + a) (g a bijection of
+    uint32 that scrambles [0, N)), keys k != k' give the same number at i and j only where g(i) ^ g(j) == K ^ K', about
+    N**2 / 2**32 pairs of a window [0, N), as for independent functions; the old hash matched i with i ^ d for every i.
+    K spreads keys that differ in a few bits (the XOR of two K is a random-looking word, not a weak one for fmix32)."""
+    k = _fmix32((key.to(torch.int64) & _M32) ^ _KEY_SALT)
+    k = torch.where(k >= 2**31, k - 2**32, k).to(torch.int32)
+    i = index.to(torch.int64) & _M32
+    g = torch.where(i >= 2**31, i - 2**32, i).to(torch.int32)  # a fresh tensor: the mixes below run in place
+    g *= _i32(_INDEX_MUL)
+    g += _INDEX_ADD
+    h = _fmix32_i32_(g) ^ k
     return _fmix32_i32_(h)
 
 
 def uniform(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), float32, 23 bits: key int64 [R, 1] or [R], index int64 broadcastable. Never 0 or 1.
 
-    u = ((fmix32((key ^ index) * 0x01000193) >> 9) + 0.5) * 2**-23."""
+    u = ((_bits(key, index) >> 9) + 0.5) * 2**-23 (the bits as uint32)."""
     h = _bits(key, index.to(torch.int64))
     return ((h >> 9) & 0x7FFFFF).to(torch.float32).add_(0.5).mul_(2.0**-23)
 
