@@ -139,6 +139,26 @@ def test_thinking_budget_reasoning_config_stops_the_engine(pair):
     assert plain.reasoning_config is not None and plain.reasoning_config.enabled
 
 
+def test_mrope_model_stops_the_engine_at_config_build(pair, tmp_path):
+    """A target whose rotary positions are multimodal (``mrope_section`` in its rope parameters, as Qwen2-VL's) is
+    refused when the config is built: vLLM would feed it ``mrope_positions``, DSBD sets only ``positions``."""
+    folder = tmp_path / "mrope"
+    folder.mkdir()
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{pair[0]}/{f}", folder / f)
+    cfg = json.loads(open(f"{pair[0]}/config.json").read())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    section = [head_dim // 2 - 2 * (head_dim // 8), head_dim // 8, head_dim // 8]  # sums to head_dim / 2
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0),
+                              "mrope_section": section}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    target = str(folder)
+    plain = engine_args((target, pair[1]), dsbd=False).create_engine_config()
+    assert plain.model_config.uses_mrope  # vLLM reads this config as an M-RoPE model
+    with pytest.raises(ValueError, match=r"cannot run this model: it uses multimodal rotary positions \(M-RoPE"):
+        engine_args((target, pair[1])).create_engine_config()
+
+
 def test_reasoning_parser_config_is_left_to_the_request_check(pair):
     """``--reasoning-parser`` alone makes a reasoning config (``EngineArgs._set_default_reasoning_config_args``) that
     also serves the front end: kept; a request that sets ``thinking_token_budget`` is refused on its own."""

@@ -2,8 +2,8 @@
 
 :func:`check_attention_layers` (the runner, after loading): forest attention is plain causal self-attention over an
 unquantised paged cache, so sliding windows, ALiBi, sinks, softcapping, other attention classes and quantised KV caches
-are refused, naming feature and layer. :func:`check_engine_config` (patch ``vllm_post_init``): settings vLLM applies in
-the sampler DSBD replaces: ``--logits-processors`` and a reasoning config with thinking delimiters are refused;
+are refused, naming feature and layer. :func:`check_engine_config` (patch ``vllm_post_init``): models with
+multimodal rotary positions (M-RoPE / XD-RoPE), and settings vLLM applies in the sampler DSBD replaces: ``--logits-processors`` and a reasoning config with thinking delimiters are refused;
 installed logits-processor plugins, which vLLM skips for every speculative method, get a warning. Why each:
 docs/design.md §3.7.
 """
@@ -78,6 +78,14 @@ def check_engine_config(vllm_config) -> None:
     """Refuses (ValueError) the engine settings a DSBD engine would ignore; warns about installed logits-processor
     plugins."""
     model_config = vllm_config.model_config
+    if getattr(model_config, "uses_mrope", False) or getattr(model_config, "uses_xdrope_dim", 0):
+        # vLLM feeds such models their positions from ``mrope_positions`` / ``xdrope_positions``, while DSBD writes
+        # forest and trie nodes' positions to ``positions`` only: their logits would be silently wrong
+        raise ValueError(
+            "speculative method 'dsbd' cannot run this model: it uses multimodal rotary positions (M-RoPE / "
+            "XD-RoPE, e.g. Qwen2-VL), and DSBD sets only the linear positions of its draft forests and beam tries. "
+            "Serve it without --speculative-method dsbd."
+        )
     procs = getattr(model_config, "logits_processors", None)
     if procs:
         names = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}" for p in procs]
