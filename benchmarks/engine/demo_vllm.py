@@ -131,8 +131,11 @@ def main():
     target = models.smollm2_dir()
     draft, draft_kind = draft_folder(target, args.draft_layers, Path(__file__).resolve().parents[2])
     if args.paths:
-        print(f"target folder: {target}\ndraft folder:  {draft} ({draft_kind})\nserve it:\n"
-              f"  {serve_command(target, draft, args.width, args.depth)}")
+        # the engine's width serves the README's examples: use_beam_search up to n = the beam width (plain requests
+        # may narrow it with dsbd_width)
+        width = max(args.width, args.beam_width)
+        print(f"target folder: {target}\ndraft folder:  {draft} ({draft_kind})\nserve it (width {width}):\n"
+              f"  {serve_command(target, draft, width, args.depth)}")
         return
     tok = models.load_tokenizer(target)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
