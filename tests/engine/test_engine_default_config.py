@@ -1,0 +1,161 @@
+"""The user's default configuration, checked against plain vLLM in that same configuration.
+
+On a GPU (``benchmarks/gpu/check.sh``, step ``default_config``) both engines run as a user gets them: bfloat16,
+vLLM's default compilation (torch.compile with piecewise CUDA graphs), and DSBD's defaults on CUDA (static
+verification, the fused verify kernel); the test asserts that those paths were really taken. On CPU the same checks
+run on float32 eager engines, where they are exact. Tiny random Llama pair with peaky laws (``peaky_pair``), a DSBD
+engine of width 4, depth 2. Checked:
+
+* greedy plain requests at widths 1 and 4 equal plain greedy vLLM. In bfloat16 the forest's attention rounds
+  differently from a decode pass, so two near-tied tokens may swap: each request is compared up to its first
+  difference, where plain vLLM's own log-probabilities of the two tokens must be within ``TIE`` (0 in float32: any
+  difference fails); at most a quarter of the requests may differ at all;
+* ``LLM.beam_search`` (W = 4) gives plain vLLM's beams (float32: the same sequences and cumulative log-probabilities
+  to 1e-4; bfloat16: the best beam's cumulative log-probability within ``TIE`` and most prompts' beams identical);
+* the law of the first 4 tokens of T = 0.6 plain requests at W = 4 equals plain vLLM's (two-sample chi-square,
+  threshold df + 10 sqrt(2 df)); power: the same statistic rejects plain vLLM at T = 0.9, and rejects the DSBD
+  sample against it;
+* not vacuous: vLLM's counters show drafts made and accepted, the DSBD counters layers passed and beam steps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from engine_utils import dsbd_llm, metric, peaky_pair, runner_of  # sets the CPU engine environment before vllm
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from vllm.sampling_params import BeamSearchParams  # noqa: E402
+
+import chisq  # noqa: E402
+
+pytestmark = pytest.mark.gpu  # the point of this file is the GPU run (benchmarks/gpu/check.sh)
+
+CUDA = torch.cuda.is_available()
+# the user's default on a GPU: bfloat16 and vLLM's default compilation (enforce_eager False); float32 eager on CPU
+DEFAULT = dict(dtype="bfloat16", enforce_eager=False, max_num_seqs=64) if CUDA else dict(max_num_seqs=64)
+TIE = 0.25 if CUDA else 0.0  # nats: the log-probability gap a bfloat16 rounding difference may swap
+WIDTH, DEPTH, TOKENS = 4, 2, 24
+PROMPTS = [[(13 * i + 7 * k) % 290 + 5 for k in range(4 + i % 5)] for i in range(12)]
+N_LAW, LAW_TOKENS, TEMP, HOT = 800, 4, 0.6, 0.9
+LAW_PROMPT = [(7 * i + 3) % 290 + 5 for i in range(40)]
+BEAM = BeamSearchParams(beam_width=WIDTH, max_tokens=8)
+
+
+def _greedy(llm, width=None):
+    extra = {"dsbd_width": width} if width else None
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        vllm.SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=5,
+                                            extra_args=extra), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+def _beams(llm):
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:6]], BEAM)
+    return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
+
+
+def _law(llm, temperature, width=None):
+    extra = {"dsbd_width": width} if width else None
+    outs = llm.generate([{"prompt_token_ids": LAW_PROMPT}] * N_LAW,
+                        vllm.SamplingParams(temperature=temperature, max_tokens=LAW_TOKENS, ignore_eos=True,
+                                            extra_args=extra), use_tqdm=False)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+def _counters(llm):
+    names = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "dsbd_layers_passed",
+             "dsbd_beam_steps")
+    return {n: metric(llm, f"vllm:{n}") or 0 for n in names}
+
+
+def _paths(llm):
+    cfg = llm.llm_engine.vllm_config
+    return {"dtype": str(cfg.model_config.dtype), "compilation": str(cfg.compilation_config.mode),
+            "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode)}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with dsbd_llm(peaky_pair()[0], **DEFAULT) as llm:
+        return {"greedy": _greedy(llm), "beams": _beams(llm), "law": _law(llm, TEMP), "hot": _law(llm, HOT),
+                "paths": _paths(llm)}
+
+
+@pytest.fixture(scope="module")
+def dsbd(plain):  # after plain: one engine at a time
+    target, draft = peaky_pair()
+    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH,
+            "verify_budget": None}
+    with dsbd_llm(target, speculative_config=spec, **DEFAULT) as llm:
+        runner = runner_of(llm)
+        out = {"paths": _paths(llm), "static": runner.dsbd_static, "fused": runner.dsbd_fused}
+        c0 = _counters(llm)
+        out["greedy"] = {w: _greedy(llm, w) for w in (1, WIDTH)}
+        c1 = _counters(llm)
+        out["beams"] = _beams(llm)
+        c2 = _counters(llm)
+        out["law"] = _law(llm, TEMP, WIDTH)
+        c3 = _counters(llm)
+        out["delta"] = {"greedy": {k: c1[k] - c0[k] for k in c0}, "beams": {k: c2[k] - c1[k] for k in c0},
+                        "law": {k: c3[k] - c2[k] for k in c0}}
+    return out
+
+
+def test_the_default_paths_were_taken(plain, dsbd):
+    print("plain:", plain["paths"], "dsbd:", dsbd["paths"], "static:", dsbd["static"], "fused:", dsbd["fused"])
+    assert dsbd["paths"]["dtype"] == plain["paths"]["dtype"]
+    if CUDA:
+        assert dsbd["paths"]["dtype"] == "torch.bfloat16"
+        assert "NONE" not in dsbd["paths"]["compilation"] and "NONE" not in dsbd["paths"]["cudagraph_mode"]
+        assert dsbd["static"] and dsbd["fused"]
+
+
+def _first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("width", [1, WIDTH])
+def test_greedy_equals_plain_vllm(plain, dsbd, width):
+    differing = 0
+    for (want, lps), (got, _) in zip(plain["greedy"], dsbd["greedy"][width]):
+        assert len(got) == len(want) == TOKENS
+        i = _first_difference(want, got)
+        if i is None:
+            continue
+        differing += 1
+        gap = lps[i][want[i]].logprob - (lps[i][got[i]].logprob if got[i] in lps[i] else -float("inf"))
+        print(f"W={width}: first difference at token {i}: {want[i]} vs {got[i]}, plain log-prob gap {gap:.4f}")
+        assert gap <= TIE, "a difference that is not a near-tie"
+    print(f"W={width}: {differing} of {len(PROMPTS)} requests differ; counters {dsbd['delta']['greedy']}")
+    assert differing <= len(PROMPTS) // 4
+    assert dsbd["delta"]["greedy"]["spec_decode_num_accepted_tokens"] > 0
+    assert dsbd["delta"]["greedy"]["dsbd_layers_passed"] > 0
+
+
+def test_beam_search_equals_plain_vllm(plain, dsbd):
+    same = 0
+    for want, got in zip(plain["beams"], dsbd["beams"]):
+        if [t for t, _ in want] == [t for t, _ in got]:
+            same += 1
+            assert all(abs(a - b) <= 1e-4 + TIE for (_, a), (_, b) in zip(want, got))
+        else:
+            print("beams differ:", want[0][1], got[0][1])
+            assert abs(want[0][1] - got[0][1]) <= TIE
+    print(f"{same} of {len(plain['beams'])} prompts with identical beams; counters {dsbd['delta']['beams']}")
+    assert same == len(plain["beams"]) if not CUDA else same >= len(plain["beams"]) // 2
+    assert dsbd["delta"]["beams"]["dsbd_beam_steps"] > 0
+
+
+def test_plain_request_law_equals_plain_vllm(plain, dsbd):
+    stat, df, thr = chisq.two_sample(dsbd["law"], plain["law"])
+    chisq.report(f"first {LAW_TOKENS} tokens, DSBD W={WIDTH} vs plain vLLM", stat, df, thr)
+    assert df >= 3 and stat < thr
+    for name, sample in (("plain vLLM", plain["law"]), ("DSBD", dsbd["law"])):
+        s, d, t = chisq.two_sample(sample, plain["hot"])
+        chisq.report(f"  {name} T={TEMP} vs plain vLLM T={HOT} (must differ)", s, d, t)
+        assert s > t
+    print("counters:", dsbd["delta"]["law"])
+    assert dsbd["delta"]["law"]["spec_decode_num_accepted_tokens"] > 0
