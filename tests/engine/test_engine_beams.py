@@ -7,7 +7,7 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
 * ``LLM.beam_search`` on the DSBD engine (one engine request per prompt, beams as a trie in the request's KV slots)
   returns exactly the plain engine's sequences, in order, for W = 2 and 4 with length_penalty != 1 (W = 4 also at
   temperature 1.0 and 0.7, where both engines give the T = 0 beams: beam sampling needs ``dsbd_beam``), cumulative
-  log-probabilities equal to 1e-4; beams did finish on EOS (not vacuous), and the engine's counters show the beam
+  log-probabilities equal to 1e-4 (GPU: ``LOGPROB_TOL``); beams did finish on EOS (not vacuous), and the engine's counters show the beam
   steps were made in the engine (``vllm:dsbd_beam_steps``) with fewer target passes than vLLM's loop makes requests;
 * a batch mixing beam requests (``extra_args["dsbd_beam"]``) and plain greedy requests, with long prompts and a KV
   cache far too small (preemption asserted > 0), equals the same requests one at a time, and the plain ones equal
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from engine_utils import (  # sets the CPU engine environment before vllm is imported
-    dsbd_llm, greedy_tokens, metric, tiny_pair, with_eos)
+    LOGPROB_TOL, dsbd_llm, greedy_tokens, metric, tiny_pair, with_eos)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams, StructuredOutputsParams  # noqa: E402
@@ -281,11 +281,11 @@ def dsbd(setup, plain):  # after plain: one engine at a time
 
 
 def _assert_same_beams(got, expected):
-    """Per prompt: the same beams (tokens, in order) with cumulative log-probabilities equal to 1e-4."""
+    """Per prompt: the same beams (tokens, in order) with cumulative log-probabilities equal to LOGPROB_TOL."""
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         assert [t for t, _ in g] == [t for t, _ in e]
-        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, e))
+        assert all(abs(a - b) < LOGPROB_TOL for (_, a), (_, b) in zip(g, e))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"W{w}-lp{lp}" for w, lp in CASES])
