@@ -35,8 +35,9 @@ from .state import PendingForest, RequestState
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
-# the draft loops with one host read per call (``DSBDDrafter._draft_static``, ``beams.drafter._draft_static``): "1"
-# (default, every device) or "0" (the general loops, one read per draft depth: a fallback)
+# the draft loops with one host read per call (``DSBDDrafter._draft_chains`` / ``_draft_static``,
+# ``beams.drafter._draft_static``): "1" (default, every device) or "0" (the general loops, one read per draft depth, at
+# every width: a fallback)
 STATIC_DRAFT_ENV = envs.STATIC_DRAFT
 
 
@@ -99,12 +100,13 @@ class DSBDDrafter(DraftModelProposer):
         self.cfg = cfg
         self.runner = runner
         self.forward_passes = 0  # statistics
-        # every request of a call at width 1: ``_draft_chains`` (False: the general loop; tests compare the two)
-        self.chain_drafting = True
         # wider calls: ``_draft_static`` first (False: the general loop; tests compare the two); after a call whose
         # draws broke its bet, the next ``_static_skip`` calls go straight to the loop (1, 2, 4 .. up to 16 calls)
         # (None: VLLM_DSBD_STATIC_DRAFT now)
         self.static_drafting = static_draft_default() if static_drafting is None else static_drafting
+        # every request of a call at width 1: ``_draft_chains`` (False: the general loop; tests compare the two); off
+        # with the static loops (VLLM_DSBD_STATIC_DRAFT=0 takes the general loop at every width)
+        self.chain_drafting = self.static_drafting
         self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
         self._static_skip = 0
         self._static_backoff = 0
