@@ -95,6 +95,40 @@ def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
         return reads.run(runner.drafter.propose_forests(jobs))
 
 
+def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
+    """One attention layer's forest recompute (``attention.recompute_forest_outputs``, the implementation the layers
+    were given) over the dummy forests at the longest context, on a one-block dummy cache: its working set (the CPU
+    path's gathered K/V and scores; the Triton kernel's outputs) is sized by the requests, nodes and context lengths,
+    not by the cache. The layers recompute one after the other, so one layer's is the pass's."""
+    from .attention import ForestBatch, ForestEntry, drop_chain_queries, recompute_forest_outputs
+
+    layer = next((m for m in runner.compilation_config.static_forward_context.values()
+                  if getattr(getattr(m, "impl", None), "__dsbd_base__", None) is not None), None)
+    forests = [pf for pf in pending if pf is not None]
+    if layer is None or not forests:
+        return
+    impl, dev = layer.impl, runner.device
+    heads, kv_heads, head = impl.num_heads, impl.num_kv_heads, impl.head_size
+    bs = runner.cache_config.block_size
+    entries, t = [], 0
+    for i, pf in enumerate(forests):
+        n = len(pf.tokens)
+        ctx = max(runner.model_config.max_model_len - n - 1, 1)
+        entries.append(drop_chain_queries(ForestEntry(req_row=i, token_rows=list(range(t + 1, t + 1 + n)),
+                                                      context_len=ctx, parents=pf.parents, query_nodes=list(range(n)))))
+        t += 1 + n
+    batch = ForestBatch.build(entries, max_nodes=runner.dsbd_cfg.num_speculative_slots)
+    if batch is None:
+        return
+    blocks = -(-runner.model_config.max_model_len // bs)
+    cache = torch.zeros(1, kv_heads, bs, 2 * head, dtype=runner.kv_cache_dtype if isinstance(
+        getattr(runner, "kv_cache_dtype", None), torch.dtype) else runner.dtype, device=dev)
+    table = torch.zeros(len(forests), blocks, dtype=torch.int32, device=dev)
+    query = torch.randn(t, heads, head, dtype=runner.dtype, device=dev, generator=gen)
+    out = torch.zeros_like(query)
+    recompute_forest_outputs(batch, query, cache, table, impl.scale, out, getattr(impl, "_dsbd_forest_impl", None))
+
+
 @torch.inference_mode()
 def profile_step(runner, target_pass) -> None:
     """vLLM's profiling run (``target_pass``: the model at ``max_num_batched_tokens`` and vLLM's sampler dummy) inside
@@ -118,6 +152,7 @@ def profile_step(runner, target_pass) -> None:
     vocab = runner.model.compute_logits(torch.zeros(1, hidden_size, dtype=runner.dtype, device=dev)).shape[-1]
     pending = _forests(runner, states, vocab, gen)
     out = target_pass()
+    _forest_attention(runner, pending, gen)  # what the target pass adds under forest attention, one layer's worth
     plan, first = [], 0
     for st, pf in zip(states, pending):
         n = len(pf.tokens) if pf is not None else 0
