@@ -2,8 +2,8 @@
 (``sampler.verify``) over a large batch holds at most ``budget`` float32 elements at once, measured by torch's CPU
 allocator records (``mem_peak.peak_bytes``), and gives the results it gives unchunked.
 
-* a step of 48 requests (G = 3, W = 4, V = 1000; T = 0 and T > 0 rows, top-k / top-p, truncated forests, EOS), on the
-  static and the row-subset paths: with budgets of 1 and 6 requests' worth (48 and 8 chunks), every RowResult field
+* a step of 24 requests (G = 3, W = 4, V = 800; T = 0 and T > 0 rows, top-k / top-p, truncated forests, EOS), on the
+  static and the row-subset paths: with budgets of 1 and 6 requests' worth (24 and 4 chunks), every RowResult field
   equal to the unchunked run's, and the peak <= the budget in bytes; the unchunked run's peak is over the larger
   budget (the bound has power);
 * ``verify_chunk``: the arithmetic, at least one request per chunk.
@@ -18,7 +18,7 @@ from mem_peak import peak_bytes
 from test_verify_forest_static import _random_req, build_wide_step
 from vllm_dsbd.engine import memory, reads, sampler
 
-G, W, V, R = 3, 4, 1000, 48
+G, W, V, R = 3, 4, 800, 24
 
 
 @pytest.fixture(scope="module")
