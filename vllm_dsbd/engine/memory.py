@@ -54,19 +54,20 @@ def verify_chunk(depth: int, width: int, vocab: int, budget: int | None = None) 
 # ---------------------------------------------------------------------------------------------------------------
 # the dummy step of the profiling run
 @contextlib.contextmanager
-def _dummy_draft_passes(drafter, vocab: int, gen: torch.Generator):
+def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
     """The drafter with random draft logits instead of its model's passes (there is no KV cache yet while vLLM
-    profiles) and an all-zero block table owning every block; its statistics and back-off state put back after."""
+    profiles, and the drafter's KV group is not known) and an all-zero block table of ``rows`` rows owning enough
+    blocks for a forest; its statistics and back-off state put back after."""
     saved = {k: getattr(drafter, k) for k in ("forward_passes", "static_misses", "_static_skip", "_static_backoff")}
     dev = drafter.device
+    block_size = 16
+    blocks = -(-(drafter.cfg.num_speculative_slots + 2) // block_size)
 
     def forward_ragged(input_ids, positions, slots, query_lens, seq_lens, block_rows, sample_idx, forest, index):
         return torch.randn(len(sample_idx), vocab, device=dev, generator=gen) * 4
 
     def block_table_host():
-        bt = drafter.runner.input_batch.block_table[drafter.kv_cache_gid]
-        n = bt.block_table.cpu.shape[1]
-        return torch.zeros_like(bt.block_table.cpu), bt.block_size, np.full(bt.block_table.cpu.shape[0], n)
+        return torch.zeros(rows, blocks, dtype=torch.int32), block_size, np.full(rows, blocks)
 
     drafter.forward_ragged, drafter.block_table_host = forward_ragged, block_table_host
     try:
@@ -91,7 +92,7 @@ def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
 
     cfg = runner.dsbd_cfg
     jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth) for i, st in enumerate(states)]
-    with _dummy_draft_passes(runner.drafter, vocab, gen):
+    with _dummy_draft_passes(runner.drafter, len(states), vocab, gen):
         return reads.run(runner.drafter.propose_forests(jobs))
 
 
@@ -121,8 +122,11 @@ def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
     if batch is None:
         return
     blocks = -(-runner.model_config.max_model_len // bs)
-    cache = torch.zeros(1, kv_heads, bs, 2 * head, dtype=runner.kv_cache_dtype if isinstance(
-        getattr(runner, "kv_cache_dtype", None), torch.dtype) else runner.dtype, device=dev)
+    dtype = runner.kv_cache_dtype if isinstance(getattr(runner, "kv_cache_dtype", None), torch.dtype) else runner.dtype
+    if torch.device(dev).type == "cpu":  # CPU_ATTN: [blocks, kv heads, block size, 2 * head] contiguous (kv.py)
+        cache = torch.zeros(1, kv_heads, bs, 2 * head, dtype=dtype, device=dev)
+    else:  # the GPU backends' logical shape over NHD memory, as vLLM allocates it
+        cache = torch.zeros(1, bs, kv_heads, 2 * head, dtype=dtype, device=dev).transpose(1, 2)
     table = torch.zeros(len(forests), blocks, dtype=torch.int32, device=dev)
     query = torch.randn(t, heads, head, dtype=runner.dtype, device=dev, generator=gen)
     out = torch.zeros_like(query)
