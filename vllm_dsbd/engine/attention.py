@@ -201,9 +201,9 @@ def _forest_impl_class(base: type) -> type:
 
 def install(layers: dict, impl: str | None = None) -> int:
     """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module) the forest-attention forward with
-    ``impl`` ("kernel", "torch" or "ref"; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a wrapped layer
-    takes the latest ``impl``). Returns the number of layers changed. Unsupported layers are refused before this
-    (``support.check_attention_layers``)."""
+    ``impl`` ("kernel", "torch" or "ref"; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a
+    wrapped layer takes the latest ``impl``). Returns the number of layers changed. Unsupported layers are refused
+    before this (``support.check_attention_layers``)."""
     n = 0
     for layer in layers.values():
         attn = getattr(layer, "impl", None)

@@ -12,8 +12,9 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
 * an account: :func:`profile_step`, the DSBD runner's ``profile_run`` on a device, runs vLLM's profiling run inside a
   DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth (forests drafted by the drafter's
   real loops with random draft logits in place of the draft model's passes, whose own memory vLLM's drafter dummy run
-  profiles; held while vLLM's target pass runs; the target's logits of every forest row; verification on them; the
-  next forests drafted while these are still held), so the peak vLLM sizes the KV cache from covers the step.
+  profiles; held while vLLM's target pass runs; one layer's forest-attention recompute over them at the longest
+  context; the target's logits of every forest row; verification on them; the next forests drafted while these are
+  still held), so the peak vLLM sizes the KV cache from covers the step.
 
 Beam requests' device work (``beams/``) is not chunked and not in the dummy step (docs/design.md §3.8).
 """
@@ -29,7 +30,8 @@ logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 # float32 elements one chunk of plain requests' verification may hold at once (2 ** 27: 512 MiB)
 VERIFY_BUDGET = 1 << 27
-# the dummy step in the profiling run on the CPU too (tests: on the CPU vLLM does not size the KV cache from the profile)
+# the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
+# profile)
 PROFILE_CPU = False
 # float32 blocks of W * V elements one request holds in verification (``sampler.verify``): the target rows (G + 1), the
 # concatenated draft joints (G) and the layers' temporaries (joint, exponentials, residual, masks, top-p's sort), at
@@ -148,6 +150,8 @@ def profile_step(runner, target_pass) -> None:
         return target_pass()
     R = runner.scheduler_config.max_num_seqs
     dev = runner.device
+    logger.info("DSBD: the profiling run holds a dummy DSBD step of %d requests at width %d, depth %d (its working "
+                "memory is reserved before the KV cache is sized)", R, cfg.width, cfg.depth)
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden_size = runner.model_config.get_hidden_size()
     states = _states(R, cfg.width)
