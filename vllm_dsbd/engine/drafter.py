@@ -284,6 +284,8 @@ class DSBDDrafter(DraftModelProposer):
         if not steps:
             return [None] * R
         forest = Forest.from_steps(steps, depth, W)
+        for st in steps:  # their joints are the forest's now: one copy of the draft joints is held, not two
+            st.joint = None
         # each request's nodes in compact (depth-major) order: forest_layout's token, parent and depth rows, in numpy
         g = len(steps)
         fv = np.stack(valid_np, 1)[:, :g] & (np.arange(g)[None, :] < depth_np[:, None])[:, :, None]
@@ -440,8 +442,11 @@ def _layout_np(valid: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def _pad_forest(forest: Forest, G: int, W: int, V: int) -> Forest:
-    """A batched forest padded to [R, G, W] (joint [R, G, W * V]); row i is request i's forest."""
+    """A batched forest padded to [R, G, W] (joint [R, G, W * V]); row i is request i's forest (itself when nothing
+    needs padding: no copy of the joints)."""
     g = forest.parent.shape[1]
+    if g == G and forest.parent.shape[2] == W and forest.q_joint.shape[2] == W * V:
+        return forest
     def pad(t, fill):
         return torch.nn.functional.pad(t, (0, W - t.shape[2], 0, G - g), value=fill)
     qj = torch.nn.functional.pad(forest.q_joint, (0, W * V - forest.q_joint.shape[2], 0, G - g), value=NEG_INF)
