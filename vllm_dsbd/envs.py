@@ -5,11 +5,11 @@ Who reads what, and when:
 
 * the plugin (``plugin.register``, in every process vLLM starts): ``VLLM_DSBD_DISABLE``;
 * the DSBD runner, once, when it is built (``engine/runner.py``): ``VLLM_DSBD_FOREST_ATTENTION``,
-  ``VLLM_DSBD_STATIC_VERIFY``, ``VLLM_DSBD_FUSED_VERIFY`` and, with a draft model, ``VLLM_DSBD_STATIC_DRAFT``; a bad
-  value stops the engine there, naming the variable. It passes the values down: the attention layers' implementation
-  (``attention.install``), the verification paths (``sampler.verify``'s ``chain_static`` / ``forest_static`` /
-  ``fused``), the beam step's layers (``beams.step.step_beams``' ``static_layers`` / ``fused``) and the drafter's
-  ``static_drafting``;
+  ``VLLM_DSBD_STATIC_VERIFY``, ``VLLM_DSBD_FUSED_VERIFY``, ``VLLM_DSBD_KV_COMMIT`` and, with a draft model,
+  ``VLLM_DSBD_STATIC_DRAFT``; a bad value stops the engine there, naming the variable. It passes the values down: the
+  attention layers' implementation (``attention.install``), the verification paths (``sampler.verify``'s
+  ``chain_static`` / ``forest_static`` / ``fused``), the beam step's layers (``beams.step.step_beams``'
+  ``static_layers`` / ``fused``), the drafter's ``static_drafting`` and the KV planes' commit (``kv.PlaneSet``);
 * ``VLLM_DSBD_BEAM_RELAYOUT`` is read as the runner registers each beam request (``state.Requests.register``), so
   tests and ``benchmarks/engine/beams.py`` switch it between the requests of one engine;
 * ``testing/models.py``: ``VLLM_DSBD_CACHE``, at each call of ``default_cache_dir``;
@@ -37,6 +37,7 @@ BEAM_RELAYOUT = "VLLM_DSBD_BEAM_RELAYOUT"
 STATIC_VERIFY = "VLLM_DSBD_STATIC_VERIFY"
 FUSED_VERIFY = "VLLM_DSBD_FUSED_VERIFY"
 STATIC_DRAFT = "VLLM_DSBD_STATIC_DRAFT"
+KV_COMMIT = "VLLM_DSBD_KV_COMMIT"
 PROMETHEUS_DIR = "VLLM_DSBD_PROMETHEUS_DIR"
 PROMETHEUS_PID = "VLLM_DSBD_PROMETHEUS_PID"
 
@@ -61,9 +62,10 @@ VARIABLES: tuple[Variable, ...] = (
              "skip the plugin's registration: vLLM without DSBD (plugin.py)", "disable"),
     Variable(CACHE, "~/.cache/vllm-dsbd", "a folder ('~' expanded; empty: the default)",
              "where testing/models.py builds its models and drafts", "cache"),
-    Variable(FOREST_ATTENTION, "kernel", "ref; any other value means kernel (never refused)",
+    Variable(FOREST_ATTENTION, "kernel", "torch, ref; any other value means kernel (never refused)",
              "forest attention in the attention layers: the Triton kernel on CUDA, batched torch elsewhere (kernel), "
-             "or the per-request torch reference everywhere (ref) (engine/attention.py)", "forest_attention"),
+             "batched torch everywhere (torch: the CPU-tested path, a fallback on CUDA), or the per-request torch "
+             "reference everywhere (ref) (engine/attention.py)", "forest_attention"),
     Variable(BEAM_RELAYOUT, "1", "0; any other value means on (never refused)",
              "0: beam requests keep their dead trie slots and their common prefix in the trie (no re-layout); for "
              "comparisons in benchmarks/engine/beams.py and tests, not a user setting (engine/state.py)", "beam_relayout"),
@@ -76,8 +78,13 @@ VARIABLES: tuple[Variable, ...] = (
              "the fused verification kernel: auto on CUDA (the static paths, beam sampling's layers), 0 never "
              "(the torch layer) (engine/fused.py)", "fused_verify"),
     Variable(STATIC_DRAFT, "1", "1 / true / yes / on / empty, 0 / false / no / off (any case)",
-             "the draft loops with one host read per call (1), or the general loops, one read per draft depth (0: "
-             "a fallback) (engine/drafter.py, engine/beams/drafter.py)", "static_draft"),
+             "the draft loops with one host read per call (1: the width-1 chain loop and the static loops), or the "
+             "general loops, one read per draft depth, at every width (0: a fallback) (engine/drafter.py, "
+             "engine/beams/drafter.py)", "static_draft"),
+    Variable(KV_COMMIT, "auto", "auto / empty, torch (any case)",
+             "the KV commit (moving kept nodes' K/V after verification): auto the Triton kernel on CUDA and the torch "
+             "reference elsewhere, torch the reference everywhere (a fallback on a device) (engine/kv.py)",
+             "kv_commit"),
     Variable(PROMETHEUS_DIR, "", "a folder", "the front end's multiprocess metrics folder (engine/prometheus.py)",
              None, internal=True),
     Variable(PROMETHEUS_PID, "", "a process id", "the front end's pid (engine/prometheus.py)", None, internal=True),
@@ -85,7 +92,7 @@ VARIABLES: tuple[Variable, ...] = (
 
 NAMES: tuple[str, ...] = tuple(v.name for v in VARIABLES)
 # what the runner reads when it is built (in this order: the first bad one is reported)
-ENGINE: tuple[str, ...] = (FOREST_ATTENTION, STATIC_VERIFY, FUSED_VERIFY, STATIC_DRAFT)
+ENGINE: tuple[str, ...] = (FOREST_ATTENTION, STATIC_VERIFY, FUSED_VERIFY, STATIC_DRAFT, KV_COMMIT)
 
 
 def _default_cache() -> pathlib.Path:
@@ -98,11 +105,12 @@ class Env:
 
     disable: bool = False  # VLLM_DSBD_DISABLE
     cache: pathlib.Path | None = None  # VLLM_DSBD_CACHE ('~' expanded); None: unset (see cache_dir)
-    forest_attention: str = "kernel"  # VLLM_DSBD_FOREST_ATTENTION: "kernel" or "ref"
+    forest_attention: str = "kernel"  # VLLM_DSBD_FOREST_ATTENTION: "kernel", "torch" or "ref"
     beam_relayout: bool = True  # VLLM_DSBD_BEAM_RELAYOUT
     static_verify: bool | None = None  # VLLM_DSBD_STATIC_VERIFY: None = auto (on a device, not on the CPU)
     fused_verify: bool | None = None  # VLLM_DSBD_FUSED_VERIFY: None = auto (on CUDA); False = never
     static_draft: bool = True  # VLLM_DSBD_STATIC_DRAFT
+    kv_commit: str = "auto"  # VLLM_DSBD_KV_COMMIT: "auto" (the kernel on CUDA) or "torch"
 
     def cache_dir(self) -> pathlib.Path:
         """The models' folder: ``cache``, else ~/.cache/vllm-dsbd (the home folder looked up only then)."""
@@ -140,7 +148,8 @@ def _cache(env: Mapping[str, str]) -> pathlib.Path | None:
 
 
 def _forest_attention(env: Mapping[str, str]) -> str:
-    return "ref" if env.get(FOREST_ATTENTION, "kernel") == "ref" else "kernel"
+    v = env.get(FOREST_ATTENTION, "kernel")
+    return v if v in ("ref", "torch") else "kernel"
 
 
 def _beam_relayout(env: Mapping[str, str]) -> bool:
@@ -172,8 +181,18 @@ def _static_draft(env: Mapping[str, str]) -> bool:
     raise ValueError(f"{STATIC_DRAFT} must be 1 or 0, got {v!r}")
 
 
+def _kv_commit(env: Mapping[str, str]) -> str:
+    v = env.get(KV_COMMIT, "auto").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v == "torch":
+        return v
+    raise ValueError(f"{KV_COMMIT} must be auto or torch, got {v!r}")
+
+
 _PARSERS = {DISABLE: _disable, CACHE: _cache, FOREST_ATTENTION: _forest_attention, BEAM_RELAYOUT: _beam_relayout,
-            STATIC_VERIFY: _static_verify, FUSED_VERIFY: _fused_verify, STATIC_DRAFT: _static_draft}
+            STATIC_VERIFY: _static_verify, FUSED_VERIFY: _fused_verify, STATIC_DRAFT: _static_draft,
+            KV_COMMIT: _kv_commit}
 
 
 def read(environ: Mapping[str, str] | None = None, only: Iterable[str] | None = None) -> Env:

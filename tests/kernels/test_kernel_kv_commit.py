@@ -211,3 +211,47 @@ def test_table_rejects_mismatched_caches() -> None:
     ):
         with pytest.raises(ValueError):
             KVCacheTable.from_caches(bad)
+
+
+def test_engine_commit_with_the_kernel_equals_the_torch_switch(monkeypatch) -> None:
+    """The engine's commit (``engine/kv.py``): through the kernel (a :class:`PlaneSet` with its table, as on CUDA) and
+    with ``VLLM_DSBD_KV_COMMIT=torch`` (the torch reference, the CPU-tested path) the caches end bit for bit the same,
+    on planes laid out as vLLM 0.26's GPU backends lay out a layer's cache; the kernel ran only in the first."""
+    import numpy as np
+
+    from vllm_dsbd import envs
+    from vllm_dsbd.engine import kv
+
+    gen = torch.Generator().manual_seed(4)
+    nb, bs, h, d = 30, 16, 2, 64
+    caches = [random_bits((nb, bs, h, 2 * d), torch.bfloat16, gen).transpose(1, 2) for _ in range(3)]  # logical
+    twin = [c.clone() for c in caches]
+    before = caches[0].clone()
+    src, dst = compaction_pairs(4, nb, bs, seed=5, padding=0)
+    src, dst = src.cpu().numpy(), dst.cpu().numpy()
+    assert (src != dst).sum() >= 4
+    calls = []
+    real = kvc.copy_kv_slots
+    monkeypatch.setattr(kvc, "copy_kv_slots", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    monkeypatch.delenv(envs.KV_COMMIT, raising=False)
+    assert envs.read(only=[envs.KV_COMMIT]).kv_commit == "auto"
+    kernel_set = kv.PlaneSet([p for c in caches for p in kv.gpu_planes(c)], kernel=True)
+    kv.commit(kernel_set, src, dst)
+    assert calls == [1]
+
+    monkeypatch.setenv(envs.KV_COMMIT, "torch")
+    setting = envs.read(only=[envs.KV_COMMIT]).kv_commit
+    torch_set = kv.PlaneSet([p for c in twin for p in kv.gpu_planes(c)], kv.commit_kernel(setting))
+    assert torch_set.table is None
+    kv.commit(torch_set, src, dst)
+    assert calls == [1]  # the switch never reaches the kernel
+    for i, (a, b) in enumerate(zip(caches, twin)):
+        assert_bitwise_equal(a, b, what=f"layer {i}")
+    rows = lambda c: c.transpose(1, 2).reshape(nb * bs, -1).view(torch.int16)  # noqa: E731  (slot rows, as bits)
+    moved = torch.from_numpy(np.unique(dst[src != dst]))
+    assert not torch.equal(rows(caches[0])[moved], rows(before)[moved])  # the rows really moved
+
+    monkeypatch.setenv(envs.KV_COMMIT, "kernel")
+    with pytest.raises(ValueError, match="VLLM_DSBD_KV_COMMIT must be auto or torch, got 'kernel'"):
+        envs.read(only=[envs.KV_COMMIT])

@@ -4,7 +4,8 @@ beam sampling) whose beams live inside the engine, with or without a draft model
 :mod:`.worker` builds :mod:`.runner`'s DSBD runner, which hooks the engine step: request states (:mod:`.state`), forest
 attention (:mod:`.attention`, :mod:`.kv`), verification (:mod:`.sampler`, :mod:`.fused`), drafting (:mod:`.drafter`),
 beam requests (:mod:`.beams`), host reads (:mod:`.reads`), load-aware speculation (:mod:`.load`), graph safety
-(:mod:`.graphs`), start-up refusals (:mod:`.support`) and metrics (:mod:`.metrics`, :mod:`.prometheus`). Importing this
+(:mod:`.graphs`), start-up refusals (:mod:`.support`), working memory (:mod:`.memory`) and metrics (:mod:`.metrics`,
+:mod:`.prometheus`). Importing this
 package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do. The story: docs/design.md §3; the module map:
 §4.
 """

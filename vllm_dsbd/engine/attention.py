@@ -3,8 +3,9 @@
 :func:`install` gives every attention layer's ``impl`` an in-place subclass whose ``forward`` runs the base (causal)
 attention, which also writes every query token's K/V, then, while a :class:`ForestBatch` is active
 (:func:`forest_scope`), recomputes the forest query tokens' outputs under their ancestor masks over the paged cache and
-writes them over the causal ones: the Triton kernel on CUDA, a batched torch path elsewhere, the per-request reference
-with ``VLLM_DSBD_FOREST_ATTENTION=ref``. vLLM's classes are not modified. How and why: docs/design.md §3.5.
+writes them over the causal ones: the Triton kernel on CUDA, a batched torch path elsewhere (everywhere with
+``VLLM_DSBD_FOREST_ATTENTION=torch``), the per-request reference with ``VLLM_DSBD_FOREST_ATTENTION=ref``. vLLM's
+classes are not modified. How and why: docs/design.md §3.5.
 """
 from __future__ import annotations
 
@@ -141,12 +142,13 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
     """Overwrites ``output[batch.token_index]`` with forest attention of those query tokens over the paged cache.
 
     query, output: [T, H, D] (output may be a view of the layer's output buffer); block_table: the pass's [num_reqs,
-    max_blocks] int32 block table (rows in attention-metadata order). ``impl``: "kernel" or "ref" (what :func:`install`
-    was given; None: ``VLLM_DSBD_FOREST_ATTENTION`` now)."""
+    max_blocks] int32 block table (rows in attention-metadata order). ``impl``: "kernel" (the Triton kernel on CUDA,
+    the batched torch path elsewhere), "torch" (the batched torch path everywhere) or "ref" (what :func:`install` was
+    given; None: ``VLLM_DSBD_FOREST_ATTENTION`` now)."""
     if impl is None:
         impl = envs.read(only=(envs.FOREST_ATTENTION,)).forest_attention
     k_plane, v_plane = layer_planes(kv_cache)
-    if query.is_cuda and impl != "ref":
+    if query.is_cuda and impl == "kernel":
         from dsbd_kernels.forest_attention import forest_attention
 
         b = batch.to(query.device)
@@ -199,9 +201,9 @@ def _forest_impl_class(base: type) -> type:
 
 def install(layers: dict, impl: str | None = None) -> int:
     """Gives every attention layer in ``layers`` (name -> vLLM ``Attention`` module) the forest-attention forward with
-    ``impl`` ("kernel" or "ref"; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a wrapped layer
-    takes the latest ``impl``). Returns the number of layers changed. Unsupported layers are refused before this
-    (``support.check_attention_layers``)."""
+    ``impl`` ("kernel", "torch" or "ref"; None: ``VLLM_DSBD_FOREST_ATTENTION`` at each recompute). Idempotent (a
+    wrapped layer takes the latest ``impl``). Returns the number of layers changed. Unsupported layers are refused
+    before this (``support.check_attention_layers``)."""
     n = 0
     for layer in layers.values():
         attn = getattr(layer, "impl", None)

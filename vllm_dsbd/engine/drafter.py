@@ -35,8 +35,9 @@ from .state import PendingForest, RequestState
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
-# the draft loops with one host read per call (``DSBDDrafter._draft_static``, ``beams.drafter._draft_static``): "1"
-# (default, every device) or "0" (the general loops, one read per draft depth: a fallback)
+# the draft loops with one host read per call (``DSBDDrafter._draft_chains`` / ``_draft_static``,
+# ``beams.drafter._draft_static``): "1" (default, every device) or "0" (the general loops, one read per draft depth, at
+# every width: a fallback)
 STATIC_DRAFT_ENV = envs.STATIC_DRAFT
 
 
@@ -99,12 +100,13 @@ class DSBDDrafter(DraftModelProposer):
         self.cfg = cfg
         self.runner = runner
         self.forward_passes = 0  # statistics
-        # every request of a call at width 1: ``_draft_chains`` (False: the general loop; tests compare the two)
-        self.chain_drafting = True
         # wider calls: ``_draft_static`` first (False: the general loop; tests compare the two); after a call whose
         # draws broke its bet, the next ``_static_skip`` calls go straight to the loop (1, 2, 4 .. up to 16 calls)
         # (None: VLLM_DSBD_STATIC_DRAFT now)
         self.static_drafting = static_draft_default() if static_drafting is None else static_drafting
+        # every request of a call at width 1: ``_draft_chains`` (False: the general loop; tests compare the two); off
+        # with the static loops (VLLM_DSBD_STATIC_DRAFT=0 takes the general loop at every width)
+        self.chain_drafting = self.static_drafting
         self.static_misses = 0  # calls whose bet failed and were drafted again by the loop (statistics, tests)
         self._static_skip = 0
         self._static_backoff = 0
@@ -282,6 +284,8 @@ class DSBDDrafter(DraftModelProposer):
         if not steps:
             return [None] * R
         forest = Forest.from_steps(steps, depth, W)
+        for st in steps:  # their joints are the forest's now: one copy of the draft joints is held, not two
+            st.joint = None
         # each request's nodes in compact (depth-major) order: forest_layout's token, parent and depth rows, in numpy
         g = len(steps)
         fv = np.stack(valid_np, 1)[:, :g] & (np.arange(g)[None, :] < depth_np[:, None])[:, :, None]
@@ -438,8 +442,11 @@ def _layout_np(valid: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def _pad_forest(forest: Forest, G: int, W: int, V: int) -> Forest:
-    """A batched forest padded to [R, G, W] (joint [R, G, W * V]); row i is request i's forest."""
+    """A batched forest padded to [R, G, W] (joint [R, G, W * V]); row i is request i's forest (itself when nothing
+    needs padding: no copy of the joints)."""
     g = forest.parent.shape[1]
+    if g == G and forest.parent.shape[2] == W and forest.q_joint.shape[2] == W * V:
+        return forest
     def pad(t, fill):
         return torch.nn.functional.pad(t, (0, W - t.shape[2], 0, G - g), value=fill)
     qj = torch.nn.functional.pad(forest.q_joint, (0, W * V - forest.q_joint.shape[2], 0, G - g), value=NEG_INF)

@@ -76,15 +76,25 @@ def layer_planes(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PlaneSet:
-    """The K/V planes of one KV-cache group, with the kernel's table of them built once (CUDA only)."""
+    """The K/V planes of one KV-cache group, with the kernel's table of them built once. ``kernel``: None (the
+    engine's default) on CUDA when the planes share one geometry; False never (``VLLM_DSBD_KV_COMMIT=torch``: the
+    torch reference); True always (tests: the kernel under Triton's interpreter on CPU planes with unit stride)."""
 
-    def __init__(self, planes: Sequence[torch.Tensor]):
+    def __init__(self, planes: Sequence[torch.Tensor], kernel: bool | None = None):
         self.planes = list(planes)
         self.table = None
-        if self.planes and self.planes[0].is_cuda and _same_geometry(self.planes):
+        if kernel is None:
+            kernel = bool(self.planes) and self.planes[0].is_cuda and _same_geometry(self.planes)
+        if kernel:
             from dsbd_kernels.kv_commit import KVCacheTable
 
             self.table = KVCacheTable.from_caches(self.planes)
+
+
+def commit_kernel(setting: str) -> bool | None:
+    """:class:`PlaneSet`'s ``kernel`` for ``VLLM_DSBD_KV_COMMIT``'s value (``envs.Env.kv_commit``): "torch" never,
+    "auto" the default (the kernel on CUDA)."""
+    return False if setting == "torch" else None
 
 
 def _same_geometry(planes: Sequence[torch.Tensor]) -> bool:
@@ -94,8 +104,9 @@ def _same_geometry(planes: Sequence[torch.Tensor]) -> bool:
 
 def commit(planes: "PlaneSet | Iterable[torch.Tensor]", src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
     """Copies every plane's rows ``src_slots`` to ``dst_slots`` (all sources read before any write; pairs with src ==
-    dst dropped). On CUDA one launch of ``copy_kv_slots``, whose ordering condition commit pairs satisfy (destinations
-    ``ctx + k`` from sources ``ctx + n_k``, n increasing); elsewhere its torch reference."""
+    dst dropped). With the kernel's table (a :class:`PlaneSet` on CUDA, unless ``VLLM_DSBD_KV_COMMIT=torch``) one
+    launch of ``copy_kv_slots``, whose ordering condition commit pairs satisfy (destinations ``ctx + k`` from sources
+    ``ctx + n_k``, n increasing); otherwise its torch reference."""
     keep = src_slots != dst_slots
     if not keep.any():
         return

@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, kv, load, reads, sampler
+from . import attention, kv, load, memory, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.sampling import top_rows
 from .beams.step import step_beams
@@ -39,8 +39,8 @@ class DSBDRunnerMixin:
             super().__init__(vllm_config, device)
         self.dsbd_cfg = cfg
         # DSBD's environment variables, read once (vllm_dsbd/envs.py): a bad VLLM_DSBD_STATIC_VERIFY /
-        # VLLM_DSBD_FUSED_VERIFY / VLLM_DSBD_STATIC_DRAFT stops the start-up (VLLM_DSBD_STATIC_DRAFT only with a draft
-        # model, which is all that reads it)
+        # VLLM_DSBD_FUSED_VERIFY / VLLM_DSBD_STATIC_DRAFT / VLLM_DSBD_KV_COMMIT stops the start-up
+        # (VLLM_DSBD_STATIC_DRAFT only with a draft model, which is all that reads it)
         self.dsbd_env = env = envs.read(only=[n for n in envs.ENGINE if cfg.draft or n != envs.STATIC_DRAFT])
         dev = torch.device(device)
         # the verification paths: the static ones (no host reads) or the row subsets (``sampler.verify``)
@@ -105,6 +105,14 @@ class DSBDRunnerMixin:
         n = attention.install(self.compilation_config.static_forward_context, self.dsbd_env.forest_attention)
         logger.info("DSBD: forest attention installed on %d attention layers", n)
         return out
+
+    def profile_run(self):
+        """On a device, vLLM's profiling run inside DSBD's dummy step at ``max_num_seqs`` (``memory.profile_step``), so
+        the peak vLLM sizes the KV cache from covers DSBD's per-step working memory. On the CPU vLLM does not size the
+        KV cache from the profile (``VLLM_CPU_KVCACHE_SPACE``): vLLM's alone (``memory.PROFILE_CPU``: tests)."""
+        if torch.device(self.device).type == "cpu" and not memory.PROFILE_CPU:
+            return super().profile_run()
+        return memory.profile_step(self, super().profile_run)
 
     # ------------------------------------------------------------------------------------------------------------
     # 1. request states
@@ -379,7 +387,8 @@ class DSBDRunnerMixin:
                     cache = getattr(ctx.get(name), "kv_cache", None)
                     if isinstance(cache, torch.Tensor) and cache.numel():
                         planes.setdefault(gid, []).extend(kv.layer_planes(cache))
-            self._dsbd_planes = {gid: kv.PlaneSet(p) for gid, p in planes.items()}
+            kernel = kv.commit_kernel(self.dsbd_env.kv_commit)  # VLLM_DSBD_KV_COMMIT
+            self._dsbd_planes = {gid: kv.PlaneSet(p, kernel) for gid, p in planes.items()}
         return self._dsbd_planes
 
     def _commit_kv(self, plan, results) -> None:

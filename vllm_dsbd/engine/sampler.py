@@ -25,6 +25,7 @@ from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .fused import fused_default, fused_layer
 from .beams.trie import StepResult
+from .memory import verify_chunk
 from .reads import Reader
 from .state import PendingForest, RequestState
 
@@ -98,11 +99,26 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
-           forest_static: bool | None = None, fused: bool | None = None) -> Reader[list[RowResult]]:
+           forest_static: bool | None = None, fused: bool | None = None,
+           budget: int | None = None) -> Reader[list[RowResult]]:
     """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
-    (``engine/reads.py``). Runs on the logits' device, one host copy at the end (the general path also reads at the
-    core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and with ``chain_static`` /
-    ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel when ``fused``."""
+    (``engine/reads.py``). Runs on the logits' device, one host copy at the end of each chunk of requests (the general
+    path also reads at the core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and
+    with ``chain_static`` / ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel
+    when ``fused``. Requests go in chunks of ``memory.verify_chunk`` (``budget`` float32 elements, default
+    ``memory.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk."""
+    n = verify_chunk(cfg.depth, cfg.width, logits.shape[-1], budget)
+    out: list[RowResult] = []
+    for a in range(0, len(rows), n):
+        out += yield from _verify_chunk(logits, rows[a : a + n], cfg, chain_fast_path, chain_static, forest_static,
+                                        fused)
+    return out
+
+
+def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, chain_fast_path: bool,
+                  chain_static: bool | None, forest_static: bool | None,
+                  fused: bool | None) -> Reader[list[RowResult]]:
+    """:func:`verify` of one chunk of requests."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device

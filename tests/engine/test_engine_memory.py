@@ -1,0 +1,62 @@
+"""DSBD's per-step working memory is covered by what vLLM's profiling run reserves (``engine/memory.py``), real vLLM
+0.26.0 on CPU, measured by torch's CPU allocator records (``mem_peak.peak_bytes``: the most bytes allocated during a
+call and held at once).
+
+One engine (tiny random Llama pair, W = 4, G = 3, pinned speculation, ``max_num_seqs`` = 24 and just enough batched
+tokens for all of them at full forests). On a GPU the runner's ``profile_run`` is vLLM's profiling run inside DSBD's
+dummy step (``memory.profile_step``), and vLLM sizes the KV cache from its peak; on the CPU it is vLLM's alone unless
+``memory.PROFILE_CPU``, which the test sets to measure the device's profile here. Then 24 requests at once (T = 1 with
+top-k and top-p, seeded: the widest joints; full forests every step) run under the same measurement. Asserted:
+
+* the whole run's peak (the target passes, verification, drafting, the forests held between steps) <= the profile's;
+* the bound has power: vLLM's profiling run alone (what was reserved before) peaks below the run;
+* the run drafted full forests (vLLM's spec-decode counters: draft tokens per draft, accepted tokens).
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import dsbd_llm, metric, runner_of  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from mem_peak import peak_bytes  # noqa: E402
+from vllm_dsbd.engine import memory  # noqa: E402
+
+W, G, R, MAX_TOKENS = 4, 3, 24, 12
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_pair):
+    target, draft = tiny_pair
+    with dsbd_llm(target, max_num_seqs=R, max_num_batched_tokens=R * (1 + W * G),
+                  speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": G,
+                                      "width": W, "verify_budget": None}) as llm:
+        runner = runner_of(llm)
+        _, vllm_only = peak_bytes(runner.profile_run)  # the CPU default: vLLM's profiling run alone
+        memory.PROFILE_CPU = True
+        try:
+            _, profiled = peak_bytes(runner.profile_run)  # what a device's profiling run measures
+        finally:
+            memory.PROFILE_CPU = False
+        params = [vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=k, max_tokens=MAX_TOKENS,
+                                      ignore_eos=True) for k in range(R)]
+        prompts = [{"prompt_token_ids": [5 + k, 17, 3 * k + 1]} for k in range(R)]
+        outs, step = peak_bytes(llm.generate, prompts, params, use_tqdm=False)
+        counts = {k: metric(llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    return dict(vllm_only=vllm_only, profiled=profiled, step=step, outs=outs, counts=counts)
+
+
+def test_the_profile_covers_a_full_batch_of_full_forests(measured):
+    m = measured
+    print(f"\npeak bytes: vLLM's profiling run {m['vllm_only']:,}, with DSBD's dummy step {m['profiled']:,}; "
+          f"{R} requests at W = {W}, G = {G}: {m['step']:,}")
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in m["outs"])
+    assert m["step"] <= m["profiled"]
+    assert m["step"] > m["vllm_only"]  # without DSBD's dummy step the profile would not cover the run
+
+
+def test_the_run_drafted_full_forests(measured):
+    c = measured["counts"]
+    print(f"\n{c}")
+    assert c["accepted_tokens"] >= R  # forests were drafted and verified
+    assert c["draft_tokens"] >= 0.75 * W * G * c["drafts"]  # mostly full forests (the last steps are cut by max_tokens)

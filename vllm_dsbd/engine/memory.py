@@ -1,0 +1,185 @@
+"""DSBD's per-step working memory inside vLLM's budget: bounded by chunking, and reserved in vLLM's profiling run.
+
+A DSBD step allocates float32 blocks that grow with the batch: verification's target rows ``[R, G + 1, W, V]``, the
+forests' draft joints ``[R, G, W * V]`` (kept from one step to the next: Q of the drafts being verified), the per-layer
+joints and their temporaries. vLLM sizes the KV cache from the peak its profiling run sees (``profile_run``: the model
+at ``max_num_batched_tokens``, its own sampler at ``max_num_seqs``), which runs none of DSBD's work, so without more a
+GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a large batch. Two parts:
+
+* a bound: plain requests' verification runs over chunks of at most :func:`verify_chunk` requests, sized so that a
+  chunk's working set stays under :data:`VERIFY_BUDGET` elements (``sampler.verify``; each request's results do not
+  depend on the others, so chunking changes no decision; a step reads the device once per chunk);
+* an account: :func:`profile_step`, the DSBD runner's ``profile_run`` on a device, runs vLLM's profiling run inside a
+  DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth (forests drafted by the drafter's
+  real loops with random draft logits in place of the draft model's passes, whose own memory vLLM's drafter dummy run
+  profiles; held while vLLM's target pass runs; one layer's forest-attention recompute over them at the longest
+  context; the target's logits of every forest row; verification on them; the next forests drafted while these are
+  still held), so the peak vLLM sizes the KV cache from covers the step.
+
+Beam requests' device work (``beams/``) is not chunked and not in the dummy step (docs/design.md §3.8).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+# float32 elements one chunk of plain requests' verification may hold at once (2 ** 27: 512 MiB)
+VERIFY_BUDGET = 1 << 27
+# the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
+# profile)
+PROFILE_CPU = False
+# float32 blocks of W * V elements one request holds in verification (``sampler.verify``): the target rows (G + 1), the
+# concatenated draft joints (G) and the layers' temporaries (joint, exponentials, residual, masks, top-p's sort), at
+# most LAYER_BLOCKS; measured on the CPU (torch's allocator records) at G = 1..3, W = 1..4, a chunk of one request on
+# the static path at most 24 blocks besides the 2G + 1, the row-subset path 18 (tests/unit/test_memory.py checks)
+LAYER_BLOCKS = 26
+
+
+def verify_blocks(depth: int) -> int:
+    """The W * V float32 blocks one request holds in verification at depth G (see :data:`LAYER_BLOCKS`)."""
+    G = max(depth, 1)
+    return (G + 1) + G + LAYER_BLOCKS
+
+
+def verify_chunk(depth: int, width: int, vocab: int, budget: int | None = None) -> int:
+    """The most plain requests one verification chunk takes (>= 1): ``budget`` (default :data:`VERIFY_BUDGET`)
+    float32 elements over each request's ``verify_blocks(depth) * width * vocab``."""
+    budget = VERIFY_BUDGET if budget is None else budget
+    return max(1, budget // (verify_blocks(depth) * max(width, 1) * max(vocab, 1)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the dummy step of the profiling run
+@contextlib.contextmanager
+def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
+    """The drafter with random draft logits instead of its model's passes (there is no KV cache yet while vLLM
+    profiles, and the drafter's KV group is not known) and an all-zero block table of ``rows`` rows owning enough
+    blocks for a forest; its statistics and back-off state put back after."""
+    saved = {k: getattr(drafter, k) for k in ("forward_passes", "static_misses", "_static_skip", "_static_backoff")}
+    dev = drafter.device
+    block_size = 16
+    blocks = -(-(drafter.cfg.num_speculative_slots + 2) // block_size)
+
+    def forward_ragged(input_ids, positions, slots, query_lens, seq_lens, block_rows, sample_idx, forest, index):
+        return torch.randn(len(sample_idx), vocab, device=dev, generator=gen) * 4
+
+    def block_table_host():
+        return torch.zeros(rows, blocks, dtype=torch.int32), block_size, np.full(rows, blocks)
+
+    drafter.forward_ragged, drafter.block_table_host = forward_ragged, block_table_host
+    try:
+        yield
+    finally:
+        del drafter.forward_ragged, drafter.block_table_host  # the class's methods again
+        for k, v in saved.items():
+            setattr(drafter, k, v)
+
+
+def _states(num: int, width: int):
+    """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths)."""
+    from .state import RequestState
+
+    return [RequestState(req_id=f"dsbd-profile-{i}", seed=i, width=width, temperature=1.0, top_k=50, top_p=0.9,
+                         eos=-1, max_tokens=None) for i in range(num)]
+
+
+def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
+    from . import reads
+    from .drafter import DraftJob
+
+    cfg = runner.dsbd_cfg
+    jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth) for i, st in enumerate(states)]
+    with _dummy_draft_passes(runner.drafter, len(states), vocab, gen):
+        return reads.run(runner.drafter.propose_forests(jobs))
+
+
+def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
+    """One attention layer's forest recompute (``attention.recompute_forest_outputs``, the implementation the layers
+    were given) over the dummy forests at the longest context, on a one-block dummy cache: its working set (the CPU
+    path's gathered K/V and scores; the Triton kernel's outputs) is sized by the requests, nodes and context lengths,
+    not by the cache. The layers recompute one after the other, so one layer's is the pass's."""
+    from .attention import ForestBatch, ForestEntry, drop_chain_queries, recompute_forest_outputs
+
+    layer = next((m for m in runner.compilation_config.static_forward_context.values()
+                  if getattr(getattr(m, "impl", None), "__dsbd_base__", None) is not None), None)
+    forests = [pf for pf in pending if pf is not None]
+    if layer is None or not forests:
+        return
+    impl, dev = layer.impl, runner.device
+    heads, kv_heads, head = impl.num_heads, impl.num_kv_heads, impl.head_size
+    bs = runner.cache_config.block_size
+    entries, t = [], 0
+    for i, pf in enumerate(forests):
+        n = len(pf.tokens)
+        ctx = max(runner.model_config.max_model_len - n - 1, 1)
+        entries.append(drop_chain_queries(ForestEntry(req_row=i, token_rows=list(range(t + 1, t + 1 + n)),
+                                                      context_len=ctx, parents=pf.parents, query_nodes=list(range(n)))))
+        t += 1 + n
+    batch = ForestBatch.build(entries, max_nodes=runner.dsbd_cfg.num_speculative_slots)
+    if batch is None:
+        return
+    blocks = -(-runner.model_config.max_model_len // bs)
+    dtype = runner.kv_cache_dtype if isinstance(getattr(runner, "kv_cache_dtype", None), torch.dtype) else runner.dtype
+    if torch.device(dev).type == "cpu":  # CPU_ATTN: [blocks, kv heads, block size, 2 * head] contiguous (kv.py)
+        cache = torch.zeros(1, kv_heads, bs, 2 * head, dtype=dtype, device=dev)
+    else:  # the GPU backends' logical shape over NHD memory, as vLLM allocates it
+        cache = torch.zeros(1, bs, kv_heads, 2 * head, dtype=dtype, device=dev).transpose(1, 2)
+    table = torch.zeros(len(forests), blocks, dtype=torch.int32, device=dev)
+    query = torch.randn(t, heads, head, dtype=runner.dtype, device=dev, generator=gen)
+    out = torch.zeros_like(query)
+    recompute_forest_outputs(batch, query, cache, table, impl.scale, out, getattr(impl, "_dsbd_forest_impl", None))
+
+
+@torch.inference_mode()
+def profile_step(runner, target_pass) -> None:
+    """vLLM's profiling run (``target_pass``: the model at ``max_num_batched_tokens`` and vLLM's sampler dummy) inside
+    a DSBD step's device work on dummy data at ``max_num_seqs`` plain requests of full width and depth, so that the
+    peak vLLM sizes the KV cache from covers the step (module docstring): the forests the step verifies are held during
+    the target pass, then the logits of every forest row are verified and the next forests drafted while those are
+    still held. Without a draft model just ``target_pass`` (no forests: one row per request, as vLLM's own dummy)."""
+    from . import reads, sampler
+    from .state import PendingForest
+
+    cfg = runner.dsbd_cfg
+    if not cfg.draft:
+        return target_pass()
+    R = runner.scheduler_config.max_num_seqs
+    dev = runner.device
+    logger.info("DSBD: the profiling run holds a dummy DSBD step of %d requests at width %d, depth %d (its working "
+                "memory is reserved before the KV cache is sized)", R, cfg.width, cfg.depth)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    hidden_size = runner.model_config.get_hidden_size()
+    states = _states(R, cfg.width)
+    # the forests a step verifies (the drafter's real loops, random draft logits); held until the step's end, as the
+    # runner's plan holds them while it drafts the next ones
+    vocab = runner.model.compute_logits(torch.zeros(1, hidden_size, dtype=runner.dtype, device=dev)).shape[-1]
+    pending = _forests(runner, states, vocab, gen)
+    out = target_pass()
+    _forest_attention(runner, pending, gen)  # what the target pass adds under forest attention, one layer's worth
+    plan, first = [], 0
+    for st, pf in zip(states, pending):
+        n = len(pf.tokens) if pf is not None else 0
+        row = sampler.RowPlan(state=st, first_row=first, context_len=1)
+        if pf is not None:
+            row.forest = PendingForest(forest=pf.uncut, tokens=pf.tokens, parents=pf.parents, depths=pf.depths,
+                                       root_pos=0, depth=pf.depth)
+            row.num_nodes = n
+        plan.append(row)
+        first += 1 + n
+    # the target's logits of every row (root and forest nodes), from the model's own head
+    hidden = torch.rand(first, hidden_size, dtype=runner.dtype, device=dev, generator=gen)
+    logits = runner.model.compute_logits(hidden)
+    del hidden
+    reads.run(sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
+                             fused=runner.dsbd_fused))
+    # the next step's forests while this step's (and, conservatively, its logits) are still held
+    for st in states:
+        st.draft_len = 0
+    nxt = _forests(runner, states, vocab, gen)
+    del nxt, logits, plan, pending
+    return out
