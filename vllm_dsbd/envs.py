@@ -38,6 +38,7 @@ STATIC_VERIFY = "VLLM_DSBD_STATIC_VERIFY"
 FUSED_VERIFY = "VLLM_DSBD_FUSED_VERIFY"
 STATIC_DRAFT = "VLLM_DSBD_STATIC_DRAFT"
 KV_COMMIT = "VLLM_DSBD_KV_COMMIT"
+PROFILE_STEP = "VLLM_DSBD_PROFILE_STEP"
 PROMETHEUS_DIR = "VLLM_DSBD_PROMETHEUS_DIR"
 PROMETHEUS_PID = "VLLM_DSBD_PROMETHEUS_PID"
 
@@ -85,6 +86,10 @@ VARIABLES: tuple[Variable, ...] = (
              "the KV commit (moving kept nodes' K/V after verification): auto the Triton kernel on CUDA and the torch "
              "reference elsewhere, torch the reference everywhere (a fallback on a device) (engine/kv.py)",
              "kv_commit"),
+    Variable(PROFILE_STEP, "1", "1 / true / yes / on / empty, 0 / false / no / off (any case)",
+             "1: on a device vLLM's profiling run holds a dummy DSBD step at max_num_seqs, so the KV cache is sized "
+             "with DSBD's working memory reserved; 0: vLLM's profiling run alone, as on the CPU (a fallback: lower "
+             "--gpu-memory-utilization then) (engine/memory.py)", "profile_step"),
     Variable(PROMETHEUS_DIR, "", "a folder", "the front end's multiprocess metrics folder (engine/prometheus.py)",
              None, internal=True),
     Variable(PROMETHEUS_PID, "", "a process id", "the front end's pid (engine/prometheus.py)", None, internal=True),
@@ -92,7 +97,7 @@ VARIABLES: tuple[Variable, ...] = (
 
 NAMES: tuple[str, ...] = tuple(v.name for v in VARIABLES)
 # what the runner reads when it is built (in this order: the first bad one is reported)
-ENGINE: tuple[str, ...] = (FOREST_ATTENTION, STATIC_VERIFY, FUSED_VERIFY, STATIC_DRAFT, KV_COMMIT)
+ENGINE: tuple[str, ...] = (FOREST_ATTENTION, STATIC_VERIFY, FUSED_VERIFY, STATIC_DRAFT, KV_COMMIT, PROFILE_STEP)
 
 
 def _default_cache() -> pathlib.Path:
@@ -111,6 +116,7 @@ class Env:
     fused_verify: bool | None = None  # VLLM_DSBD_FUSED_VERIFY: None = auto (on CUDA); False = never
     static_draft: bool = True  # VLLM_DSBD_STATIC_DRAFT
     kv_commit: str = "auto"  # VLLM_DSBD_KV_COMMIT: "auto" (the kernel on CUDA) or "torch"
+    profile_step: bool = True  # VLLM_DSBD_PROFILE_STEP
 
     def cache_dir(self) -> pathlib.Path:
         """The models' folder: ``cache``, else ~/.cache/vllm-dsbd (the home folder looked up only then)."""
@@ -190,9 +196,16 @@ def _kv_commit(env: Mapping[str, str]) -> str:
     raise ValueError(f"{KV_COMMIT} must be auto or torch, got {v!r}")
 
 
+def _profile_step(env: Mapping[str, str]) -> bool:
+    v = env.get(PROFILE_STEP, "1").strip().lower()
+    if v in ("",) + _TRUE + _FALSE:
+        return v not in _FALSE
+    raise ValueError(f"{PROFILE_STEP} must be 1 or 0, got {v!r}")
+
+
 _PARSERS = {DISABLE: _disable, CACHE: _cache, FOREST_ATTENTION: _forest_attention, BEAM_RELAYOUT: _beam_relayout,
             STATIC_VERIFY: _static_verify, FUSED_VERIFY: _fused_verify, STATIC_DRAFT: _static_draft,
-            KV_COMMIT: _kv_commit}
+            KV_COMMIT: _kv_commit, PROFILE_STEP: _profile_step}
 
 
 def read(environ: Mapping[str, str] | None = None, only: Iterable[str] | None = None) -> Env:

@@ -10,9 +10,12 @@ top-k and top-p, seeded: the widest joints; full forests every step) run under t
 
 * the whole run's peak (the target passes, verification, drafting, the forests held between steps) <= the profile's;
 * the bound has power: vLLM's profiling run alone (what was reserved before) peaks below the run;
+* ``VLLM_DSBD_PROFILE_STEP=0`` leaves vLLM's profiling run alone (its peak below the run's);
 * the run drafted full forests (vLLM's spec-decode counters: draft tokens per draft, accepted tokens).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -34,16 +37,20 @@ def measured(tiny_pair):
         runner = runner_of(llm)
         _, vllm_only = peak_bytes(runner.profile_run)  # the CPU default: vLLM's profiling run alone
         memory.PROFILE_CPU = True
+        env = runner.dsbd_env
         try:
             _, profiled = peak_bytes(runner.profile_run)  # what a device's profiling run measures
+            runner.dsbd_env = dataclasses.replace(env, profile_step=False)  # VLLM_DSBD_PROFILE_STEP=0
+            _, switched_off = peak_bytes(runner.profile_run)
         finally:
             memory.PROFILE_CPU = False
+            runner.dsbd_env = env
         params = [vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=k, max_tokens=MAX_TOKENS,
                                       ignore_eos=True) for k in range(R)]
         prompts = [{"prompt_token_ids": [5 + k, 17, 3 * k + 1]} for k in range(R)]
         outs, step = peak_bytes(llm.generate, prompts, params, use_tqdm=False)
         counts = {k: metric(llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens", "accepted_tokens")}
-    return dict(vllm_only=vllm_only, profiled=profiled, step=step, outs=outs, counts=counts)
+    return dict(vllm_only=vllm_only, profiled=profiled, switched_off=switched_off, step=step, outs=outs, counts=counts)
 
 
 def test_the_profile_covers_a_full_batch_of_full_forests(measured):
@@ -53,6 +60,12 @@ def test_the_profile_covers_a_full_batch_of_full_forests(measured):
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in m["outs"])
     assert m["step"] <= m["profiled"]
     assert m["step"] > m["vllm_only"]  # without DSBD's dummy step the profile would not cover the run
+
+
+def test_the_switch_leaves_vllms_profiling_run_alone(measured):
+    """``VLLM_DSBD_PROFILE_STEP=0`` (the fallback while the dummy step has not run on a GPU): no dummy step."""
+    print(f"\npeak bytes with VLLM_DSBD_PROFILE_STEP=0: {measured['switched_off']:,}")
+    assert measured["switched_off"] < measured["step"] <= measured["profiled"]
 
 
 def test_the_run_drafted_full_forests(measured):

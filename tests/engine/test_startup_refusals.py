@@ -172,10 +172,11 @@ def test_reasoning_parser_config_is_left_to_the_request_check(pair):
     ("VLLM_DSBD_STATIC_VERIFY", "sometimes", "VLLM_DSBD_STATIC_VERIFY must be auto, 1 or 0, got 'sometimes'"),
     ("VLLM_DSBD_FUSED_VERIFY", "maybe", "VLLM_DSBD_FUSED_VERIFY must be auto or 0, got 'maybe'"),
     ("VLLM_DSBD_STATIC_DRAFT", "auto", "VLLM_DSBD_STATIC_DRAFT must be 1 or 0, got 'auto'"),
-    ("VLLM_DSBD_KV_COMMIT", "triton", "VLLM_DSBD_KV_COMMIT must be auto or torch, got 'triton'")])
+    ("VLLM_DSBD_KV_COMMIT", "triton", "VLLM_DSBD_KV_COMMIT must be auto or torch, got 'triton'"),
+    ("VLLM_DSBD_PROFILE_STEP", "later", "VLLM_DSBD_PROFILE_STEP must be 1 or 0, got 'later'")])
 def test_bad_verify_setting_stops_the_engine_at_start_up(pair, monkeypatch, name, value, match):
-    """``VLLM_DSBD_STATIC_VERIFY``, ``VLLM_DSBD_FUSED_VERIFY``, ``VLLM_DSBD_STATIC_DRAFT`` and ``VLLM_DSBD_KV_COMMIT``
-    are read when the runner is built (on the CPU too): a bad value stops the engine there, naming the variable."""
+    """``VLLM_DSBD_STATIC_VERIFY``, ``VLLM_DSBD_FUSED_VERIFY``, ``VLLM_DSBD_STATIC_DRAFT``, ``VLLM_DSBD_KV_COMMIT`` and
+    ``VLLM_DSBD_PROFILE_STEP`` are read when the runner is built (on the CPU too): a bad value stops the engine there, naming the variable."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     monkeypatch.setenv(name, value)

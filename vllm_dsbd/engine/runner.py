@@ -109,8 +109,9 @@ class DSBDRunnerMixin:
     def profile_run(self):
         """On a device, vLLM's profiling run inside DSBD's dummy step at ``max_num_seqs`` (``memory.profile_step``), so
         the peak vLLM sizes the KV cache from covers DSBD's per-step working memory. On the CPU vLLM does not size the
-        KV cache from the profile (``VLLM_CPU_KVCACHE_SPACE``): vLLM's alone (``memory.PROFILE_CPU``: tests)."""
-        if torch.device(self.device).type == "cpu" and not memory.PROFILE_CPU:
+        KV cache from the profile (``VLLM_CPU_KVCACHE_SPACE``): vLLM's alone (``memory.PROFILE_CPU``: tests), as with
+        ``VLLM_DSBD_PROFILE_STEP=0`` anywhere (the dummy step has not run on a GPU yet: its fallback)."""
+        if not self.dsbd_env.profile_step or (torch.device(self.device).type == "cpu" and not memory.PROFILE_CPU):
             return super().profile_run()
         return memory.profile_step(self, super().profile_run)
 
