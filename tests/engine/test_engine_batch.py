@@ -67,7 +67,7 @@ def dsbd_runs(tiny_pair):
                     temperature=0, max_tokens=4, extra_args={"dsbd_width": value}))
             bad.append(str(err.value))
         # so is a setting the DSBD sampler does not apply (named in the message), never silently ignored
-        for name, value in (("repetition_penalty", 1.3), ("min_tokens", 2), ("presence_penalty", 0.5)):
+        for name, value in (("min_p", 0.1), ("min_tokens", 2), ("logit_bias", {5: 1.0})):
             with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'") as err:
                 llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
                     temperature=0, max_tokens=4, **{name: value}))
