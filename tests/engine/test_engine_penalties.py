@@ -9,8 +9,9 @@ from that node's own history (prompt + output + its path from the root). Checked
   chi-square (threshold df + 10 sqrt(2 df)); power, in the test: the same statistic and sample size reject DSBD with
   a planted wrong variant (the node rows penalized by the root's history only, their ancestors ignored:
   ``penalties.node_paths`` replaced), on the self-drafted engine, where every token after the first is a node row's;
-* greedy (T = 0, the tiny pair): ``repetition_penalty=1.3`` at widths 1 and 4 token-identical to plain vLLM, and
-  different from the unpenalized tokens (the penalty matters on these prompts);
+* greedy (T = 0, the tiny pair): ``repetition_penalty=1.3`` at widths 1 and 4 token-identical to plain vLLM, also
+  with the static verification paths (the GPU default) and with the general draft loop, and different from the
+  unpenalized tokens (the penalty matters on these prompts);
 * a model folder whose ``generation_config.json`` sets ``repetition_penalty`` (the tiny target's copy, also at
   temperature 0): default requests (``LLM.generate`` without sampling parameters) served and equal to plain vLLM's;
   ``LLM.beam_search`` on it unaffected (vLLM's beam search has no penalties) and equal to plain vLLM's; an explicit
@@ -25,7 +26,7 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, peaky_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, peaky_pair, runner_of  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
@@ -163,6 +164,17 @@ def greedy_dsbd(gen_folder, tiny_pair, greedy_plain):
                                       "width": WIDTH, "verify_budget": None}) as llm:
         before = _counters(llm)
         out = _runs(llm, [1, WIDTH])
+        # the other verification and drafting paths, switched on the running engine: the static (sync-free) forms
+        # the GPU runs by default, then the general draft loop instead of the chain and static loops
+        runner = runner_of(llm)
+        runner.dsbd_static = True
+        for w in (1, WIDTH):
+            out[("static verify", w)] = _greedy(llm, REP, w)
+        runner.dsbd_static = False
+        runner.drafter.static_drafting = runner.drafter.chain_drafting = False
+        for w in (1, WIDTH):
+            out[("draft loop", w)] = _greedy(llm, REP, w)
+        runner.drafter.static_drafting = runner.drafter.chain_drafting = True
         after = _counters(llm)
         out["spec"] = {k: after[k] - before[k] for k in after}
         with pytest.raises(ValueError, match=r"^repetition_penalty: not applied to a beam request") as err:
@@ -177,9 +189,10 @@ def test_generation_config_is_applied(greedy_plain, greedy_dsbd):
     assert greedy_plain["defaults"] == greedy_dsbd["defaults"] == (REP, 0.0, GREEDY_TOKENS)
 
 
+@pytest.mark.parametrize("path", ["rep", "static verify", "draft loop"])
 @pytest.mark.parametrize("width", [1, WIDTH])
-def test_greedy_repetition_penalty_equals_plain_vllm(greedy_plain, greedy_dsbd, width):
-    assert greedy_dsbd[("rep", width)] == greedy_plain[("rep", None)]
+def test_greedy_repetition_penalty_equals_plain_vllm(greedy_plain, greedy_dsbd, width, path):
+    assert greedy_dsbd[(path, width)] == greedy_plain[("rep", None)]
     spec = greedy_dsbd["spec"]
     print(f"draft tokens {spec['draft_tokens']:.0f}, accepted {spec['accepted_tokens']:.0f}")
     assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0
