@@ -26,7 +26,7 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, peaky_pair, runner_of  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, peaky_pair, runner_of  # the CPU engine environment, before vllm
 import vllm  # noqa: E402
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
