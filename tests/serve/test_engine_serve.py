@@ -232,9 +232,9 @@ def test_use_beam_search_equals_plain_vllm(server, plain_texts):
 def test_unsupported_setting_is_400_and_server_survives(server):
     base, _, _ = server
     with pytest.raises(urllib.error.HTTPError) as err:
-        _completion(base, repetition_penalty=1.3)
+        _completion(base, min_tokens=2)
     assert err.value.code == 400, err.value.code
-    assert "repetition_penalty: not supported with speculative method 'dsbd'" in err.value.read().decode()
+    assert "min_tokens: not supported with speculative method 'dsbd'" in err.value.read().decode()
     assert _completion(base)["choices"][0]["text"]
 
 

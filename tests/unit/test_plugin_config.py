@@ -595,7 +595,7 @@ def test_request_width():
 
 
 REFUSED_SETTINGS = {
-    "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3,
+    "min_p": 0.1, "min_tokens": 3,
     "logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2, 3], "bad_words": ["x"], "prompt_logprobs": 1,
     "structured_outputs": StructuredOutputsParams(regex="[ab]+"), "thinking_token_budget": 8,
 }
@@ -611,8 +611,17 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
     for name, value in REFUSED_SETTINGS.items():
         with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'"):
             check_request(SamplingParams(**{name: value}), cfg)
-    with pytest.raises(ValueError, match=r"^presence_penalty, min_p: not supported"):
-        check_request(SamplingParams(presence_penalty=1.0, min_p=0.2), cfg)
+    with pytest.raises(ValueError, match=r"^min_p, min_tokens: not supported"):
+        check_request(SamplingParams(presence_penalty=1.0, min_p=0.2, min_tokens=1), cfg)
+    # penalties are applied to plain requests (engine/penalties.py), refused on beam requests (vLLM's beam search has
+    # none), with the way out named
+    pens = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+    assert check_request(SamplingParams(**pens), cfg) == 4
+    for name, value in pens.items():
+        with pytest.raises(ValueError, match=rf"^{name}: not applied to a beam request .*--generation-config vllm"):
+            check_request(_beam_sp({"width": 2, "max_tokens": 8}, **{name: value}), cfg)
+    neutral = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    assert check_request(_beam_sp({"width": 2, "max_tokens": 8}, **neutral), cfg) == 4
     with pytest.raises(ValueError, match=r"dsbd_width"):
         check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)
 

@@ -28,6 +28,7 @@ from vllm_dsbd.core.sampling import beam_step
 
 from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
+from .penalties import DraftPenalties
 from .reads import Reader
 from .sampler import _params
 from .state import PendingForest, RequestState
@@ -92,6 +93,7 @@ class DraftJob:
     root_pos: int
     depth: int  # >= 1
     width: int | None = None  # nodes per depth at most (load-aware speculation); None: the request's width
+    history: tuple[list[int], list[int]] | None = None  # with penalties: prompt and output tokens, root included
 
 
 class DSBDDrafter(DraftModelProposer):
@@ -199,6 +201,11 @@ class DSBDDrafter(DraftModelProposer):
         V = root_logits.shape[-1]
         full = torch.zeros(R, W, V, device=dev)
         full[:, 0] = root_logits
+        pen = None  # requests with penalties: each slot's rows penalized by its own history before each beam step
+        if any(j.history is not None for j in jobs):
+            sel = [k for k, j in enumerate(jobs) if j.history is not None]
+            pen = DraftPenalties(sel, [jobs[k].history[0] for k in sel], [jobs[k].history[1] for k in sel],
+                                 [jobs[k].state.penalties for k in sel], W, V, dev)
         scores = torch.zeros(R, W, device=dev)
         live = torch.zeros(R, W, dtype=torch.bool, device=dev)
         live[:, 0] = True
@@ -210,14 +217,15 @@ class DSBDDrafter(DraftModelProposer):
         drafted = chains = params.facts.width_max == 1 and self.chain_drafting
         if chains:  # every request at width 1: the same draws, one host copy in all
             steps, valid_np, parent_np, token_np, depth_np, depth = yield from self._draft_chains(
-                full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows)
+                full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows, pen)
         elif self.static_drafting and G > 1:  # wider: the same draws, one host copy in all when the bet holds
             if self._static_skip:
                 self._static_skip -= 1
             else:
                 widths = np.array([j.state.width if j.width is None else j.width for j in jobs], dtype=np.int64)
                 got = yield from self._draft_static(full, scores, live, params, widths, depth_np, depth, L, root_pos,
-                                                    brow_np, bs, owned, block_rows)
+                                                    brow_np, bs, owned, block_rows,
+                                                    pen.fork() if pen is not None else None)
                 self._static_backoff = 0 if got else min(max(2 * self._static_backoff, 1), 16)
                 self._static_skip = self._static_backoff
                 if got:
@@ -236,7 +244,11 @@ class DSBDDrafter(DraftModelProposer):
                     depth = torch.from_numpy(depth_np.copy()).to(dev)
                 if not (live_np.any(1) & (depth_np >= d)).any():
                     break
+            if pen is not None:
+                full = pen.apply(full)
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            if pen is not None:
+                pen.advance(st.parent, st.token)
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
             cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
@@ -312,7 +324,8 @@ class DSBDDrafter(DraftModelProposer):
                                      depth=int(depth_np[i])))
         return out
 
-    def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows):
+    def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows,
+                      pen: DraftPenalties | None = None):
         """The depth loop at width 1 with no host read until the end (draws and token ids stay on the device); an ended
         chain is masked, not skipped: the same draws, bit for bit. Returns (steps, valid, parent, token slots per depth
         as numpy [R, W], the final depths in numpy and on the device)."""
@@ -324,7 +337,11 @@ class DSBDDrafter(DraftModelProposer):
             live = live & (depth >= d)[:, None]
             if d > 1:  # a request whose chain ended stops its forest at depth d - 1 (the loop's ``ended``)
                 depth = torch.where(~cont.any(1) & (depth >= d), d - 1, depth)
+            if pen is not None:
+                full = pen.apply(full)
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            if pen is not None:
+                pen.advance(st.parent, st.token)
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
             cont = st.valid & ~(eos & (st.token == params.eos[:, None]))
@@ -350,7 +367,7 @@ class DSBDDrafter(DraftModelProposer):
 
 
     def _draft_static(self, full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np, bs, owned,
-                      block_rows):
+                      block_rows, pen: DraftPenalties | None = None):
         """The depth loop at any width with one host read at the end, on a bet that every request's draws fill its width
         (``widths``) wherever a pass runs, so the layout is known in advance. None when the bet failed (the caller runs
         the general loop: the same keyed draws), else what :meth:`_draft_chains` returns."""
@@ -365,7 +382,11 @@ class DSBDDrafter(DraftModelProposer):
             live = live & (depth >= d)[:, None]
             if d > 1:  # a request whose draws all ended stops its forest at depth d - 1 (the loop's ``ended``)
                 depth = torch.where(~cont.any(1) & (depth >= d), d - 1, depth)
+            if pen is not None:
+                full = pen.apply(full)
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            if pen is not None:
+                pen.advance(st.parent, st.token)
             st.valid &= (depth >= d)[:, None]
             steps.append(st)
             cont = st.valid & ~(eos & (st.token == params.eos[:, None]))

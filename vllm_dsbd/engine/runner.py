@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, kv, load, memory, reads, sampler
+from . import attention, kv, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.sampling import top_rows
 from .beams.step import step_beams
@@ -310,9 +310,15 @@ class DSBDRunnerMixin:
                 results[k] = sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
             else:
                 kinds[row.state.beam.temperature > 0.0].append(k)
+        # plain requests with penalties verify their rows penalized by each row's history (raw rows stay for logprobs)
+        pen = [penalties.TargetRows(plan[k].first_row, plan[k].forest.tokens if plan[k].forest else [],
+                                    plan[k].forest.parents if plan[k].forest else [], *self._history(k),
+                                    plan[k].state.penalties)
+               for k in spec if plan[k].state.penalties is not None]
+        vlogits = penalties.penalize_target(logits, pen) if pen else logits
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, _, _ = reads.run(reads.gather(
-            sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
+            sampler.verify(vlogits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
                            forest_static=self.dsbd_static, fused=self.dsbd_fused) if spec else None,
             *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))
         if spec:
@@ -328,6 +334,14 @@ class DSBDRunnerMixin:
         ids = sampler.sampled_token_ids(results, len(plan))
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
+
+    def _history(self, i: int, end: int | None = None) -> tuple[list[int], list[int]]:
+        """Batch row ``i``'s prompt and output tokens before this step's (up to ``end``, default all), as vLLM's
+        penalties read them (the input batch's token ids)."""
+        batch = self.input_batch
+        P = int(batch.num_prompt_tokens[i])
+        end = int(batch.num_tokens_no_spec[i]) if end is None else end
+        return batch.token_ids_cpu[i, :P].tolist(), batch.token_ids_cpu[i, P:end].tolist()
 
     def _beam_steps(self, plan: list, logits, ks: list[int], results: list, moves: list) -> reads.Reader[None]:
         """The step of beam requests ``ks`` (plan indices, all T = 0 or all T > 0), a reader: those with every leaf in
@@ -463,8 +477,12 @@ class DSBDRunnerMixin:
             start = min(st.draft_len, root_pos)
             old = batch.token_ids_cpu[i, start:n_before].tolist() if start < n_before else []
             tokens = old + res.tokens[max(0, start - n_before):]
+            history = None
+            if st.penalties is not None:  # the draft's rows take the target's penalties (drafter.DraftPenalties)
+                prompt, output = self._history(i, n_before)
+                history = (prompt, output + res.tokens)
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
-                                 width=min(st.width, levels[i].width)))
+                                 width=min(st.width, levels[i].width), history=history))
         # plain and beam requests' forests side by side: one read of the device for both (``engine/reads.py``)
         forests, _ = reads.run(reads.gather(self.drafter.propose_forests(jobs) if jobs else None,
                                             propose_beam_forests(self.drafter, beam_jobs) if beam_jobs else None))

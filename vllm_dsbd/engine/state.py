@@ -13,6 +13,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
 from .beams.trie import BeamRequest
+from .penalties import RequestPenalties
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout); for comparisons
@@ -49,6 +50,7 @@ class RequestState:
     draft_len: int = 0  # positions [0, draft_len) have valid draft-model K/V
     pending: PendingForest | None = None
     beam: BeamRequest | None = None  # a beam request (extra_args["dsbd_beam"]): its trie and live beams
+    penalties: RequestPenalties | None = None  # a plain request's repetition / presence / frequency penalties
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -97,7 +99,9 @@ class Requests:
             draft_len=0,  # prefix-cache hits have the target's K/V, not necessarily the draft's
         )
         beam = (sp.extra_args or {}).get(BEAM_KEY)
-        if beam is not None:
+        if beam is None:
+            st.penalties = RequestPenalties.of(sp)
+        else:
             st.beam = BeamRequest(BeamParams.parse(beam, self.cfg.width), prompt_len, st.temperature, st.seed,
                                   st.top_k, st.top_p, self.cfg.width_threshold, self.cfg.min_width,
                                   relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout)

@@ -1,0 +1,166 @@
+"""Repetition, presence and frequency penalties on DSBD plain requests, per forest node, as vLLM 0.26 applies them.
+
+vLLM's sampler (``v1/sample/sampler.py``, step 6) changes the float32 logits before temperature, top-k and top-p: the
+repetition penalty (``_custom_ops.apply_repetition_penalties``) on every token of prompt or output, then
+``- frequency * count`` and ``- presence * [count > 0]`` over the output tokens (``apply_penalties`` in
+``model_executor/layers/utils.py``). A forest node's logits row is the next-token law after prompt + output + the
+node's path from the root, so each row gets the penalties of that history: the target's rows before verification
+(:func:`penalize_target`) and the draft's rows before each beam step (:class:`DraftPenalties`), so the draft's joint Q
+recorded for verification is the law it drew from. Beam requests take none (vLLM's beam search has none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["DraftPenalties", "RequestPenalties", "TargetRows", "apply", "node_paths", "penalize_target"]
+
+
+@dataclass(frozen=True)
+class RequestPenalties:
+    """One request's penalties (vLLM's ``SamplingParams`` fields); None from :meth:`of` when all are neutral."""
+
+    presence: float
+    frequency: float
+    repetition: float
+
+    @staticmethod
+    def of(sampling_params) -> "RequestPenalties | None":
+        p = float(getattr(sampling_params, "presence_penalty", 0.0) or 0.0)
+        f = float(getattr(sampling_params, "frequency_penalty", 0.0) or 0.0)
+        r = getattr(sampling_params, "repetition_penalty", 1.0)
+        r = 1.0 if r is None else float(r)
+        return None if (p == 0.0 and f == 0.0 and r == 1.0) else RequestPenalties(p, f, r)
+
+
+def apply(logits: torch.Tensor, prompt_mask: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+          frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``apply_penalties`` after its bin counts, in place on ``logits``, which it returns.
+
+    Args:
+        logits: [M, V] float32, contiguous (vLLM's CUDA repetition kernel takes contiguous rows only).
+        prompt_mask: [M, V] bool, the tokens of each row's prompt.
+        counts: [M, V] int64, how often each token is in each row's output (the history after the prompt).
+        presence, frequency, repetition: [M] float32.
+    """
+    from vllm._custom_ops import apply_repetition_penalties
+
+    output_mask = counts > 0
+    apply_repetition_penalties(logits, prompt_mask, output_mask, repetition)
+    logits -= frequency.unsqueeze(dim=1) * counts
+    logits -= presence.unsqueeze(dim=1) * output_mask
+    return logits
+
+
+def _bins(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counts [M, V] int64 of token ids [M, n] padded with ``vocab`` (vLLM's ``get_token_bin_counts_and_mask``)."""
+    counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.int64, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens))
+    return counts[:, :vocab]
+
+
+def _padded(rows: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[M, max len] int64 on ``device``, padded with ``vocab``; negative ids (vLLM's async placeholders) too."""
+    n = max([len(r) for r in rows] + [0])
+    out = torch.full((len(rows), n), vocab, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+    out[out < 0] = vocab
+    return out.to(device)
+
+
+def _settings(pens: Sequence[RequestPenalties], device) -> torch.Tensor:
+    """[3, n] float32: presence, frequency and repetition of each request."""
+    return torch.tensor([[p.presence for p in pens], [p.frequency for p in pens], [p.repetition for p in pens]],
+                        dtype=torch.float32).reshape(3, len(pens)).to(device)
+
+
+def node_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
+    """Each node's path from the root, node included, as tokens (nodes in compact order: a parent before its child;
+    ``parents[c]`` = -1 for a child of the root). The history a node's row adds to prompt + output."""
+    paths: list[list[int]] = []
+    for tok, par in zip(tokens, parents):
+        paths.append((paths[par] if par >= 0 else []) + [tok])
+    return paths
+
+
+@dataclass
+class TargetRows:
+    """One plain request's target rows of a step: its root's row, then one after each of its scheduled nodes."""
+
+    first_row: int  # the root's logits row; node c's row is first_row + 1 + c
+    tokens: list[int]  # the scheduled nodes' tokens in compact order (empty: the root's row only)
+    parents: list[int]  # their compact parents (-1: a child of the root)
+    prompt: list[int]
+    output: list[int]  # the tokens emitted so far (the root is the last, or the prompt's last token is)
+    penalties: RequestPenalties
+
+
+def penalize_target(logits: torch.Tensor, requests: list[TargetRows]) -> torch.Tensor:
+    """The target's logits [N, V] (float32, a copy) with each listed request's rows penalized by their own histories:
+    the root's row by prompt + output, node c's row by prompt + output + :func:`node_paths`' path of c."""
+    out = logits.to(torch.float32, copy=True)
+    if not requests:
+        return out
+    V, dev = out.shape[1], out.device
+    rows, owner, extra = [], [], []
+    for k, r in enumerate(requests):
+        paths = node_paths(r.tokens, r.parents)
+        rows += [r.first_row] + [r.first_row + 1 + c for c in range(len(r.tokens))]
+        owner += [k] * (1 + len(r.tokens))
+        extra += [[]] + paths
+    own = torch.tensor(owner, dtype=torch.int64).to(dev)
+    prompt_mask = _bins(_padded([r.prompt for r in requests], V, dev), V)[own] > 0
+    counts = _bins(_padded([r.output for r in requests], V, dev), V)[own] + _bins(_padded(extra, V, dev), V)
+    s = _settings([r.penalties for r in requests], dev)[:, own]
+    idx = torch.tensor(rows, dtype=torch.int64).to(dev)
+    out[idx] = apply(out[idx].contiguous(), prompt_mask, counts, s[0], s[1], s[2])
+    return out
+
+
+class DraftPenalties:
+    """The draft's side for one drafting call: the beam slots' histories over the depths, applied to the draft's
+    logits [R, W, V] at the live beams before each beam step (:meth:`apply`), advanced with the step's draws
+    (:meth:`advance`). Stays on the device (no host read): the static loops keep their one read."""
+
+    def __init__(self, sel: list[int], prompts: list[list[int]], outputs: list[list[int]],
+                 pens: list[RequestPenalties], width: int, vocab: int, device):
+        self.sel = torch.tensor(sel, dtype=torch.int64).to(device)  # [Rp] the calls' requests with penalties
+        self.vocab, self.width = vocab, width
+        self.prompt_mask = _bins(_padded(prompts, vocab, device), vocab) > 0  # [Rp, V]
+        self.counts = _bins(_padded(outputs, vocab, device), vocab)  # [Rp, V]
+        self.settings = _settings(pens, device)  # [3, Rp]
+        self.path = torch.full((len(sel), width, 0), vocab, dtype=torch.int64, device=device)  # [Rp, W, d] tokens
+
+    def apply(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` [R, W, V] (float32) with the penalized requests' slots penalized by prompt + output + the slot's
+        path (a new tensor: the caller's stays as it was)."""
+        Rp, W, V = len(self.sel), full.shape[1], full.shape[2]
+        if V != self.vocab:
+            raise ValueError(f"DSBD penalties: draft logits have {V} columns, the histories were counted over "
+                             f"{self.vocab}")
+        path = self.path.reshape(Rp * W, -1)
+        counts = (self.counts[:, None] + _bins(path, V).reshape(Rp, W, V)).reshape(Rp * W, V)
+        mask = self.prompt_mask[:, None].expand(Rp, W, V).reshape(Rp * W, V)
+        s = self.settings[:, :, None].expand(3, Rp, W).reshape(3, Rp * W)
+        rows = full[self.sel].reshape(Rp * W, V).contiguous()
+        return full.index_put((self.sel,), apply(rows, mask, counts, s[0], s[1], s[2]).reshape(Rp, W, V))
+
+    def fork(self) -> "DraftPenalties":
+        """A copy at the same depth (:meth:`advance` replaces the paths, never writes them): the static loop drafts
+        with one, so the general loop can start over from the root with this one when the static loop's bet fails."""
+        new = object.__new__(DraftPenalties)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def advance(self, parent: torch.Tensor, token: torch.Tensor) -> None:
+        """After a beam step whose draws are (``parent`` slot, ``token``) [R, ws]: slot s of the next depth holds draw
+        s, whose path is its parent slot's path + its token (slots past ws: padding)."""
+        par, tok = parent[self.sel], token[self.sel]  # [Rp, ws]
+        d = self.path.shape[2]
+        path = torch.cat([self.path.gather(1, par[:, :, None].expand(-1, -1, d)), tok[:, :, None]], 2)
+        pad = self.width - path.shape[1]
+        self.path = torch.nn.functional.pad(path, (0, 0, 0, pad), value=self.vocab) if pad else path
