@@ -11,7 +11,11 @@ on CPU, one DSBD engine (the tiny random Llama pair, width 4, depth 3, pinned dr
   ``vllm:dsbd_beam_steps`` by 16 and ``vllm:dsbd_beam_target_passes`` by 16 - layers passed;
 * a ``dsbd_beam`` request with ``stop``, ``stop_token_ids`` or ``logprobs`` is a ``ValueError`` naming the parameter
   (never ignored), and the engine keeps serving. ``LLM.beam_search``'s ``BeamSearchParams`` has no stop or logprobs
-  setting to ignore.
+  setting to ignore;
+* ``LLM.beam_search`` with ``ignore_eos`` (what ``vllm bench throughput``'s beam path sends) equals plain vLLM's on a
+  prompt where vLLM's offline loop ranks an EOS candidate by its length-normalised score (``rank_by_score``): the
+  DSBD engine's request ranked by cumulative log-probability (vLLM's server loop's rule, ``rank_by_score`` off) gives
+  other beams there, so the prompt tells the two rules apart.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ from vllm_dsbd.patches.beam_search_route import beam_request_params  # noqa: E40
 WIDTH, DEPTH = 4, 3
 STEPS = 16  # beam steps of the beam search (max_tokens, EOS ignored)
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [83, 60, 71, 9, 14]]
+# vllm bench throughput's random dataset, prompt 7 (seed 0, 16 tokens): vLLM's offline loop keeps an EOS candidate
+# ranked below where its cumulative log-probability would put it
+EOS_RANK_PROMPT = [1, *range(17, 32)]
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 DSBD = ("vllm:dsbd_iterations", "vllm:dsbd_draft_nodes", "vllm:dsbd_beam_steps", "vllm:dsbd_beam_target_passes",
         "vllm:dsbd_beam_layers_passed", "vllm:dsbd_beam_requests")
@@ -98,9 +105,28 @@ def run():
                 except ValueError as err:
                     out["refused"][name] = str(err)
             out["after"] = llm.generate([{"prompt_token_ids": PROMPTS[1]}], plain[0], use_tqdm=False)[0]
+            # ignore_eos: LLM.beam_search ranks as vLLM's offline loop; the server loop's rule for comparison
+            out["eos_rank"] = _beams(llm.beam_search([{"prompt_token_ids": EOS_RANK_PROMPT}], bp)[0])
+            sp = beam_request_params(bp, eos, len(EOS_RANK_PROMPT), cfg.model_config.max_model_len, WIDTH,
+                                     temperature=0.0, rank_by_score=False)
+            by_cum = llm.generate([{"prompt_token_ids": EOS_RANK_PROMPT}], sp, use_tqdm=False)[0]
+            out["eos_rank_by_cum"] = [(b["token_ids"], b["cum_logprob"])
+                                      for b in by_cum.kv_transfer_params["dsbd_beam"]]
     finally:
         log.removeHandler(records)
     return out
+
+
+def _beams(out) -> list[tuple[list[int], float]]:
+    return [(list(q.tokens[len(EOS_RANK_PROMPT):]), q.cum_logprob) for q in out.sequences]
+
+
+@pytest.fixture(scope="module")
+def plain_eos_rank(run):  # after the DSBD engine is shut down: one engine at a time
+    target, _ = tiny_pair()
+    with dsbd_llm(target) as llm:
+        bp = BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS, ignore_eos=True)
+        return _beams(llm.beam_search([{"prompt_token_ids": EOS_RANK_PROMPT}], bp)[0]), llm.get_tokenizer().eos_token_id
 
 
 def test_startup_line_says_what_was_set_and_means(run):
@@ -149,3 +175,14 @@ def test_beam_request_stop_and_logprobs_refused(run):
     assert len(run["after"].outputs[0].token_ids) == 24  # the engine keeps serving
     fields = set(BeamSearchParams.__struct_fields__)
     assert not fields & {"stop", "stop_token_ids", "logprobs", "top_logprobs"}, fields
+
+
+def test_beam_search_with_ignore_eos_ranks_as_vllm(run, plain_eos_rank):
+    expected, eos = plain_eos_rank
+    got = run["eos_rank"]
+    print("vLLM:", expected, "\nDSBD:", got, "\nby cumulative log-probability:", run["eos_rank_by_cum"])
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(got, expected))
+    # the prompt tells the rules apart: ranked by cumulative log-probability, EOS tokens stay on the beams
+    assert [t for t, _ in run["eos_rank_by_cum"]] != [t for t, _ in expected]
+    assert any(eos in t for t, _ in run["eos_rank_by_cum"])

@@ -228,8 +228,19 @@ class BeamRequest:
             for v, t in zip(top.vals[b], top.idx[b]):
                 if (c := self.pair(b, t, v, beam.score + v, eos)) is not None:
                     cands.append(c)
-        cands = sorted(cands, key=lambda c: c[2], reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
+        cands = sorted(cands, key=self._rank_key(), reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
+
+    def _rank_key(self):
+        """How a step's candidates are ranked: by cumulative log-probability (vLLM's server loop), or with
+        ``rank_by_score`` by vLLM's ``get_beam_search_score`` as ``LLM.beam_search`` ranks them (the candidate's
+        length counts the prompt, minus one when its token is EOS; only an EOS candidate kept with ``ignore_eos``
+        ranks differently)."""
+        eos, lp = self._eos_score, self.params.length_penalty
+        if not self.params.rank_by_score or eos is None:
+            return lambda c: c[2]
+        n = self.prompt_len + self.steps + 1  # tokens of every candidate of this step, prompt included
+        return lambda c: c[2] / ((n - 1 if c[1] == eos else n) ** lp)
 
     def pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
         """Live beam b extended by token t (raw log-probability v): a pair ending in EOS finishes the beam (None);
