@@ -15,7 +15,8 @@ on CPU, one DSBD engine (the tiny random Llama pair, width 4, depth 3, pinned dr
 * ``LLM.beam_search`` with ``ignore_eos`` (what ``vllm bench throughput``'s beam path sends) equals plain vLLM's on a
   prompt where vLLM's offline loop ranks an EOS candidate by its length-normalised score (``rank_by_score``): the
   DSBD engine's request ranked by cumulative log-probability (vLLM's server loop's rule, ``rank_by_score`` off) gives
-  other beams there, so the prompt tells the two rules apart.
+  other beams there, so the prompt tells the two rules apart; every returned beam's logprobs carry, per token, the 2W
+  candidates vLLM's loop saw there (tokens, ranks, log-probabilities), as plain vLLM's.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def run():
                     out["refused"][name] = str(err)
             out["after"] = llm.generate([{"prompt_token_ids": PROMPTS[1]}], plain[0], use_tqdm=False)[0]
             # ignore_eos: LLM.beam_search ranks as vLLM's offline loop; the server loop's rule for comparison
-            out["eos_rank"] = _beams(llm.beam_search([{"prompt_token_ids": EOS_RANK_PROMPT}], bp)[0])
+            res = llm.beam_search([{"prompt_token_ids": EOS_RANK_PROMPT}], bp)[0]
+            out["eos_rank"], out["alternatives"] = _beams(res), _alternatives(res)
             sp = beam_request_params(bp, eos, len(EOS_RANK_PROMPT), cfg.model_config.max_model_len, WIDTH,
                                      temperature=0.0, rank_by_score=False)
             by_cum = llm.generate([{"prompt_token_ids": EOS_RANK_PROMPT}], sp, use_tqdm=False)[0]
@@ -121,12 +123,18 @@ def _beams(out) -> list[tuple[list[int], float]]:
     return [(list(q.tokens[len(EOS_RANK_PROMPT):]), q.cum_logprob) for q in out.sequences]
 
 
+def _alternatives(out) -> list[list[dict]]:
+    """Per beam, per token: {token: (rank, log-probability)} of the candidates the beam search saw there."""
+    return [[{t: (lp.rank, lp.logprob) for t, lp in d.items()} for d in q.logprobs] for q in out.sequences]
+
+
 @pytest.fixture(scope="module")
 def plain_eos_rank(run):  # after the DSBD engine is shut down: one engine at a time
     target, _ = tiny_pair()
     with dsbd_llm(target) as llm:
         bp = BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS, ignore_eos=True)
-        return _beams(llm.beam_search([{"prompt_token_ids": EOS_RANK_PROMPT}], bp)[0]), llm.get_tokenizer().eos_token_id
+        res = llm.beam_search([{"prompt_token_ids": EOS_RANK_PROMPT}], bp)[0]
+        return _beams(res), llm.get_tokenizer().eos_token_id, _alternatives(res)
 
 
 def test_startup_line_says_what_was_set_and_means(run):
@@ -178,7 +186,7 @@ def test_beam_request_stop_and_logprobs_refused(run):
 
 
 def test_beam_search_with_ignore_eos_ranks_as_vllm(run, plain_eos_rank):
-    expected, eos = plain_eos_rank
+    expected, eos, _ = plain_eos_rank
     got = run["eos_rank"]
     print("vLLM:", expected, "\nDSBD:", got, "\nby cumulative log-probability:", run["eos_rank_by_cum"])
     assert [t for t, _ in got] == [t for t, _ in expected]
@@ -186,3 +194,16 @@ def test_beam_search_with_ignore_eos_ranks_as_vllm(run, plain_eos_rank):
     # the prompt tells the rules apart: ranked by cumulative log-probability, EOS tokens stay on the beams
     assert [t for t, _ in run["eos_rank_by_cum"]] != [t for t, _ in expected]
     assert any(eos in t for t, _ in run["eos_rank_by_cum"])
+
+
+def test_beam_search_logprobs_carry_the_alternatives_as_vllm(run, plain_eos_rank):
+    """Every returned beam's logprobs: at each token the 2W candidates vLLM's loop saw there (tokens, ranks 1..2W,
+    log-probabilities to 1e-4), not the chosen token alone."""
+    expected, got = plain_eos_rank[2], run["alternatives"]
+    assert len(got) == len(expected) == WIDTH
+    for beam_got, beam_exp in zip(got, expected):
+        assert len(beam_got) == len(beam_exp) == STEPS
+        for pos_got, pos_exp in zip(beam_got, beam_exp):
+            assert len(pos_exp) == 2 * WIDTH and set(pos_got) == set(pos_exp), (pos_got, pos_exp)
+            for t, (rank, lp) in pos_exp.items():
+                assert pos_got[t][0] == rank and abs(pos_got[t][1] - lp) < 1e-4, (t, pos_got[t], rank, lp)

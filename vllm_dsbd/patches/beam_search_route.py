@@ -7,7 +7,8 @@ length_penalty, ignore_eos, the tokenizer's EOS): the DSBD runner keeps the W be
 request's own KV slots (``engine/beams/``), batched with every other request, and the scheduler (patch
 ``beam_scheduler``) returns the finished beams in ``RequestOutput.kv_transfer_params``; here they become vLLM's
 ``BeamSearchOutput`` (the same fields: prompt + generated tokens, text of prompt + generated, cumulative
-log-probability, per-token logprobs of the chosen tokens, finish reason). The beams are those of vLLM's loop token
+log-probability, per-token logprobs: at each position the 2W best tokens of the row the token was chosen from, with
+their ranks, as vLLM's loop returns the candidates it saw; finish reason). The beams are those of vLLM's loop token
 for token (tests/engine/test_engine_beams.py) at every temperature: vLLM's loop ranks the raw log-probabilities its
 one-token requests return (``logprobs_mode`` "raw_logprobs", v1/sample/sampler.py:80-93), which the temperature does
 not change, so the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` says. It ranks
@@ -83,13 +84,24 @@ def beam_outputs(engine_input, out, tokenizer):
     from vllm.entrypoints.generate.beam_search.utils import BeamSearchOutput, BeamSearchSequence
     from vllm.logprobs import Logprob
 
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    def position(t: int, lp: float, top) -> dict:
+        if not top:  # not known (T > 0): the chosen token alone
+            return {t: Logprob(logprob=lp)}
+        ids = [int(i) for i, _ in top]
+        names = convert_ids_list_to_tokens(tokenizer, ids)
+        return {i: Logprob(logprob=v, rank=r + 1, decoded_token=n) for r, (i, (_, v), n) in
+                enumerate(zip(ids, top, names))}
+
     prompt = list(engine_input["prompt_token_ids"])
     seqs = []
     for b in finished_beams(out):
         tokens = prompt + list(b["token_ids"])
+        tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
         seqs.append(BeamSearchSequence(
             orig_prompt=engine_input, tokens=tokens,
-            logprobs=[{t: Logprob(logprob=lp)} for t, lp in zip(b["token_ids"], b["logprobs"])],
+            logprobs=[position(t, lp, top) for t, lp, top in zip(b["token_ids"], b["logprobs"], tops)],
             cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"]))
     return BeamSearchOutput(sequences=seqs)
 
