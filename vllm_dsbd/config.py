@@ -191,6 +191,33 @@ class DSBDConfig:
             return f"max(1, width-1) = {self.num_speculative_slots} slots (width {self.width}, no draft model)"
         return f"width*depth + width-1 = {self.num_speculative_slots} slots (width {self.width}, depth {self.depth})"
 
+    def describe(self) -> str:
+        """The settings and what they mean, in one line: a DSBD engine's start-up log line (``engine/runner.py``).
+        It says why vLLM's logged ``num_spec_tokens`` is not the depth the user gave (scheduler slots, not depth),
+        and which width settings act in which mode (``dynamic_width`` acts in mode "single" only)."""
+        leaves = f"a beam request's {self.width - 1} lea{'f' if self.width == 2 else 'ves'} after its first"
+        slots = f"vLLM's num_spec_tokens={self.num_speculative_slots} is the scheduler's slots per request, " + (
+            f"max(1, width-1): {leaves}" + (" (vLLM needs at least 1)" if self.width == 1 else "")
+            if not self.draft else
+            f"width*depth + width-1: {self.width * self.depth} forest nodes + {leaves}")
+        if not self.draft:
+            beams = f"{self.width} beam{'s' if self.width > 1 else ''}"
+            return (f"width {self.width}, no draft model: beam requests (up to {beams}) run beam search / beam "
+                    f"sampling in the engine, other requests one target pass per token; {slots}")
+        if self.mode == "sample":
+            mode = ("mode sample: every request is sampled exactly from the target (greedy-identical at temperature "
+                    f"0); a verified layer checks its up to {self.width} drafts and emits one token, so the width is "
+                    "how many drafts are checked per depth ('dynamic_width' has no effect in this mode)")
+        else:
+            mode = (f"mode single: a layer keeps up to {self.width} beams, " + (
+                f"its width chosen per layer (dynamic width: min_width {self.min_width}, width_threshold "
+                f"{self.width_threshold})" if self.dynamic_width else f"always {self.width} (fixed width)"))
+        load = ("the draft shape is pinned (verify_budget null)" if not self.load_aware else
+                f"forests shrink when a step's tokens exceed verify_budget {self.verify_budget!r} (load-aware)")
+        return (f"draft depth {self.depth} (num_speculative_tokens / --spec-tokens as given), width {self.width} "
+                f"(draft nodes per depth): up to {self.width * self.depth} forest nodes verified per target pass and up to "
+                f"{self.depth + 1} tokens emitted per pass; {mode}; {load}; {slots}")
+
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> DSBDConfig:
         """The config of an engine built with ``--speculative-method dsbd`` (through ``EngineArgs``/``LLM``/``serve``

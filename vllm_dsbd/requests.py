@@ -30,7 +30,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width")
+_BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width",
+                "rank_by_score")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class BeamParams:
     n: int | None = None  # beams returned (default: width)
     depth: int | None = None  # draft depth of the request's forests (default: the engine's; 0: no draft)
     dynamic_width: bool = False  # T > 0: the paper's dynamic width per drafted layer (default: fixed width W)
+    # T = 0: rank a step's candidates by vLLM's length-normalised score, where a candidate ending in EOS (kept as a
+    # beam with ignore_eos) counts one token less: LLM.beam_search's rule. False: by cumulative log-probability, the
+    # rule of vLLM's OpenAI server loop. The two differ only for EOS candidates with ignore_eos.
+    rank_by_score: bool = False
 
     @staticmethod
     def parse(value: Any, max_width: int) -> "BeamParams":
@@ -81,12 +86,13 @@ class BeamParams:
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise ValueError(f"{name}['length_penalty'] must be a finite number, got {lp!r}")
         ign, dyn = value.get("ignore_eos", False), value.get("dynamic_width", False)
-        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn)):
+        rank = value.get("rank_by_score", False)
+        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn), ("rank_by_score", rank)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
                           ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
-                          depth=integer("depth", 0, required=False), dynamic_width=dyn)
+                          depth=integer("depth", 0, required=False), dynamic_width=dyn, rank_by_score=rank)
 
     def engine_tokens(self) -> int:
         """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most

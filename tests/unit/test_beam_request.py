@@ -1,6 +1,7 @@
 """``engine/beams/`` without vLLM: the settings a beam request may give (also as a JSON string), one full-width step
 at T = 0 over a hand-made forest (which layers pass, which nodes are kept and where they move, what goes back to vLLM),
-and the settled prefix vLLM outputs for the request after each step."""
+the settled prefix vLLM outputs for the request after each step, how ``rank_by_score`` ranks an EOS kept with
+``ignore_eos``, and the candidates (2W best tokens of the row) every finished beam's token carries."""
 from __future__ import annotations
 
 import pytest
@@ -146,3 +147,50 @@ def test_beam_settings_may_be_a_json_string():
         BeamParams.parse("{width: 2}", 4)
     with pytest.raises(ValueError, match=r"must be a mapping"):
         BeamParams.parse("[2, 4]", 4)
+
+
+def test_rank_by_score_ranks_an_eos_kept_with_ignore_eos_as_vllms_offline_loop():
+    """With ``ignore_eos`` an EOS candidate stays a beam; vLLM's ``LLM.beam_search`` ranks it by
+    ``cum / (len - 1) ** length_penalty`` (its EOS not counted) against ``cum / len ** length_penalty`` for the others
+    (``rank_by_score``), vLLM's server loop by cumulative log-probability (the default)."""
+    row = _row(t3=10.0, t7=8.3, t5=8.0)
+    lp = torch.log_softmax(row, -1)
+    n = P + 1  # tokens of a step-1 candidate, prompt included
+    assert lp[5] < lp[7] and lp[7] / (n - 1) < lp[5] / n  # EOS second by log-probability, third by vLLM's score
+    leaves = {}
+    for rank in (False, True):
+        beam = BeamRequest(BeamParams(width=2, max_tokens=4, ignore_eos=True, eos_token_id=7, rank_by_score=rank), P,
+                           temperature=0.0, seed=0)
+        beam.partial(row[None])
+        step_one(beam, 7)
+        leaves[rank] = [beam.tokens[b.node] for b in beam.live]
+    assert leaves == {False: [3, 7], True: [3, 5]}
+
+
+@pytest.mark.parametrize("relayout", [False, True])
+def test_finished_beams_carry_the_candidates_of_every_token(relayout):
+    """``Finished.top``: per token the 2W best (token, log-probability) of the row it was chosen from, best first, for
+    tokens chosen from leaves, from a forest node whose layer passed, and through the re-layout's prefix."""
+    beam = BeamRequest(BeamParams(width=2, max_tokens=4, ignore_eos=True), P, temperature=0.0, seed=0,
+                       relayout=relayout)
+    beam.partial(_row(t3=10.0, t5=9.5)[None])
+    step_one(beam, None)
+    beam.forest = BeamForest(tokens=[1, 2, 4, 6], parents=[0, 0, 2, 2], depths=[2, 2, 3, 3],
+                             drafted=[True, True, False, False])
+    beam.partial(torch.stack([_row(t1=10.0, t2=9.0), _row()]))
+    out = step_one(beam, None, torch.stack([_row(t4=10.0, t0=1.0), _row(t7=10.0), _row(), _row()]))
+    assert out.layers_passed == 1  # "4" was chosen from forest node "1"'s row
+    beam.partial(torch.stack([_row(t5=10.0), _row(t6=10.0)]))
+    out = step_one(beam, None)
+    assert out.finished
+    rows = {(): _row(t3=10.0, t5=9.5), (3,): _row(t1=10.0, t2=9.0), (3, 1): _row(t4=10.0, t0=1.0),
+            (3, 2): _row(t7=10.0), (3, 1, 4): _row(t5=10.0), (3, 2, 7): _row(t6=10.0)}  # context -> its row
+    for f in beam.best():
+        assert len(f.top) == len(f.tokens) == 4
+        for k, (t, v, top) in enumerate(zip(f.tokens, f.logprobs, f.top)):
+            assert len(top) == 4 and (t, v) in top
+            # the row the token was chosen from: its best tokens and their log-probabilities (the first two: the
+            # rest tie at logit 0 and may come in any order)
+            vals, idx = torch.topk(torch.log_softmax(rows[tuple(f.tokens[:k])], -1), 4)
+            assert [x for x, _ in top][:2] == idx.tolist()[:2]
+            assert all(abs(x - y) < 1e-6 for (_, x), y in zip(top, vals.tolist())), (top, vals)

@@ -3,8 +3,9 @@ commits and the draft depth load-aware speculation allowed.
 
 Per engine (worker) process :class:`DSBDStats` counts what verification did, logs a ``DSBD: ...`` summary at most every
 ``log_interval_s`` seconds and updates the ``vllm:dsbd_*`` Prometheus collectors (``prometheus.py`` carries them across
-processes). vLLM's own spec-decode metrics count forests, nodes and layers passed (patches ``spec_stats_depths``,
-``spec_stats_prometheus``): its "draft acceptance rate" is at most 1/W by construction. What each metric means:
+processes). vLLM's own spec-decode metrics count plain requests' forests, nodes and layers passed (patches
+``spec_stats_depths``, ``spec_stats_prometheus``; beam requests only in the ``beam_*`` counters here): its "draft
+acceptance rate" is at most 1/W by construction. What each metric means:
 docs/usage/metrics.md; docs/design.md §3.7.
 """
 from __future__ import annotations

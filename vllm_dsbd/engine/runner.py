@@ -79,13 +79,10 @@ class DSBDRunnerMixin:
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
                              "target's raw logprobs or logits): use 'raw_logprobs' or 'raw_logits'")
         if not self.dsbd_cfg.draft:
-            logger.info("DSBD engine: width %d, no draft model (beam requests: beam search / beam sampling in the "
-                        "engine; other requests: one target pass per token)", self.dsbd_cfg.width)
+            logger.info("DSBD engine: %s", self.dsbd_cfg.describe())
             return
-        logger.info("DSBD engine: width %d, depth %d, %s width, mode %s, verification %s, drafting %s",
-                    self.dsbd_cfg.width, self.dsbd_cfg.depth, "dynamic" if self.dsbd_cfg.dynamic_width else "fixed",
-                    self.dsbd_cfg.mode, ("without host reads (static" + (", fused kernel)" if self.dsbd_fused
-                                                                        else ")"))
+        logger.info("DSBD engine: %s; verification %s, drafting %s", self.dsbd_cfg.describe(),
+                    ("without host reads (static" + (", fused kernel)" if self.dsbd_fused else ")"))
                     if self.dsbd_static else "on row subsets", "with one host read per call (static)"
                     if self.drafter.static_drafting else "with one host read per depth")
 

@@ -7,10 +7,13 @@ length_penalty, ignore_eos, the tokenizer's EOS): the DSBD runner keeps the W be
 request's own KV slots (``engine/beams/``), batched with every other request, and the scheduler (patch
 ``beam_scheduler``) returns the finished beams in ``RequestOutput.kv_transfer_params``; here they become vLLM's
 ``BeamSearchOutput`` (the same fields: prompt + generated tokens, text of prompt + generated, cumulative
-log-probability, per-token logprobs of the chosen tokens, finish reason). The beams are those of vLLM's loop token
+log-probability, per-token logprobs: at each position the 2W best tokens of the row the token was chosen from, with
+their ranks, as vLLM's loop returns the candidates it saw; finish reason). The beams are those of vLLM's loop token
 for token (tests/engine/test_engine_beams.py) at every temperature: vLLM's loop ranks the raw log-probabilities its
 one-token requests return (``logprobs_mode`` "raw_logprobs", v1/sample/sampler.py:80-93), which the temperature does
-not change, so the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` says. Beam sampling
+not change, so the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` says. It ranks
+each step's candidates as vLLM's offline loop sorts them (``rank_by_score``: by ``get_beam_search_score``, which
+differs from the cumulative log-probability for an EOS candidate kept with ``ignore_eos``). Beam sampling
 (temperature > 0) is only asked for explicitly, with ``extra_args["dsbd_beam"]`` on a ``SamplingParams``
 (``beam_request_params`` with its ``temperature`` left to the params' own builds such a request).
 
@@ -37,12 +40,14 @@ def apply() -> None:
 
 
 def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
-                        temperature: float | None = None):
+                        temperature: float | None = None, rank_by_score: bool = False):
     """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request).
 
     ``temperature``: the engine request's; None takes ``params.temperature`` (above 0: beam sampling, the explicit
     ``dsbd_beam`` route). The ``LLM.beam_search`` and ``use_beam_search`` routes pass 0: vLLM's beam search ranks
-    raw log-probabilities at every temperature."""
+    raw log-probabilities at every temperature. ``rank_by_score``: ``BeamParams.rank_by_score``, how the
+    ``LLM.beam_search`` route ranks (vLLM's offline loop sorts candidates by the length-normalised score, its server
+    loop by cumulative log-probability)."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_dsbd.requests import BEAM_KEY, BeamParams
@@ -51,7 +56,7 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
         raise ValueError("structured_outputs: not supported for beam search on a DSBD engine")
     bp = BeamParams.parse({"width": params.beam_width, "max_tokens": params.max_tokens,
                            "length_penalty": params.length_penalty, "ignore_eos": params.ignore_eos,
-                           "eos_token_id": eos_token_id}, max_width)
+                           "eos_token_id": eos_token_id, "rank_by_score": rank_by_score}, max_width)
     need = prompt_len + bp.engine_tokens()
     if need > max_model_len:
         raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "
@@ -79,13 +84,24 @@ def beam_outputs(engine_input, out, tokenizer):
     from vllm.entrypoints.generate.beam_search.utils import BeamSearchOutput, BeamSearchSequence
     from vllm.logprobs import Logprob
 
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    def position(t: int, lp: float, top) -> dict:
+        if not top:  # not known (T > 0): the chosen token alone
+            return {t: Logprob(logprob=lp)}
+        ids = [int(i) for i, _ in top]
+        names = convert_ids_list_to_tokens(tokenizer, ids)
+        return {i: Logprob(logprob=v, rank=r + 1, decoded_token=n) for r, (i, (_, v), n) in
+                enumerate(zip(ids, top, names))}
+
     prompt = list(engine_input["prompt_token_ids"])
     seqs = []
     for b in finished_beams(out):
         tokens = prompt + list(b["token_ids"])
+        tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
         seqs.append(BeamSearchSequence(
             orig_prompt=engine_input, tokens=tokens,
-            logprobs=[{t: Logprob(logprob=lp)} for t, lp in zip(b["token_ids"], b["logprobs"])],
+            logprobs=[position(t, lp, top) for t, lp, top in zip(b["token_ids"], b["logprobs"], tops)],
             cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"]))
     return BeamSearchOutput(sequences=seqs)
 
@@ -107,7 +123,8 @@ def _patch(mod: types.ModuleType) -> None:
                     raise ValueError("prompts: only text and token prompts are supported for beam search on a "
                                      "DSBD engine")
                 sps.append(beam_request_params(params, tokenizer.eos_token_id, len(inp["prompt_token_ids"]),
-                                               cfg.model_config.max_model_len, width, temperature=0.0))
+                                               cfg.model_config.max_model_len, width, temperature=0.0,
+                                               rank_by_score=True))
             outs = self.generate([{"prompt_token_ids": list(inp["prompt_token_ids"])} for inp in inputs], sps,
                                  use_tqdm=use_tqdm, lora_request=lora_request)
             return [beam_outputs(inp, out, tokenizer) for inp, out in zip(inputs, outs)]

@@ -21,6 +21,11 @@ engines call the original. The Prometheus counters are sized to match by patch `
 without a draft model (depth 0) drafts nothing: the leaves its beam requests schedule in the draft slots are not
 drafts, so it makes no spec-decode statistics at all (vLLM's counters stay 0).
 
+Beam requests (``extra_args["dsbd_beam"]``) are kept out of vLLM's statistics on every engine: what vLLM reads as
+their accepted drafts is the trie nodes a step kept (``len(row) - 1``, patch ``beam_scheduler``), not layers passed,
+so one W = 4 request of 16 beam steps and no layer passed counted 27 "accepted tokens" and a mean acceptance length
+of 2.80. Their own counters are ``vllm:dsbd_beam_*`` (``engine/metrics.py``; docs/usage/metrics.md).
+
 When it can go: vLLM lets a speculative method describe its drafts as a tree (positions = depths), or DSBD reports its
 own depth statistics to the scheduler.
 """
@@ -31,6 +36,7 @@ import types
 
 from vllm_dsbd.config import DSBDConfig, uses_dsbd
 from vllm_dsbd.patches._patching import when_imported, wrap_method
+from vllm_dsbd.patches.beam_scheduler import is_beam_request
 
 PATCH_ID = "spec_stats_depths"
 MODULE = "vllm.v1.core.sched.scheduler"
@@ -55,6 +61,8 @@ def _patch(mod: types.ModuleType) -> None:
             if depth is None:
                 depth = self._dsbd_depth = DSBDConfig.from_vllm_config(self.vllm_config).depth
             if depth == 0:  # no draft model: a beam request's leaves ride in the draft slots, nothing is drafted
+                return spec_decoding_stats
+            if is_beam_request(self.requests.get(request_id)):  # counted in vllm:dsbd_beam_* instead
                 return spec_decoding_stats
             sched = getattr(self, "_dsbd_scheduler_output", None)
             drafts = sched.scheduled_spec_decode_tokens.get(request_id) if sched is not None else None

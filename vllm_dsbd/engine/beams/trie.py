@@ -22,6 +22,9 @@ class Finished:
     cum_logprob: float
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS) or "length"
+    # T = 0: per token, the 2W best (token, raw log-probability) of the row it was chosen from, best first (the
+    # candidates vLLM's beam search saw there); None where not known (T > 0)
+    top: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -82,11 +85,14 @@ class BeamRequest:
         self.base = prompt_len  # slots [0, base) are linear (position = slot); trie node j is at slot base + j
         self.prefix: list[int] = []  # tokens of slots [prompt_len, base)
         self.prefix_logprobs: list[float] = []
+        self.prefix_top: list = []  # Finished.top of the prefix's tokens
         self.draft_gap: int | None = None  # first linear slot >= prompt_len whose draft K/V are missing (None: none)
         self.tokens: list[int] = []  # trie node tokens, node j at slot base + j
         self.parents: list[int] = []  # -1: child of the linear context's last token
         self.depths: list[int] = []  # 1-based, below the prompt (the prefix's tokens are depths 1..len(prefix))
         self.logprobs: list[float] = []  # raw log-probability of the node's token after its parent
+        self.top: list = []  # T = 0: the 2W best (token, log-probability) of the row the node's token came from
+        self._rows: TopRows | None = None  # T = 0: the rows of the live beams the last search ranked (row b: beam b)
         self.has_draft: list[bool] = []  # the draft model's K/V of the node are in its slot
         self.forest: BeamForest | None = None  # drafted after the last step, verified by the next
         # drafting backs off while forests fail: after a forest that passed no layer, the next `draft_skip` steps
@@ -172,6 +178,7 @@ class BeamRequest:
         logits = TopRows.cat(parts) if self.temperature <= 0.0 else torch.cat(parts)  # [Wl, V] or Wl rows
         forest, self.forest = self.forest, None
         self._eos_score = eos_score_token
+        self._rows = None
         self._start = self.live[0].node  # leaf 0's node: the trie before it never moves
         p = self.params
         if forest is None or forest_logits is None or not len(forest_logits):
@@ -198,6 +205,7 @@ class BeamRequest:
         self.parents += forest.parents[:F]
         self.depths += forest.depths[:F]
         self.logprobs += [0.0] * F
+        self.top += [None] * F
         self.has_draft += forest.drafted[:F]
         return n0
 
@@ -213,8 +221,9 @@ class BeamRequest:
             nodes = [index.get((self.live[b].node, t)) for b, t, *_ in cands]
             if None in nodes:
                 break
-            for nd, (_, _, _, v, _) in zip(nodes, cands):
+            for nd, (b, _, _, v, _) in zip(nodes, cands):
                 self.logprobs[nd] = v
+                self.top[nd] = self._row_top(b)
             self.live = [LiveBeam(nd, cum, ss) for nd, (_, _, cum, _, ss) in zip(nodes, cands)]
             cands = self.search(top.pick([nd - n0 for nd in nodes]), eos)
             self.steps += 1
@@ -223,20 +232,36 @@ class BeamRequest:
 
     def search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width
+        self._rows = top
         cands = []
         for b, beam in enumerate(self.live):
             for v, t in zip(top.vals[b], top.idx[b]):
                 if (c := self.pair(b, t, v, beam.score + v, eos)) is not None:
                     cands.append(c)
-        cands = sorted(cands, key=lambda c: c[2], reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
+        cands = sorted(cands, key=self._rank_key(), reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
+
+    def _row_top(self, b: int) -> list[tuple[int, float]] | None:
+        """Beam b's row as the last search saw it (its 2W best tokens); None at T > 0."""
+        return None if self._rows is None else list(zip(self._rows.idx[b], self._rows.vals[b]))
+
+    def _rank_key(self):
+        """How a step's candidates are ranked: by cumulative log-probability (vLLM's server loop), or with
+        ``rank_by_score`` by vLLM's ``get_beam_search_score`` as ``LLM.beam_search`` ranks them (the candidate's
+        length counts the prompt, minus one when its token is EOS; only an EOS candidate kept with ``ignore_eos``
+        ranks differently)."""
+        eos, lp = self._eos_score, self.params.length_penalty
+        if not self.params.rank_by_score or eos is None:
+            return lambda c: c[2]
+        n = self.prompt_len + self.steps + 1  # tokens of every candidate of this step, prompt included
+        return lambda c: c[2] / ((n - 1 if c[1] == eos else n) ** lp)
 
     def pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
         """Live beam b extended by token t (raw log-probability v): a pair ending in EOS finishes the beam (None);
         any other is a candidate ``(beam, token, cumulative raw score, v, sampling score)``."""
         beam = self.live[b]
         if eos is not None and t == eos:
-            self._finish(beam, [t], [v], beam.score + v, "stop")
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b))
             return None
         return (b, t, beam.score + v, v, sample_score)
 
@@ -252,7 +277,7 @@ class BeamRequest:
         done = not cands or self.steps >= self.params.max_tokens
         if done:  # the last step: the new beams are final ("length"); nothing more is scheduled
             for b, t, cum, v, _ in cands:
-                self._finish(old[b], [t], [v], cum, "length")
+                self._finish(old[b], [t], [v], cum, "length", self._row_top(b))
             self.live = []
             start = self._start
             # vLLM appends one token before the scheduler stops the request (patch beam_scheduler); any id will do
@@ -269,7 +294,7 @@ class BeamRequest:
                 nd = self.parents[nd]
         new_index = {nd: lo + k for k, nd in enumerate(sorted(keep))}
         moves = [(B + nd, B + dst) for nd, dst in new_index.items() if nd != dst]
-        arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.has_draft)
+        arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.top, self.has_draft)
         for nd, dst in sorted(new_index.items()):
             for arr in arrays:
                 arr[dst] = arr[nd]
@@ -288,6 +313,7 @@ class BeamRequest:
             self.parents.append(par)
             self.depths.append(1 if par < 0 else self.depths[par] + 1)
             self.logprobs.append(v)
+            self.top.append(self._row_top(b))
             self.has_draft.append(False)
             live.append(LiveBeam(len(self.tokens) - 1, cum, ss))
         self.live = live
@@ -338,7 +364,8 @@ class BeamRequest:
         out.moves = [(s, d) for s, d in moves if s != d]
         self.prefix += [self.tokens[nd] for nd in pre]
         self.prefix_logprobs += [self.logprobs[nd] for nd in pre]
-        arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.has_draft)
+        self.prefix_top += [self.top[nd] for nd in pre]
+        arrays = (self.tokens, self.parents, self.depths, self.logprobs, self.top, self.has_draft)
         for arr in arrays:
             arr[:] = [arr[nd] for nd in kept]
         self.parents[:] = [new_index.get(par, -1) for par in self.parents]  # a parent in the prefix is its last node
@@ -350,17 +377,19 @@ class BeamRequest:
         if new_tokens != old_tokens:
             out.tokens = new_tokens
 
-    def _path(self, node: int) -> tuple[list[int], list[float]]:
-        toks, lps = [], []
+    def _path(self, node: int) -> tuple[list[int], list[float], list]:
+        toks, lps, tops = [], [], []
         while node >= 0:
             toks.append(self.tokens[node])
             lps.append(self.logprobs[node])
+            tops.append(self.top[node])
             node = self.parents[node]
-        return self.prefix + toks[::-1], self.prefix_logprobs + lps[::-1]
+        return self.prefix + toks[::-1], self.prefix_logprobs + lps[::-1], self.prefix_top + tops[::-1]
 
-    def _finish(self, beam: LiveBeam, extra: list[int], extra_lp: list[float], cum: float, reason: str) -> None:
-        toks, lps = self._path(beam.node)
-        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason))
+    def _finish(self, beam: LiveBeam, extra: list[int], extra_lp: list[float], cum: float, reason: str,
+                extra_top=None) -> None:
+        toks, lps, tops = self._path(beam.node)
+        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top]))
 
     # the answer ------------------------------------------------------------------------------------------------
     def best(self) -> list[Finished]:
@@ -404,7 +433,7 @@ class BeamRequest:
     def payload(self) -> dict[str, Any]:
         """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``)."""
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
-                            "finish_reason": f.finish_reason} for f in self.best()],
+                            "top_logprobs": f.top, "finish_reason": f.finish_reason} for f in self.best()],
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
 
 
