@@ -302,7 +302,7 @@ def test_engine_args_dsbd(pair):
     assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
-        "draft": True, "verify_budget": "auto", "full_cuda_graphs": False,
+        "draft": True, "verify_budget": "auto", "full_cuda_graphs": False, "beam_nodes": None,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -584,8 +584,8 @@ def test_from_vllm_config_checks():
 
     assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, depth=3)
     VC.additional_config = {"dsbd": {"width": 2, "depth": 2}}
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs width\*depth \+ width-1 = 5 slots "
-                                         r"\(width 2, depth 2\)"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs N\*depth \+ width-1 = 5 slots "
+                                         r"\(N = beam_nodes or width = 2, width 2, depth 2\)"):
         DSBDConfig.from_vllm_config(VC())
     VC.additional_config = {}
     with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] is missing"):
