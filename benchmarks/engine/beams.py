@@ -283,6 +283,8 @@ def _plot(rows, path: Path, title: str) -> None:
             ax.plot([n for n, _ in pts], [v for _, v in pts], marker=marker, label=f"DSBD, T = {temp:g}")
     ax.axhline(1.0, color="grey", linestyle="--", label="γ = 0 (one target pass per beam step)")
     ax.set_xscale("log", base=2)
+    ns = sorted({r["nodes"] for r in rows if r.get("nodes")})
+    ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel("N, draft nodes per depth")
     ax.set_ylabel("target passes per beam step")
     ax.set_ylim(0, 1.1)
