@@ -136,8 +136,8 @@ class DSBDConfig:
         n = self.beam_nodes
         if n is not None:
             if not _is_int(n) or n < self.width:
-                raise ValueError(f"DSBD config: 'beam_nodes' must be an integer >= 'width' ({self.width}) or null (each "
-                                 f"beam request's width), got {n!r}")
+                raise ValueError(f"DSBD config: 'beam_nodes' must be an integer >= 'width' ({self.width}) or null "
+                                 f"(each beam request's width), got {n!r}")
             if not self.draft:
                 raise ValueError(f"DSBD config: 'beam_nodes' = {n} sets the nodes per depth of beam requests' draft "
                                  "forests, and this engine has no draft model: leave 'beam_nodes' out")

@@ -529,7 +529,8 @@ def test_beam_nodes_setting_and_slots():
     assert cfg.max_beam_nodes == 16 and cfg.num_speculative_slots == 16 * 3 + 3
     assert DSBDConfig.from_dict(cfg.to_dict()) == cfg
     for bad, match in ((3, r"'beam_nodes' must be an integer >= 'width' \(4\) or null"),
-                       (True, r"'beam_nodes' must be an integer >= 'width'"), (8.0, r"'beam_nodes' must be an integer")):
+                       (True, r"'beam_nodes' must be an integer >= 'width'"),
+                       (8.0, r"'beam_nodes' must be an integer")):
         with pytest.raises(ValueError, match=match):
             DSBDConfig(width=4, beam_nodes=bad)
     with pytest.raises(ValueError, match=r"'beam_nodes' = 8 sets the nodes per depth .* no draft model"):

@@ -51,8 +51,8 @@ def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[fl
                    d: int) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
     """The draft's beam-sampling step (T > 0) of several beam requests at once (``core.beam_step`` keyed by each
     request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): N pairs (``nodes``) drawn without replacement
-    from each draft joint Q, in draw order, read in one copy; a drafted EOS is not continued. Returns (per request [(beam, token, draft
-    score)], log Q [R, S * V] float32: row r request r's, -inf past its beams)."""
+    from each draft joint Q, in draw order, read in one copy; a drafted EOS is not continued. Returns (per request
+    [(beam, token, draft score)], log Q [R, S * V] float32: row r request r's, -inf past its beams)."""
     pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device, True),
                                                   [b.prompt_len + b.steps + d - 1 for b in beams],
                                                   rng.Stream.DRAFT_DRAW))
