@@ -7,10 +7,10 @@ Where the settings come from (the plugin's patch ``vllm_dsbd.patches.dsbd_knobs`
 * ``additional_config={"dsbd": {"width": 4, ...}}``, or both (a key given in both places must agree).
 
 ``num_speculative_tokens`` as the user gives it is the draft **depth** G. The scheduler must reserve one slot per
-scheduled "draft token": a forest has ``width`` nodes per depth, and a beam request also schedules its ``width - 1``
-live leaves after vLLM's last token, so the plugin builds vLLM's ``SpeculativeConfig`` with
-``num_speculative_tokens = width * depth + width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays
-here.
+scheduled "draft token": a forest has up to ``N = max(width, beam_nodes)`` nodes per depth (``width`` for plain
+requests, ``beam_nodes`` for beam requests), and a beam request also schedules its ``width - 1`` live leaves after
+vLLM's last token, so the plugin builds vLLM's ``SpeculativeConfig`` with ``num_speculative_tokens = N * depth +
+width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
 
 Without a ``model`` (``speculative_config={"method": "dsbd", "width": 4}``) the engine has no draft model
 (``draft=False``, depth 0): beam requests are in-engine beam search / beam sampling with no forests, other requests
@@ -73,6 +73,12 @@ class DSBDConfig:
             passes that need no forest attention: steps whose forests are all chains (width 1) with no beam request's
             trie or forest. Other passes run piecewise (attention outside the graphs) or eagerly (``engine/graphs.py``).
             Off by default: not yet checked on a GPU (``tests/engine/test_engine_full_graphs_gpu.py``).
+        beam_nodes: N, the nodes per depth of a beam request's draft forest (over-drafting, ``docs/design.md`` §1,
+            §3.3): at T = 0 the draft's N best (beam, token) pairs per depth, at T > 0 N draws without replacement
+            from the draft's joint; a layer passes when the target's W new beams are all drafted, so N > W makes
+            layers pass more often with an imperfect draft. An integer >= ``width``, or None (default): each beam
+            request's own width. A beam request may set its own (``extra_args["dsbd_beam"]["nodes"]``, at most
+            this, or ``width`` when None). Needs a draft model. Plain requests keep ``width`` nodes per depth.
     """
 
     width: int = 2
@@ -84,6 +90,7 @@ class DSBDConfig:
     draft: bool = True
     verify_budget: int | str | None = AUTO_BUDGET
     full_cuda_graphs: bool = False
+    beam_nodes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, bool):
@@ -126,6 +133,19 @@ class DSBDConfig:
                 "search / beam sampling in the engine without a draft)"
             )
         self._check_budget()
+        n = self.beam_nodes
+        if n is not None:
+            if not _is_int(n) or n < self.width:
+                raise ValueError(f"DSBD config: 'beam_nodes' must be an integer >= 'width' ({self.width}) or null "
+                                 f"(each beam request's width), got {n!r}")
+            if not self.draft:
+                raise ValueError(f"DSBD config: 'beam_nodes' = {n} sets the nodes per depth of beam requests' draft "
+                                 "forests, and this engine has no draft model: leave 'beam_nodes' out")
+
+    @property
+    def max_beam_nodes(self) -> int:
+        """The most nodes per depth a beam request's forest may have: ``beam_nodes``, or ``width`` when None."""
+        return self.width if self.beam_nodes is None else self.beam_nodes
 
     def _check_budget(self) -> None:
         b = self.verify_budget
@@ -176,20 +196,22 @@ class DSBDConfig:
 
     @property
     def num_speculative_slots(self) -> int:
-        """Speculative token slots the scheduler reserves per request, ``width * depth + width - 1``: one per forest
-        node (``width`` per depth), plus the ``width - 1`` leaves a beam request schedules before its forest; without
-        a draft model ``max(1, width - 1)`` (the leaves; vLLM requires ``num_speculative_tokens >= 1``).
+        """Speculative token slots the scheduler reserves per request, ``N * depth + width - 1``: one per forest node
+        (``N`` = :attr:`max_beam_nodes` >= ``width`` per depth), plus the ``width - 1`` leaves a beam request schedules
+        before its forest; without a draft model ``max(1, width - 1)`` (the leaves; vLLM requires
+        ``num_speculative_tokens >= 1``).
 
         This is what vLLM's ``SpeculativeConfig.num_speculative_tokens`` holds for method "dsbd".
         """
         if not self.draft:
             return max(1, self.width - 1)
-        return self.width * self.depth + self.width - 1
+        return self.max_beam_nodes * self.depth + self.width - 1
 
     def _slots_rule(self) -> str:
         if not self.draft:
             return f"max(1, width-1) = {self.num_speculative_slots} slots (width {self.width}, no draft model)"
-        return f"width*depth + width-1 = {self.num_speculative_slots} slots (width {self.width}, depth {self.depth})"
+        return (f"N*depth + width-1 = {self.num_speculative_slots} slots (N = beam_nodes or width = "
+                f"{self.max_beam_nodes}, width {self.width}, depth {self.depth})")
 
     def describe(self) -> str:
         """The settings and what they mean, in one line: a DSBD engine's start-up log line (``engine/runner.py``).
@@ -199,7 +221,9 @@ class DSBDConfig:
         slots = f"vLLM's num_spec_tokens={self.num_speculative_slots} is the scheduler's slots per request, " + (
             f"max(1, width-1): {leaves}" + (" (vLLM needs at least 1)" if self.width == 1 else "")
             if not self.draft else
-            f"width*depth + width-1: {self.width * self.depth} forest nodes + {leaves}")
+            (f"width*depth + width-1: {self.width * self.depth} forest nodes + {leaves}"
+             if self.max_beam_nodes == self.width else
+             f"beam_nodes*depth + width-1: {self.max_beam_nodes * self.depth} beam-forest nodes + {leaves}"))
         if not self.draft:
             beams = f"{self.width} beam{'s' if self.width > 1 else ''}"
             return (f"width {self.width}, no draft model: beam requests (up to {beams}) run beam search / beam "

@@ -4,7 +4,7 @@ sampling settings it refuses.
 * ``extra_args["dsbd_width"] = k`` (OpenAI API: ``"vllm_xargs": {"dsbd_width": k}``) caps one request's width at
   ``k`` (``1 <= k <= width``): :func:`request_width`.
 * ``extra_args["dsbd_beam"] = {...}`` makes the request a beam request (beam search or beam sampling inside the
-  engine): :class:`BeamParams`.
+  engine): :class:`BeamParams` (its ``nodes``: the draft forest's nodes per depth, ``width <= nodes <= beam_nodes``).
 * :func:`check_request` validates a request when vLLM admits it (patch ``request_validation``), so a bad request is
   refused with a message naming the parameter and the engine keeps serving.
 
@@ -31,7 +31,7 @@ def _is_int(value: Any) -> bool:
 
 
 _BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width",
-                "rank_by_score")
+                "rank_by_score", "nodes")
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,13 @@ class BeamParams:
     # beam with ignore_eos) counts one token less: LLM.beam_search's rule. False: by cumulative log-probability, the
     # rule of vLLM's OpenAI server loop. The two differ only for EOS candidates with ignore_eos.
     rank_by_score: bool = False
+    nodes: int | None = None  # N, draft forest nodes per depth, width <= N (default: the engine's beam_nodes)
 
     @staticmethod
-    def parse(value: Any, max_width: int) -> "BeamParams":
-        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise."""
+    def parse(value: Any, max_width: int, max_nodes: int | None = None) -> "BeamParams":
+        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise. ``max_nodes``: the
+        most forest nodes per depth the engine reserves slots for (``DSBDConfig.max_beam_nodes``; None: no bound
+        here, for the front end, which the engine checks again)."""
         name = f"extra_args[{BEAM_KEY!r}]"
         if isinstance(value, str):  # the OpenAI server's vllm_xargs carry strings and numbers, never mappings
             try:
@@ -90,9 +93,15 @@ class BeamParams:
         for key, v in (("ignore_eos", ign), ("dynamic_width", dyn), ("rank_by_score", rank)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
+        nodes = value.get("nodes")
+        if max_nodes is not None and isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > max_nodes:
+            raise ValueError(f"{name}['nodes'] = {nodes} is above the engine's {max_nodes} draft nodes per depth "
+                             "(start the engine with a larger 'beam_nodes')")
+        nodes = integer("nodes", width, max_nodes, required=False)
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
                           ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
-                          depth=integer("depth", 0, required=False), dynamic_width=dyn, rank_by_score=rank)
+                          depth=integer("depth", 0, required=False), dynamic_width=dyn, rank_by_score=rank,
+                          nodes=nodes)
 
     def engine_tokens(self) -> int:
         """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
@@ -163,7 +172,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         raise ValueError(f"extra_args: unknown DSBD key{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are {list(REQUEST_KEYS)}")
     if extra.get(BEAM_KEY) is not None:
-        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width)  # ValueError naming extra_args['dsbd_beam'][key]
+        # ValueError naming extra_args['dsbd_beam'][key]
+        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width, cfg.max_beam_nodes)
         if not cfg.draft and beam.depth:
             raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
                              "so its beam requests have no draft forest; leave 'depth' out (or 0)")

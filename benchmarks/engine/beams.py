@@ -14,7 +14,11 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
 * ``--self-draft``: DSBD full width with the target as its own draft (the acceptance ceiling);
 * ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model;
 * ``--no-relayout``: the in-engine γ = 0 and DSBD T = 0 rows again with the re-layout off
-  (``VLLM_DSBD_BEAM_RELAYOUT=0``: dead trie slots stay, the beams' common prefix stays in the trie).
+  (``VLLM_DSBD_BEAM_RELAYOUT=0``: dead trie slots stay, the beams' common prefix stays in the trie);
+* ``--nodes 4,8,16,32``: over-drafted forests, one DSBD row per N (draft nodes per depth, ``dsbd_beam.nodes``; the
+  engine's ``beam_nodes`` is the largest N, which the plain DSBD row then gets too) at T = 0, and at T = 1 fixed width
+  with ``--sampling``; ``--pin-depth`` pins the draft depth on those requests (every step drafts, no pause after
+  forests that passed no layer). Writes ``overdraft.png`` (target passes per beam step against N) beside the table.
 
 Reported per row: wall seconds, best-beam tokens per second, target passes (vLLM's loop: engine requests it made,
 from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), target passes per beam step (in-engine:
@@ -27,6 +31,7 @@ return vLLM's beams is checked and printed.
 
     python benchmarks/engine/beams.py                 # SmolLM2-135M-Instruct, 8 ShareGPT prompts, W = 4, 32 tokens
     python benchmarks/engine/beams.py --tiny          # the tiny random Llama (a smoke run)
+    python benchmarks/engine/beams.py --nodes 4,8,16,32 --sampling   # over-drafted forests
 """
 from __future__ import annotations
 
@@ -60,9 +65,10 @@ _COUNTERS = ("vllm:request_success", "vllm:dsbd_beam_target_passes", "vllm:dsbd_
              "vllm:dsbd_beam_draft_nodes", "vllm:dsbd_beam_layers_passed")
 
 
-def _beam_search(llm, prompts, bp, depth, dynamic=False):
+def _beam_search(llm, prompts, bp, depth, dynamic=False, nodes=None):
     """``LLM.beam_search``, or (``depth`` given, a DSBD engine) the same engine requests with that draft depth (-1:
-    the engine's), seeded 0, 1, .. at temperature > 0, with dynamic width if asked."""
+    the engine's), seeded 0, 1, .. at temperature > 0, with dynamic width if asked and ``nodes`` draft nodes per depth
+    (None: the engine's ``beam_nodes``)."""
     if depth is None:
         return llm.beam_search([{"prompt_token_ids": p} for p in prompts], bp, use_tqdm=False)
     from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params
@@ -75,20 +81,22 @@ def _beam_search(llm, prompts, bp, depth, dynamic=False):
         if depth >= 0:
             sp.extra_args["dsbd_beam"]["depth"] = depth
         sp.extra_args["dsbd_beam"]["dynamic_width"] = dynamic
+        if nodes is not None:
+            sp.extra_args["dsbd_beam"]["nodes"] = nodes
         sp.seed = k
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tok = llm.get_tokenizer()
     return [beam_outputs({"type": "token", "prompt_token_ids": p}, o, tok) for p, o in zip(prompts, outs)]
 
 
-def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False):
+def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False, nodes=None):
     from vllm.sampling_params import BeamSearchParams
 
     bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens, temperature=temperature)
     _beam_search(llm, prompts[:1], BeamSearchParams(beam_width=width, max_tokens=2), depth)  # warm-up
     c0 = {k: _value(llm, k) for k in _COUNTERS}
     t0 = time.perf_counter()
-    outs = _beam_search(llm, prompts, bp, depth, dynamic)
+    outs = _beam_search(llm, prompts, bp, depth, dynamic, nodes)
     secs = time.perf_counter() - t0
     c = {k.split(":")[1]: _value(llm, k) - c0[k] for k in _COUNTERS}
     best = [list(o.sequences[0].tokens[len(p):]) for o, p in zip(outs, prompts)]
@@ -96,7 +104,7 @@ def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=F
     # quality: the best beam's log-probability per token under the target (raw, temperature 1)
     lp = sum(o.sequences[0].cum_logprob for o in outs) / max(1, sum(len(b) for b in best))
     return dict(seconds=secs, best=best, beams=beams, requests=c["request_success"], logprob_per_token=lp,
-                temperature=temperature,
+                temperature=temperature, nodes=nodes,
                 beam_passes=c["dsbd_beam_target_passes"], beam_steps=c["dsbd_beam_steps"],
                 draft_nodes=c["dsbd_beam_draft_nodes"], layers_passed=c["dsbd_beam_layers_passed"])
 
@@ -121,6 +129,10 @@ def main(argv=None) -> int:
                     help="also run the in-engine γ = 0 and DSBD T = 0 rows without the re-layout of beam requests")
     ap.add_argument("--loop-without-prefix-caching", action="store_true",
                     help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
+    ap.add_argument("--nodes", default="",
+                    help="comma-separated N >= W: one DSBD row per N (draft nodes per depth of the beam forests)")
+    ap.add_argument("--pin-depth", action="store_true",
+                    help="the --nodes rows pin the draft depth on the request (every step drafts)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
     args = ap.parse_args(argv)
 
@@ -165,6 +177,12 @@ def main(argv=None) -> int:
         if args.sampling:
             runs.append((f"DSBD full width γ = {G} T = 1, the target as its own draft,", "dsbd-self", -1, 1.0,
                          False))
+    nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
+    nd = G if args.pin_depth else -1  # the N rows' draft depth on the request (-1: the engine's, not pinned)
+    pin = ", depth pinned" if args.pin_depth else ""
+    runs += [(f"DSBD γ = {G} N = {n}{pin}", "dsbd", nd, 0.0, False, True, n) for n in nodes]
+    if args.sampling:
+        runs += [(f"DSBD γ = {G} T = 1, fixed width, N = {n}{pin}", "dsbd", nd, 1.0, False, True, n) for n in nodes]
     if args.no_relayout:
         runs += [("in-engine beam search (γ = 0), no re-layout,", "dsbd", 0, 0.0, False, False),
                  (f"DSBD full width γ = {G}, no re-layout,", "dsbd", None, 0.0, False, False)]
@@ -174,22 +192,24 @@ def main(argv=None) -> int:
         runs.append(("vllm beam_search, no prefix caching,", "plain-nocache", None, 0.0, False))
 
     def dsbd(d):
-        return dict(speculative_config={"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W})
+        spec = {"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W}
+        return dict(speculative_config={**spec, "beam_nodes": max(nodes)} if nodes else spec)
 
     engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
                "dsbd-self": dsbd(target), "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
     llm, current = None, None
     from vllm_dsbd.engine.state import RELAYOUT_ENV
 
-    for label, engine, depth, temp, dynamic, *relayout in tqdm(runs, desc="rows", unit="row"):
+    for label, engine, depth, temp, dynamic, *rest in tqdm(runs, desc="rows", unit="row"):
+        relayout, n_nodes = rest[0] if rest else True, rest[1] if len(rest) > 1 else None
         if engine != current:
             if llm is not None:
                 shutdown(llm)
             llm, current = vllm.LLM(model=str(target), **{**kw, **engines[engine]}), engine
         blocks0 = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         b0 = (blocks0.sum, blocks0.count) if blocks0 is not None else (0.0, 0)
-        os.environ[RELAYOUT_ENV] = "0" if relayout == [False] else "1"  # read as the engine registers a request
-        r = _run(llm, prompts, W, N, depth, temp, dynamic)
+        os.environ[RELAYOUT_ENV] = "1" if relayout else "0"  # read as the engine registers a request
+        r = _run(llm, prompts, W, N, depth, temp, dynamic, n_nodes)
         os.environ.pop(RELAYOUT_ENV)
         blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         n_b = blocks.count - b0[1] if blocks is not None else 0
@@ -241,8 +261,38 @@ def main(argv=None) -> int:
     (out / "results.json").write_text(json.dumps(
         [{k: v for k, v in r.items() if k not in ("beams",)} for r in rows] + [{"speedup": speed, "same": same}],
         indent=1))
+    if nodes:
+        _plot(rows, out / "overdraft.png", f"{name}, W = {W}, γ = {G}, {len(prompts)} prompts, {N} tokens")
     print("\n".join(lines))
     return 0
+
+
+def _plot(rows, path: Path, title: str) -> None:
+    """Target passes per beam step against N (the ``--nodes`` rows), one line per temperature, with the γ = 0 rows
+    (one pass per step) as a reference line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for temp, marker in ((0.0, "o"), (1.0, "s")):
+        pts = sorted((r["nodes"], r["beam_passes"] / r["beam_steps"]) for r in rows
+                     if r.get("nodes") and r["temperature"] == temp and r["beam_steps"])
+        if pts:
+            ax.plot([n for n, _ in pts], [v for _, v in pts], marker=marker, label=f"DSBD, T = {temp:g}")
+    ax.axhline(1.0, color="grey", linestyle="--", label="γ = 0 (one target pass per beam step)")
+    ax.set_xscale("log", base=2)
+    ns = sorted({r["nodes"] for r in rows if r.get("nodes")})
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("N, draft nodes per depth")
+    ax.set_ylabel("target passes per beam step")
+    ax.set_ylim(0, 1.1)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 each depth's draws fill every request's width) drafts the forests the general loop (``beam_drafter._draft_loop``)
 drafts, real vLLM 0.26.0 on CPU.
 
-One engine of width 3 (tiny random Llama pair, depth 3, pinned speculation) serves one batch of beam requests
-(``extra_args["dsbd_beam"]``) mixing beam search (T = 0) and seeded beam sampling (T = 1, fixed and dynamic width)
-at widths 2 and 3, some ending at an EOS token the model draws often. Checked:
+One engine of width 3 (tiny random Llama pair, depth 3, pinned speculation, ``beam_nodes`` 5) serves one batch of
+beam requests (``extra_args["dsbd_beam"]``) mixing beam search (T = 0) and seeded beam sampling (T = 1, fixed and
+dynamic width) at widths 2 and 3, with N = W or N = 5 draft nodes per depth (over-drafted), some ending at an EOS
+token the model draws often. Checked:
 
 * every drafting call the static loop answers is drafted again by the general loop on the same inputs (its passes
   rewrite the same draft K/V), and every forest is the same: tokens, parents, depths, drafted flags, forest depths,
@@ -31,7 +32,7 @@ from vllm_dsbd.engine.beams import drafter as beam_drafter  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
 
-STEPS, EOS = 8, 166
+STEPS, EOS, NODES = 8, 166, 5  # NODES: the engine's beam_nodes, and N of every third prompt's requests
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9], [42, 43]]
 
 
@@ -40,7 +41,7 @@ def _params(narrow: bool = False):
     for i, _ in enumerate(PROMPTS):
         w = 2 + i % 2
         stop = {"ignore_eos": False, "eos_token_id": EOS} if i % 3 == 0 else {"ignore_eos": True}
-        beam = {"width": w, "max_tokens": STEPS, **stop}
+        beam = {"width": w, "max_tokens": STEPS, "nodes": NODES if i % 3 == 1 else w, **stop}
         n = STEPS * (w + 1) + 2
         out.append(vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
                                        extra_args={"dsbd_beam": beam}))
@@ -68,7 +69,7 @@ def runs():
     target, draft = tiny_pair()
     with dsbd_llm(target, max_model_len=512, max_num_seqs=len(PROMPTS) * 2,
                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": 3,
-                                      "width": 3, "verify_budget": None}) as llm:
+                                      "width": 3, "beam_nodes": NODES, "verify_budget": None}) as llm:
         drafter = runner_of(llm).drafter
         static, loop = beam_drafter._draft_static, beam_drafter._draft_loop
         seen = {"answered": 0, "compared": 0, "same": 0, "forests": 0, "loop_calls": 0}

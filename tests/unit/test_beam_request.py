@@ -30,6 +30,19 @@ def test_bad_beam_settings_name_the_key(value, match):
         BeamParams.parse(value, max_width=4)
 
 
+def test_nodes_are_optional_and_at_least_the_width():
+    assert BeamParams.parse({"width": 2, "max_tokens": 4}, 4, 16).nodes is None
+    assert BeamParams.parse({"width": 2, "max_tokens": 4, "nodes": 16}, 4, 16).nodes == 16
+    assert BeamParams.parse({"width": 2, "max_tokens": 4, "nodes": 64}, 4).nodes == 64  # no engine bound given
+    with pytest.raises(ValueError, match=r"\['nodes'\] must be an integer in \[2, 16\], got 1"):
+        BeamParams.parse({"width": 2, "max_tokens": 4, "nodes": 1}, 4, 16)
+    with pytest.raises(ValueError, match=r"\['nodes'\] = 17 is above the engine's 16"):
+        BeamParams.parse({"width": 2, "max_tokens": 4, "nodes": 17}, 4, 16)
+    # the request's N: its own, or the width (the engine's beam_nodes is resolved by engine/state.py)
+    assert BeamRequest(BeamParams(width=2, max_tokens=4), P, 0.0, 0).nodes == 2
+    assert BeamRequest(BeamParams(width=2, max_tokens=4), P, 0.0, 0, nodes=8).nodes == 8
+
+
 def test_depth_is_optional():
     assert BeamParams.parse({"width": 2, "max_tokens": 4}, 4).depth is None
     assert BeamParams.parse({"width": 2, "max_tokens": 4, "depth": 0}, 4).depth == 0
@@ -194,3 +207,38 @@ def test_finished_beams_carry_the_candidates_of_every_token(relayout):
             vals, idx = torch.topk(torch.log_softmax(rows[tuple(f.tokens[:k])], -1), 4)
             assert [x for x, _ in top][:2] == idx.tolist()[:2]
             assert all(abs(x - y) < 1e-6 for (_, x), y in zip(top, vals.tolist())), (top, vals)
+
+
+def _over_drafted_step(forest: BeamForest, forest_rows: list):
+    """Steps 1 and 2 of a W = 2 beam request at T = 0 (re-layout off): step 1 from the prompt gives beams "3" (node
+    0) and "5" (node 1); step 2 verifies ``forest`` with the given logits rows of its nodes. The target's 2 best pairs
+    at step 2 are (node 0, 2) and (node 1, 6), then (node 3 = "2", 4) and (node 4 = "6", 5)."""
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=0, relayout=False,
+                       nodes=3)
+    assert beam.partial(_row(t3=10.0, t5=9.5)[None]) is None
+    step_one(beam, None)
+    beam.forest = forest
+    assert beam.partial(torch.stack([_row(t2=10.0, t1=5.0), _row(t6=10.0)])) is None
+    return beam, step_one(beam, None, torch.stack(forest_rows))
+
+
+def test_over_drafted_forest_passes_where_the_draft_top_w_does_not():
+    """N = 3 > W = 2 nodes per depth: the draft's third pair at depth 1, (node 1, 6), is one of the target's 2 best,
+    so layer 1 passes (the draft's top 2, both under node 0, would have failed), and so does layer 2 (whose nodes hang
+    from all 3 depth-1 nodes); the depth-1 node no beam goes through (token 1) and the depth-2 node under it are
+    dropped, the kept nodes move down."""
+    over = BeamForest(tokens=[1, 2, 6, 4, 5, 7], parents=[0, 0, 1, 3, 4, 2], depths=[2, 2, 2, 3, 3, 3],
+                      drafted=[True] * 3 + [False] * 3, layers=[1, 1, 1, 2, 2, 2], slots=[0, 0, 1, 1, 2, 0])
+    rows = [_row(), _row(t4=10.0), _row(t5=10.0), _row(t0=10.0), _row(t0=10.0), _row()]
+    beam, out = _over_drafted_step(over, rows)
+    assert (out.draft_nodes, out.layers_passed, beam.steps) == (6, 2, 4)
+    # kept: leaf 1 ("5"), forest nodes 3 ("2"), 4 ("6"), 5 ("4"), 6 ("5"), moved down past the dropped node 2 ("1");
+    # the new leaves "0" hang from nodes 5 and 6 (now 4 and 5)
+    assert beam.tokens == [3, 5, 2, 6, 4, 5, 0, 0] and beam.parents == [-1, -1, 0, 1, 2, 3, 4, 5]
+    assert out.moves == [(P + 3, P + 2), (P + 4, P + 3), (P + 5, P + 4), (P + 6, P + 5)]
+    assert (out.row, out.next_drafts) == ([5, 2, 6, 4, 5, 0], [0])
+    # the same forest cut to W = 2 nodes per depth (the draft's 2 best pairs): layer 1 fails
+    cut = BeamForest(tokens=[1, 2, 4, 5], parents=[0, 0, 3, 3], depths=[2, 2, 3, 3], drafted=[True, True, False, False],
+                     layers=[1, 1, 2, 2], slots=[0, 0, 1, 1])
+    beam, out = _over_drafted_step(cut, [_row(), _row(t4=10.0), _row(), _row()])
+    assert (out.draft_nodes, out.layers_passed, beam.steps) == (4, 0, 2)

@@ -37,7 +37,7 @@ from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
 ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
-           "full_cuda_graphs"]
+           "full_cuda_graphs", "beam_nodes"]
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_engine_args_dsbd(pair):
     assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
-        "draft": True, "verify_budget": "auto", "full_cuda_graphs": False,
+        "draft": True, "verify_budget": "auto", "full_cuda_graphs": False, "beam_nodes": None,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -520,6 +520,31 @@ def test_dsbd_config_rejects(d, match):
         DSBDConfig.from_dict(d)
 
 
+def test_beam_nodes_setting_and_slots():
+    """``beam_nodes`` (N): None by default (each beam request's width), else an integer >= width; the scheduler's
+    slots per request are N * depth + width - 1; refused below the width, as a non-integer, or without a draft."""
+    assert DSBDConfig(width=4).beam_nodes is None and DSBDConfig(width=4).max_beam_nodes == 4
+    assert DSBDConfig(width=4, depth=3).num_speculative_slots == 4 * 3 + 3
+    cfg = DSBDConfig.from_dict({"width": 4, "depth": 3, "beam_nodes": 16})
+    assert cfg.max_beam_nodes == 16 and cfg.num_speculative_slots == 16 * 3 + 3
+    assert DSBDConfig.from_dict(cfg.to_dict()) == cfg
+    for bad, match in ((3, r"'beam_nodes' must be an integer >= 'width' \(4\) or null"),
+                       (True, r"'beam_nodes' must be an integer >= 'width'"),
+                       (8.0, r"'beam_nodes' must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            DSBDConfig(width=4, beam_nodes=bad)
+    with pytest.raises(ValueError, match=r"'beam_nodes' = 8 sets the nodes per depth .* no draft model"):
+        DSBDConfig(width=4, draft=False, beam_nodes=8)
+
+
+def test_beam_nodes_reach_the_engine_config(pair):
+    target, draft = pair
+    _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 2,
+                           "beam_nodes": 8})
+    cfg = DSBDConfig.from_vllm_config(vc)
+    assert cfg.beam_nodes == 8 and vc.speculative_config.num_speculative_tokens == 8 * 2 + 1
+
+
 def test_verify_budget_settings_and_when_speculation_is_load_aware():
     assert DSBDConfig().verify_budget == "auto" and DSBDConfig().load_aware  # on by default
     for budget in ("auto", 1, 256):
@@ -560,8 +585,8 @@ def test_from_vllm_config_checks():
 
     assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, depth=3)
     VC.additional_config = {"dsbd": {"width": 2, "depth": 2}}
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs width\*depth \+ width-1 = 5 slots "
-                                         r"\(width 2, depth 2\)"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs N\*depth \+ width-1 = 5 slots "
+                                         r"\(N = beam_nodes or width = 2, width 2, depth 2\)"):
         DSBDConfig.from_vllm_config(VC())
     VC.additional_config = {}
     with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] is missing"):
@@ -639,6 +664,19 @@ def test_beam_depth_on_an_engine_without_a_draft_is_refused():
     with pytest.raises(ValueError, match=r"^extra_args\['dsbd_beam'\]\['depth'\] = 2: this DSBD engine has no draft"):
         check_request(_beam_sp({**beam, "depth": 2}), cfg)
     assert check_request(_beam_sp({**beam, "depth": 2}), DSBDConfig(width=4)) == 4
+
+
+def test_beam_request_nodes_are_checked_against_the_engine():
+    """``dsbd_beam.nodes`` (N): from the request's width up to the engine's ``beam_nodes`` (its width when unset)."""
+    beam = {"width": 2, "max_tokens": 8}
+    assert check_request(_beam_sp({**beam, "nodes": 16}), DSBDConfig(width=4, beam_nodes=16)) == 4  # engine width
+    assert check_request(_beam_sp({**beam, "nodes": 4}), DSBDConfig(width=4)) == 4  # unset beam_nodes: N <= 4
+    with pytest.raises(ValueError, match=r"\['nodes'\] = 32 is above the engine's 16 draft nodes per depth"):
+        check_request(_beam_sp({**beam, "nodes": 32}), DSBDConfig(width=4, beam_nodes=16))
+    with pytest.raises(ValueError, match=r"\['nodes'\] = 8 is above the engine's 4 draft nodes"):
+        check_request(_beam_sp({**beam, "nodes": 8}), DSBDConfig(width=4))
+    with pytest.raises(ValueError, match=r"\['nodes'\] must be an integer in \[2, 16\], got 1"):
+        check_request(_beam_sp({**beam, "nodes": 1}), DSBDConfig(width=4, beam_nodes=16))
 
 
 def test_beam_request_that_vllm_would_stop_early_is_refused():

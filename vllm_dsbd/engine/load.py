@@ -22,7 +22,8 @@ KNEE_RATIO = 1.25  # the knee: the most tokens whose forward time is at most KNE
 class Shape:
     """What one request of the step may schedule: ``leaves`` tokens besides its forest (1: a plain request's root;
     W: a beam request's live leaves), at most ``width`` forest nodes per depth and ``depth`` depths (as configured:
-    the engine's depth, the request's width). ``pinned``: it always drafts this full shape (counted, never cut)."""
+    the engine's depth, the request's width, a beam request's N). ``pinned``: it always drafts this full shape
+    (counted, never cut)."""
 
     leaves: int
     width: int

@@ -502,7 +502,7 @@ class DSBDRunnerMixin:
             elif st.beam is not None:
                 p = st.beam.params
                 depth = cfg.depth if p.depth is None else min(cfg.depth, p.depth)
-                shapes.append(load.Shape(leaves=p.width, width=p.width, depth=depth, pinned=p.depth is not None))
+                shapes.append(load.Shape(leaves=p.width, width=st.beam.nodes, depth=depth, pinned=p.depth is not None))
             else:
                 shapes.append(load.Shape(leaves=1, width=st.width, depth=cfg.depth))
         levels = load.plan(shapes, self.dsbd_budget)
@@ -533,7 +533,7 @@ class DSBDRunnerMixin:
         room = int(bt.num_blocks_per_row[i]) * bt.block_size - end
         max_nodes = min(self.dsbd_cfg.num_speculative_slots - num_leaf_drafts, room, self.max_model_len - 1 - end)
         if level is not None and beam.params.depth is None:
-            max_nodes = min(max_nodes, level.nodes(load.Shape(beam.params.width, beam.params.width, depth)))
+            max_nodes = min(max_nodes, level.nodes(load.Shape(beam.params.width, beam.nodes, depth)))
         if max_nodes <= 0:
             return None
         start = catch_up_start(st)

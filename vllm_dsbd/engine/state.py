@@ -102,9 +102,12 @@ class Requests:
         if beam is None:
             st.penalties = RequestPenalties.of(sp)
         else:
-            st.beam = BeamRequest(BeamParams.parse(beam, self.cfg.width), prompt_len, st.temperature, st.seed,
-                                  st.top_k, st.top_p, self.cfg.width_threshold, self.cfg.min_width,
-                                  relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout)
+            bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
+            # N, the forest's nodes per depth: the request's, else the engine's beam_nodes, else the request's width
+            nodes = bp.nodes if bp.nodes is not None else max(bp.width, self.cfg.beam_nodes or 0)
+            st.beam = BeamRequest(bp, prompt_len, st.temperature, st.seed, st.top_k, st.top_p,
+                                  self.cfg.width_threshold, self.cfg.min_width,
+                                  relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout, nodes=nodes)
         self._states[req_id] = st
         return st
 

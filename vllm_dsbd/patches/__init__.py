@@ -68,8 +68,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    What: DSBD settings given in ``speculative_config`` (width, min_width, width_threshold, dynamic_width, mode,
    depth) or ``additional_config["dsbd"]`` are validated (``DSBDConfig``) and stored in
    ``additional_config["dsbd"]`` (with ``draft``: whether ``model`` names a draft model); vLLM's ``SpeculativeConfig``
-   gets ``num_speculative_tokens = width * depth + width - 1`` (``max(1, width - 1)`` without a draft model, where a
-   depth given is refused).
+   gets ``num_speculative_tokens = N * depth + width - 1`` (N = ``beam_nodes`` or ``width``; ``max(1, width - 1)``
+   without a draft model, where a depth given is refused).
    Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
    How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
    and slot count.

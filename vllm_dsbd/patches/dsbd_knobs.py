@@ -10,7 +10,8 @@ method "dsbd" the wrapper, before the original runs:
    ``additional_config["dsbd"]`` (a key given in both places must agree) and validates them with
    ``DSBDConfig.from_dict`` (unknown keys and bad values raise ``ValueError`` naming the key);
 3. takes depth = ``num_speculative_tokens`` (default 3) and builds the ``SpeculativeConfig`` with
-   ``num_speculative_tokens = width * depth + width - 1``: one scheduler slot per forest node and per beam leaf.
+   ``num_speculative_tokens = N * depth + width - 1`` (N = ``beam_nodes`` or ``width``): one scheduler slot per
+   forest node and per beam leaf.
    Without ``model`` the engine has no draft model (``DSBDConfig.draft`` False, depth 0, a depth given is an
    error) and ``num_speculative_tokens = max(1, width - 1)`` (a beam request's leaves).
    Setting it here, before the ``VllmConfig`` exists, is the only safe place: the scheduler (``num_spec_tokens``, ``num_lookahead_tokens``,
@@ -70,7 +71,7 @@ def merged_speculative_dict(engine_args: Any) -> dict[str, Any]:
 def split_dsbd(spec: dict[str, Any], additional_config: Mapping[str, Any] | None, spec_fields: set[str]):
     """Splits a merged ``speculative_config`` dict of method "dsbd" into (vLLM's part, DSBDConfig).
 
-    vLLM's part has ``num_speculative_tokens = width * depth + width - 1`` (``max(1, width - 1)`` without a draft
+    vLLM's part has ``num_speculative_tokens = N * depth + width - 1`` (``max(1, width - 1)`` without a draft
     model). Raises ValueError naming the offending key.
     """
     spec = dict(spec)
@@ -153,7 +154,7 @@ def _patch(mod: types.ModuleType) -> None:
             if cfg.draft and importlib.util.find_spec("vllm_dsbd.engine") is None:
                 logger.warning_once(
                     "DSBD engine (vllm_dsbd.engine) not installed: running vLLM's draft-model speculation with "
-                    "%d linear draft tokens (width*depth + width-1) instead of the DSBD forest",
+                    "%d linear draft tokens (N*depth + width-1) instead of the DSBD forest",
                     cfg.num_speculative_slots,
                 )
             return result

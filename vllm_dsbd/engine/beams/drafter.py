@@ -1,5 +1,7 @@
 """Draft forests for beam requests: the draft beam-searches (T = 0) or beam-samples (T > 0) a few steps ahead of the W
-live beams of every beam request of the step, one draft pass per depth for all of them.
+live beams of every beam request of the step, one draft pass per depth for all of them. Each depth has N >= W nodes
+(``BeamRequest.nodes``, over-drafting): at T = 0 the draft's N best (beam, token) pairs, at T > 0 N draws without
+replacement, and all N go on to the next depth.
 
 A catch-up pass computes the draft K/V still missing (linear context causally, trie nodes under their ancestor masks);
 each depth's pairs go after the trie (forest node c at slot ``base + len(trie) + c``) and become the request's draft
@@ -48,10 +50,10 @@ def catch_up_start(st: RequestState) -> int:
 def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]],
                    d: int) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
     """The draft's beam-sampling step (T > 0) of several beam requests at once (``core.beam_step`` keyed by each
-    request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): W pairs drawn without replacement from each draft
-    joint Q, in draw order, read in one copy; a drafted EOS is not continued. Returns (per request [(beam, token, draft
-    score)], log Q [R, S * V] float32: row r request r's, -inf past its beams)."""
-    pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device),
+    request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): N pairs (``nodes``) drawn without replacement
+    from each draft joint Q, in draw order, read in one copy; a drafted EOS is not continued. Returns (per request
+    [(beam, token, draft score)], log Q [R, S * V] float32: row r request r's, -inf past its beams)."""
+    pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device, True),
                                                   [b.prompt_len + b.steps + d - 1 for b in beams],
                                                   rng.Stream.DRAFT_DRAW))
     return [[(p.beam, p.token, p.score) for p in ps] for ps in pairs], joint
@@ -59,8 +61,8 @@ def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[fl
 
 def _top_pairs(logits: list[torch.Tensor], scores: list[list[float]], widths: list[int],
                eos: list[int | None]) -> list[list[tuple[int, int, float]]]:
-    """The draft's beam step at temperature 0 of several beam requests at once: each request's ``width`` best
-    (beam, token) pairs by cumulative score (float64, as the target's beam search sums them), EOS excluded, on the
+    """The draft's beam step at temperature 0 of several beam requests at once: each request's ``widths`` (its N)
+    best (beam, token) pairs by cumulative score (float64, as the target's beam search sums them), EOS excluded, on the
     logits' device, read in one copy. Returns per request [(beam, token, score)]."""
     V = logits[0].shape[-1]
     rows, sc = beam_sampling.joint_rows(logits, scores, torch.float64)
@@ -212,11 +214,11 @@ def _grow(job: BeamDraftJob, f: BeamForest, beams: list[tuple[int, float, bool]]
 
 
 def _plan(job: BeamDraftJob) -> list[int]:
-    """The nodes per depth of a job's forest when every depth's draws fill its width: the width, cut to the nodes
+    """The nodes per depth of a job's forest when every depth's draws fill its N (``nodes``): N, cut to the nodes
     left (``_grow``)."""
     out, left = [], job.max_nodes
     for _ in range(job.depth):
-        c = min(job.state.beam.params.width, left)
+        c = min(job.state.beam.nodes, left)
         if c <= 0:
             break
         out.append(c)
@@ -237,7 +239,7 @@ def _static_layout(jobs: list[BeamDraftJob]) -> bool:
 def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tensor], beams_of: list,
                   brow: np.ndarray, bs: int, owned: list[int],
                   block_rows: torch.Tensor) -> reads.Reader[list[BeamForest] | None]:
-    """:func:`_draft_loop` with one host copy for all depths, on a bet: each depth's draws fill every request's width
+    """:func:`_draft_loop` with one host copy for all depths, on a bet: each depth's draws fill every request's N
     (cut to the nodes left, :func:`_plan`) wherever a pass runs on them, so every node's number, slot and position are
     known in advance and the masks are built on the device (``ForestBatch.assemble``). The final copy feeds
     :func:`_grow`, which checks the bet: None when a pass the loop would run saw another layout (the caller then runs
@@ -245,15 +247,15 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
     beams = [j.state.beam for j in jobs]
     dev, V, R = leaf_logits[0].device, leaf_logits[0].shape[-1], len(jobs)
     plan = [_plan(j) for j in jobs]
-    G, W = max(len(p) for p in plan), max(b.params.width for b in beams)
+    G, W = max(len(p) for p in plan), max(b.nodes for b in beams)  # W: the most nodes per depth (N)
     offs = [np.concatenate([[0], np.cumsum(p)]).astype(np.int64) for p in plan]  # first node of each depth
     n_trie = [len(b.tokens) for b in beams]
     nmax = max(int(o[-1]) for o in offs)
     det = [k for k, b in enumerate(beams) if b.temperature <= 0.0]
     samp = [k for k, b in enumerate(beams) if b.temperature > 0.0]
     det_t, samp_t = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (det, samp))
-    params_s = beam_params([beams[k] for k in samp], dev) if samp else None
-    width = torch.tensor([b.params.width for b in beams], dtype=torch.int64, device=dev)
+    params_s = beam_params([beams[k] for k in samp], dev, draws=True) if samp else None
+    width = torch.tensor([b.nodes for b in beams], dtype=torch.int64, device=dev)
     eos_l = [-1 if b.params.ignore_eos or b.params.eos_token_id is None else b.params.eos_token_id for b in beams]
     eos = torch.tensor(eos_l, dtype=torch.int64, device=dev)
     cap = torch.tensor([[p[d] if d < len(p) else 0 for p in plan] for d in range(G)], dtype=torch.int64, device=dev)
@@ -280,7 +282,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
             if ban:
                 bt = torch.tensor(ban, dtype=torch.int64, device=dev)
                 joint[bt[:, 0], :, bt[:, 1]] = -torch.inf
-            kk = min(max(beams[k].params.width for k in det), S * V)
+            kk = min(max(beams[k].nodes for k in det), S * V)
             vals, idx = torch.topk(joint.flatten(1), kk)
             parent[det_t, :kk], token[det_t, :kk], score[det_t, :kk] = idx // V, idx % V, vals
             valid[det_t, :kk] = torch.isfinite(vals) & (cols[:, :kk] < width[det_t][:, None])
@@ -372,7 +374,7 @@ def _depth_pairs(beams: list, logits: list[torch.Tensor], beams_of: list[list[tu
     if det:
         eos = [None if beams[i].params.ignore_eos else beams[i].params.eos_token_id for i in det]
         tops = _top_pairs([logits[i] for i in det], [scores[i] for i in det],
-                          [beams[i].params.width for i in det], eos)
+                          [beams[i].nodes for i in det], eos)
         for i, pairs in zip(det, tops):
             out[i] = (pairs, None)
     if samp:

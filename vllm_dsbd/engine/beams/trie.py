@@ -73,8 +73,11 @@ class BeamRequest:
     """The trie and live beams of one beam request."""
 
     def __init__(self, params: BeamParams, prompt_len: int, temperature: float, seed: int, top_k: int = 0,
-                 top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True):
+                 top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True,
+                 nodes: int | None = None):
         self.params = params
+        # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design.md §3.3
+        self.nodes = max(params.width, nodes or 0)
         self.relayout = relayout  # re-layout after every step (False: dead slots stay as holes, the prefix in the trie)
         self.tau, self.min_width = tau, min_width  # the engine's dynamic-width rule (``dynamic_width`` requests)
         self.top_k, self.top_p = top_k, top_p  # on the flattened joint (T > 0 only, as in core.joint)
@@ -437,10 +440,11 @@ class BeamRequest:
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
 
 
-def beam_params(beams: list[BeamRequest], device=None) -> BatchParams:
+def beam_params(beams: list[BeamRequest], device=None, draws: bool = False) -> BatchParams:
     """The core's settings of beam requests (one row each, on ``device``; host facts computed before they move):
-    temperature, top-k / top-p on the joint, width, seed, dynamic-width rule; ``eos=-1`` (the requests handle EOS)."""
-    ws = [b.params.width for b in beams]
+    temperature, top-k / top-p on the joint, width, seed, dynamic-width rule; ``eos=-1`` (the requests handle EOS).
+    ``draws``: the width is the forest's nodes per depth (``nodes``, the draft's draws per depth) instead of W."""
+    ws = [b.nodes if draws else b.params.width for b in beams]
     p = BatchParams.make(len(beams), temperature=[b.temperature for b in beams], top_k=[b.top_k for b in beams],
                          top_p=[b.top_p for b in beams], width=ws, seed=[b.seed for b in beams], eos=-1,
                          min_width=[min(b.min_width, w) for b, w in zip(beams, ws)], tau=[b.tau for b in beams],
