@@ -1,22 +1,26 @@
-"""The start-up probe of ``verify_budget="auto"`` (``load.py``): the target's forward time at 1, 2, 4, ... tokens.
-
-Run once by the worker after vLLM's warm-up, through vLLM's ``_dummy_run`` with the drafter's dummy pass off; per size
-the least of ``REPEATS`` timed passes. With tensor parallelism rank 0 decides when to stop and its table is every rank's
-(the passes are collective). Details: docs/design.md §3.6.
+"""Start-up probes of the target's (and the draft's) pass time by token count, run once by the worker after vLLM's
+warm-up: the knee of ``verify_budget="auto"`` (``load.py``, target forward only) and the cost model's table
+(``cost.py``: target and draft passes with their LM heads). Passes go through vLLM's ``_dummy_run`` (target, the
+drafter's dummy pass off) and the draft model under a dummy forward context; per size one warm-up pass, then the
+least of ``REPEATS`` timed passes (noise only adds time). With tensor parallelism rank 0 decides when to stop and its
+table is every rank's (the passes are collective). Details: docs/design.md §3.6.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from . import load
+from . import cost, load
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 REPEATS = 3
 STOP_RATIO = 2 * load.KNEE_RATIO
+COST_STOP_RATIO = 8.0  # the cost table's sizes go on until a pass takes this many times a one-token pass
+COST_MAX_TOKENS = 1024  # ... or this many tokens (the table's last slope goes on past its end)
 
 
 def _tp_group():
@@ -33,34 +37,63 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_times(runner, sizes: list[int]) -> dict[int, float]:
-    """{tokens: seconds} of the target's forward pass (``runner._dummy_run``), rank 0's on every rank."""
+def _times(run: Callable[[int], None], device, sizes: list[int], stop_ratio: float) -> dict[int, float]:
+    """{tokens: seconds} of ``run(n)``, rank 0's on every rank, until a size takes over ``stop_ratio`` x the first."""
     group = _tp_group()
-    drafter = runner.drafter
-    drafter.dummy_run = lambda *args, **kwargs: None  # the target alone (an attribute of our drafter, removed below)
     times: dict[int, float] = {}
-    try:
-        with torch.inference_mode():
-            for n in sizes:
-                runner._dummy_run(n, skip_eplb=True)
-                best = float("inf")
-                for _ in range(REPEATS):
-                    _sync(runner.device)
-                    t0 = time.perf_counter()
-                    runner._dummy_run(n, skip_eplb=True)
-                    _sync(runner.device)
-                    best = min(best, time.perf_counter() - t0)
-                times[n] = best
-                stop = best > STOP_RATIO * times[sizes[0]]
-                if group is not None:
-                    stop = group.broadcast_object(stop, src=0)
-                if stop:
-                    break
-    finally:
-        del drafter.dummy_run
+    with torch.inference_mode():
+        for n in sizes:
+            run(n)
+            best = float("inf")
+            for _ in range(REPEATS):
+                _sync(device)
+                t0 = time.perf_counter()
+                run(n)
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+            times[n] = best
+            stop = best > stop_ratio * times[sizes[0]]
+            if group is not None:
+                stop = group.broadcast_object(stop, src=0)
+            if stop:
+                break
     if group is not None:
         times = group.broadcast_object(times, src=0)
     return times
+
+
+def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, logits: bool = False) -> dict[int, float]:
+    """{tokens: seconds} of the target's forward pass (``runner._dummy_run``; ``logits``: and its LM head over every
+    token), rank 0's on every rank."""
+    drafter = runner.drafter
+    drafter.dummy_run = lambda *args, **kwargs: None  # the target alone (an attribute of our drafter, removed below)
+
+    def run(n: int) -> None:
+        hidden, _ = runner._dummy_run(n, skip_eplb=True)
+        if logits:
+            runner.model.compute_logits(hidden[:n])
+
+    try:
+        return _times(run, runner.device, sizes, stop_ratio)
+    finally:
+        del drafter.dummy_run
+
+
+def draft_times(runner, sizes: list[int], stop_ratio: float = COST_STOP_RATIO) -> dict[int, float]:
+    """{tokens: seconds} of one draft pass with its LM head over every token (no attention metadata, as vLLM's dummy
+    passes: short contexts), rank 0's on every rank."""
+    from vllm.forward_context import set_forward_context
+
+    drafter = runner.drafter
+
+    def run(n: int) -> None:
+        ids = torch.zeros(n, dtype=torch.int32, device=drafter.device)
+        pos = torch.zeros(n, dtype=torch.int64, device=drafter.device)
+        with set_forward_context(None, drafter.vllm_config, num_tokens=n):
+            hidden = drafter.model(input_ids=ids, positions=pos, inputs_embeds=None)
+        drafter.model.compute_logits(hidden)
+
+    return _times(run, runner.device, sizes, stop_ratio)
 
 
 def measure_budget(runner) -> tuple[int, dict[int, float]]:
@@ -72,3 +105,10 @@ def measure_budget(runner) -> tuple[int, dict[int, float]]:
     logger.info("DSBD load-aware speculation: target forward ms by tokens {%s}; knee %d tokens (time <= %.2f x one "
                 "token's), verify budget %d tokens per step", table, knee, load.KNEE_RATIO, budget)
     return budget, times
+
+
+def measure_costs(runner) -> cost.CostTable:
+    """The cost model's table of this runner's engine: target and draft pass times (with LM heads) by tokens."""
+    sizes = load.probe_sizes(min(int(runner.max_num_tokens), COST_MAX_TOKENS))
+    return cost.CostTable.from_times(forward_times(runner, sizes, COST_STOP_RATIO, logits=True),
+                                     draft_times(runner, sizes))

@@ -13,6 +13,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
 from .beams.trie import BeamRequest
+from .cost import Acceptance
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout); for comparisons
@@ -53,6 +54,8 @@ class RequestState:
     iterations: int = 0
     layers_passed: int = 0
     widths: list[int] = field(default_factory=list)
+    # the cost model's estimate of its per-layer pass rate, from the forests it verified (engine/cost.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 class Requests:
