@@ -11,12 +11,16 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
   steps ahead of the live beams and one target pass verifies the forest (``LLM.beam_search`` takes this path);
 * ``--sampling``: beam sampling at temperature 1 (seeded): in-engine γ = 0, and DSBD full width with fixed width
   (each layer exact: target beam sampling) and with the paper's dynamic width (``dsbd_beam.dynamic_width``);
+* the DSBD rows' engine has the cost model on (the default, ``cost_model`` "auto": each step drafts only the depth
+  that pays, down to none); ``--pinned``: the same rows again on an engine with pinned shapes (``cost_model`` and
+  ``verify_budget`` null: always the full forest);
 * ``--self-draft``: DSBD full width with the target as its own draft (the acceptance ceiling);
 * ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model;
 * ``--no-relayout``: the in-engine γ = 0 and DSBD T = 0 rows again with the re-layout off
   (``VLLM_DSBD_BEAM_RELAYOUT=0``: dead trie slots stay, the beams' common prefix stays in the trie).
 
-Reported per row: wall seconds, best-beam tokens per second, target passes (vLLM's loop: engine requests it made,
+Reported per row: wall seconds, best-beam tokens per second and its ratio to the in-engine γ = 0 row of the same
+temperature (side by side in one run), target passes (vLLM's loop: engine requests it made,
 from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), target passes per beam step (in-engine:
 ``vllm:dsbd_beam_target_passes / vllm:dsbd_beam_steps``, counted by the engine), and KV blocks held per request
 (in-engine: measured, ``vllm:dsbd_beam_kv_blocks``, the blocks the request owns when it finishes, its draft
@@ -81,7 +85,9 @@ def _beam_search(llm, prompts, bp, depth, dynamic=False):
     return [beam_outputs({"type": "token", "prompt_token_ids": p}, o, tok) for p, o in zip(prompts, outs)]
 
 
-def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False):
+def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False, repeats=1):
+    """One row: the counters and outputs of its first timed run, the least wall time of ``repeats`` (on shared cores
+    noise only adds time)."""
     from vllm.sampling_params import BeamSearchParams
 
     bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens, temperature=temperature)
@@ -91,6 +97,10 @@ def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=F
     outs = _beam_search(llm, prompts, bp, depth, dynamic)
     secs = time.perf_counter() - t0
     c = {k.split(":")[1]: _value(llm, k) - c0[k] for k in _COUNTERS}
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        _beam_search(llm, prompts, bp, depth, dynamic)
+        secs = min(secs, time.perf_counter() - t0)
     best = [list(o.sequences[0].tokens[len(p):]) for o, p in zip(outs, prompts)]
     beams = [[list(s.tokens) for s in o.sequences] for o in outs]
     # quality: the best beam's log-probability per token under the target (raw, temperature 1)
@@ -109,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--depth", type=int, default=3, help="the DSBD engine's draft depth γ")
+    ap.add_argument("--pinned", action="store_true",
+                    help="also run the DSBD rows on an engine with pinned shapes (cost model and budget off)")
     ap.add_argument("--self-draft", action="store_true",
                     help="also run DSBD full width with the target as its own draft (the acceptance ceiling: every "
                          "forest layer passes; it costs a second target per draft pass)")
@@ -121,6 +133,7 @@ def main(argv=None) -> int:
                     help="also run the in-engine γ = 0 and DSBD T = 0 rows without the re-layout of beam requests")
     ap.add_argument("--loop-without-prefix-caching", action="store_true",
                     help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per row (the least wall time is reported)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
     args = ap.parse_args(argv)
 
@@ -165,6 +178,9 @@ def main(argv=None) -> int:
         if args.sampling:
             runs.append((f"DSBD full width γ = {G} T = 1, the target as its own draft,", "dsbd-self", -1, 1.0,
                          False))
+    if args.pinned:  # the same DSBD rows with pinned shapes: every step drafts the full forest
+        runs += [(f"{r[0]} pinned shapes,", r[1] + "-pinned", *r[2:]) for r in runs
+                 if r[1] in ("dsbd", "dsbd-self") and r[2] != 0]
     if args.no_relayout:
         runs += [("in-engine beam search (γ = 0), no re-layout,", "dsbd", 0, 0.0, False, False),
                  (f"DSBD full width γ = {G}, no re-layout,", "dsbd", None, 0.0, False, False)]
@@ -173,11 +189,14 @@ def main(argv=None) -> int:
     if args.loop_without_prefix_caching:
         runs.append(("vllm beam_search, no prefix caching,", "plain-nocache", None, 0.0, False))
 
-    def dsbd(d):
-        return dict(speculative_config={"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W})
+    def dsbd(d, pinned=False):
+        off = {"cost_model": None, "verify_budget": None} if pinned else {}
+        return dict(speculative_config={"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W,
+                                        **off})
 
     engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
-               "dsbd-self": dsbd(target), "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
+               "dsbd-self": dsbd(target), "dsbd-pinned": dsbd(draft, True), "dsbd-self-pinned": dsbd(target, True),
+               "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
     llm, current = None, None
     from vllm_dsbd.engine.state import RELAYOUT_ENV
 
@@ -189,7 +208,7 @@ def main(argv=None) -> int:
         blocks0 = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         b0 = (blocks0.sum, blocks0.count) if blocks0 is not None else (0.0, 0)
         os.environ[RELAYOUT_ENV] = "0" if relayout == [False] else "1"  # read as the engine registers a request
-        r = _run(llm, prompts, W, N, depth, temp, dynamic)
+        r = _run(llm, prompts, W, N, depth, temp, dynamic, args.repeats)
         os.environ.pop(RELAYOUT_ENV)
         blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         n_b = blocks.count - b0[1] if blocks is not None else 0
@@ -212,17 +231,23 @@ def main(argv=None) -> int:
     lines = [f"# Beam search W = {W}: vLLM's front-end loop vs in the DSBD engine", "",
              f"{name}, {prompt_desc} (first {len(prompts)}), {N} tokens, temperature 0 (T = 1 rows: beam sampling, "
              f"seeds 0..{len(prompts) - 1}), float32, "
-             f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on.", "",
-             "| row | wall s | best-beam tok/s | target passes | target passes per beam step | forest layers passed "
-             "/ draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on. "
+             "DSBD rows not marked 'pinned shapes': the cost model on (the default).", "",
+             "| row | wall s | best-beam tok/s | vs γ = 0 | target passes | target passes per beam step | forest "
+             "layers passed / draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    # the in-engine γ = 0 row of each temperature: every row's no-draft counterpart
+    zero = {r["temperature"]: sum(len(b) for b in r["best"]) / r["seconds"] for r in rows if "(γ = 0)" in r["label"]
+            and "no re-layout" not in r["label"]}
     for r in rows:
         toks = sum(len(b) for b in r["best"])
         passes = r["beam_passes"] if r["beam_passes"] else r["requests"]
         per_step = f"{r['beam_passes'] / r['beam_steps']:.3f}" if r["beam_steps"] else "1 engine request per beam"
         forest = f"{r['layers_passed']:.0f} / {r['draft_nodes']:.0f}" if r["beam_steps"] else "-"
         blocks = r["blocks"]
-        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {passes:.0f} | {per_step} | "
+        vs0 = f"{toks / r['seconds'] / zero[r['temperature']]:.2f}x" if r["temperature"] in zero else "-"
+        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {vs0} | {passes:.0f} | "
+                     f"{per_step} | "
                      f"{forest} | {blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x | "
                      f"{r['logprob_per_token']:.3f} |")
     rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]

@@ -92,7 +92,8 @@ class CostTable:
         def fmt(pts):
             return "{" + ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in pts) + "}"
 
-        return f"target ms by tokens {fmt(self.target)}, draft ms by tokens {fmt(self.draft)}, step {1e3 * self.step:.2f} ms"
+        return (f"target ms by tokens {fmt(self.target)}, draft ms by tokens {fmt(self.draft)}, "
+                f"step {1e3 * self.step:.2f} ms")
 
 
 def expected_tokens(rate: float, depth: int) -> float:
