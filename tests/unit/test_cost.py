@@ -131,3 +131,11 @@ def test_a_switched_off_request_tries_again_after_waiting_longer_each_time():
     acc.chose(3)
     acc.observe(passed=2, depth=3)
     assert acc.wait == 1
+
+
+def test_the_probe_table_is_made_non_decreasing():
+    from vllm_dsbd.engine.load_probe import monotone
+
+    # a size slowed by noise (1: 179 ms, 2: 225 ms) takes the least time of the larger sizes
+    got = monotone({1: 0.179, 2: 0.225, 4: 0.191, 8: 0.197, 16: 0.295, 32: 0.653, 64: 0.780, 128: 0.687})
+    assert got == {1: 0.179, 2: 0.191, 4: 0.191, 8: 0.197, 16: 0.295, 32: 0.653, 64: 0.687, 128: 0.687}

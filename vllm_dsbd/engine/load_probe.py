@@ -2,7 +2,8 @@
 warm-up: the knee of ``verify_budget="auto"`` (``load.py``, target forward only) and the cost model's table
 (``cost.py``: target and draft passes with their LM heads). Passes go through vLLM's ``_dummy_run`` (target, the
 drafter's dummy pass off) and the draft model under a dummy forward context; per size one warm-up pass, then the
-least of ``REPEATS`` timed passes (noise only adds time). With tensor parallelism rank 0 decides when to stop and its
+least of ``REPEATS`` timed passes (noise only adds time); the cost table's sizes are timed in ``COST_ROUNDS`` rounds
+and made non-decreasing. With tensor parallelism rank 0 decides when to stop and its
 table is every rank's (the passes are collective). Details: docs/design.md §3.6.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ REPEATS = 3
 STOP_RATIO = 2 * load.KNEE_RATIO
 COST_STOP_RATIO = 8.0  # the cost table's sizes go on until a pass takes this many times a one-token pass
 COST_MAX_TOKENS = 1024  # ... or this many tokens (the table's last slope goes on past its end)
+COST_ROUNDS = 3  # the cost table's sizes are timed in turn this many times (each keeps its least time)
 
 
 def _tp_group():
@@ -37,32 +39,54 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _times(run: Callable[[int], None], device, sizes: list[int], stop_ratio: float) -> dict[int, float]:
-    """{tokens: seconds} of ``run(n)``, rank 0's on every rank, until a size takes over ``stop_ratio`` x the first."""
+def _times(run: Callable[[int], None], device, sizes: list[int], stop_ratio: float,
+           rounds: int = 1) -> dict[int, float]:
+    """{tokens: seconds} of ``run(n)``, rank 0's on every rank, until a size takes over ``stop_ratio`` x the first.
+    ``rounds`` > 1: after the first round (which finds the sizes) the sizes are timed again in turn, so that a burst of
+    load on shared cores slows one round of every size rather than every timing of one size; each size keeps its least
+    time."""
     group = _tp_group()
     times: dict[int, float] = {}
+
+    def timed(n: int) -> float:
+        best = float("inf")
+        for _ in range(REPEATS):
+            _sync(device)
+            t0 = time.perf_counter()
+            run(n)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
     with torch.inference_mode():
         for n in sizes:
             run(n)
-            best = float("inf")
-            for _ in range(REPEATS):
-                _sync(device)
-                t0 = time.perf_counter()
-                run(n)
-                _sync(device)
-                best = min(best, time.perf_counter() - t0)
-            times[n] = best
-            stop = best > stop_ratio * times[sizes[0]]
+            times[n] = timed(n)
+            stop = times[n] > stop_ratio * times[sizes[0]]
             if group is not None:
                 stop = group.broadcast_object(stop, src=0)
             if stop:
                 break
+        for _ in range(rounds - 1):
+            for n in list(times):
+                times[n] = min(times[n], timed(n))
     if group is not None:
         times = group.broadcast_object(times, src=0)
     return times
 
 
-def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, logits: bool = False) -> dict[int, float]:
+def monotone(times: dict[int, float]) -> dict[int, float]:
+    """The least non-decreasing table under ``times`` (a pass over more tokens never costs less; a size timed slower
+    than a larger one was slowed by noise): each size takes the least time of itself and every larger size."""
+    out, low = {}, float("inf")
+    for n in sorted(times, reverse=True):
+        low = min(low, times[n])
+        out[n] = low
+    return dict(sorted(out.items()))
+
+
+def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, logits: bool = False,
+                  rounds: int = 1) -> dict[int, float]:
     """{tokens: seconds} of the target's forward pass (``runner._dummy_run``; ``logits``: and its LM head over every
     token), rank 0's on every rank."""
     drafter = runner.drafter
@@ -74,12 +98,12 @@ def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, logi
             runner.model.compute_logits(hidden[:n])
 
     try:
-        return _times(run, runner.device, sizes, stop_ratio)
+        return _times(run, runner.device, sizes, stop_ratio, rounds)
     finally:
         del drafter.dummy_run
 
 
-def draft_times(runner, sizes: list[int], stop_ratio: float = COST_STOP_RATIO) -> dict[int, float]:
+def draft_times(runner, sizes: list[int], stop_ratio: float = COST_STOP_RATIO, rounds: int = 1) -> dict[int, float]:
     """{tokens: seconds} of one draft pass with its LM head over every token (no attention metadata, as vLLM's dummy
     passes: short contexts), rank 0's on every rank."""
     from vllm.forward_context import set_forward_context
@@ -93,7 +117,7 @@ def draft_times(runner, sizes: list[int], stop_ratio: float = COST_STOP_RATIO) -
             hidden = drafter.model(input_ids=ids, positions=pos, inputs_embeds=None)
         drafter.model.compute_logits(hidden)
 
-    return _times(run, runner.device, sizes, stop_ratio)
+    return _times(run, runner.device, sizes, stop_ratio, rounds)
 
 
 def measure_budget(runner) -> tuple[int, dict[int, float]]:
@@ -108,7 +132,9 @@ def measure_budget(runner) -> tuple[int, dict[int, float]]:
 
 
 def measure_costs(runner) -> cost.CostTable:
-    """The cost model's table of this runner's engine: target and draft pass times (with LM heads) by tokens."""
+    """The cost model's table of this runner's engine: target and draft pass times (with LM heads) by tokens, each
+    the least of ``COST_ROUNDS`` rounds and made non-decreasing (:func:`monotone`)."""
     sizes = load.probe_sizes(min(int(runner.max_num_tokens), COST_MAX_TOKENS))
-    return cost.CostTable.from_times(forward_times(runner, sizes, COST_STOP_RATIO, logits=True),
-                                     draft_times(runner, sizes))
+    return cost.CostTable.from_times(
+        monotone(forward_times(runner, sizes, COST_STOP_RATIO, logits=True, rounds=COST_ROUNDS)),
+        monotone(draft_times(runner, sizes, rounds=COST_ROUNDS)))
