@@ -1,7 +1,7 @@
 """Start-up probes of the target's (and the draft's) pass time by token count, run once by the worker after vLLM's
-warm-up: the knee of ``verify_budget="auto"`` (``load.py``, target forward only) and the cost model's table
-(``cost.py``: target and draft passes with their LM heads). Passes go through vLLM's ``_dummy_run`` (target, the
-drafter's dummy pass off) and the draft model under a dummy forward context; per size one warm-up pass, then the
+warm-up: the knee of ``verify_budget="auto"`` (``load.py``: the target through vLLM's ``_dummy_run``, the drafter's
+dummy pass off) and the cost model's table (``cost.py``: target and draft models called directly under a dummy
+forward context, each with its LM head over every token); per size one warm-up pass, then the
 least of ``REPEATS`` timed passes (noise only adds time); the cost table's sizes are timed in ``COST_ROUNDS`` rounds
 and made non-decreasing. With tensor parallelism rank 0 decides when to stop and its
 table is every rank's (the passes are collective). Details: docs/design.md §3.6.
@@ -85,39 +85,33 @@ def monotone(times: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, logits: bool = False,
-                  rounds: int = 1) -> dict[int, float]:
-    """{tokens: seconds} of the target's forward pass (``runner._dummy_run``; ``logits``: and its LM head over every
-    token), rank 0's on every rank."""
+def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, rounds: int = 1) -> dict[int, float]:
+    """{tokens: seconds} of the target's forward pass through vLLM's ``runner._dummy_run`` (the knee's table), rank
+    0's on every rank."""
     drafter = runner.drafter
     drafter.dummy_run = lambda *args, **kwargs: None  # the target alone (an attribute of our drafter, removed below)
-
-    def run(n: int) -> None:
-        hidden, _ = runner._dummy_run(n, skip_eplb=True)
-        if logits:
-            runner.model.compute_logits(hidden[:n])
-
     try:
-        return _times(run, runner.device, sizes, stop_ratio, rounds)
+        return _times(lambda n: runner._dummy_run(n, skip_eplb=True), runner.device, sizes, stop_ratio, rounds)
     finally:
         del drafter.dummy_run
 
 
-def draft_times(runner, sizes: list[int], stop_ratio: float = COST_STOP_RATIO, rounds: int = 1) -> dict[int, float]:
-    """{tokens: seconds} of one draft pass with its LM head over every token (no attention metadata, as vLLM's dummy
-    passes: short contexts), rank 0's on every rank."""
+def model_times(model, vllm_config, device, sizes: list[int], stop_ratio: float = COST_STOP_RATIO,
+                rounds: int = 1) -> dict[int, float]:
+    """{tokens: seconds} of one pass of ``model`` (the target or the draft) over n tokens with its LM head over every
+    token, called directly under a dummy forward context (no attention metadata, as vLLM's dummy passes: short
+    contexts; without ``_dummy_run``'s own per-call work, which on a CPU made SmolLM2's one-token pass 68 ms where a
+    whole engine step takes about 11), rank 0's on every rank."""
     from vllm.forward_context import set_forward_context
 
-    drafter = runner.drafter
-
     def run(n: int) -> None:
-        ids = torch.zeros(n, dtype=torch.int32, device=drafter.device)
-        pos = torch.zeros(n, dtype=torch.int64, device=drafter.device)
-        with set_forward_context(None, drafter.vllm_config, num_tokens=n):
-            hidden = drafter.model(input_ids=ids, positions=pos, inputs_embeds=None)
-        drafter.model.compute_logits(hidden)
+        ids = torch.zeros(n, dtype=torch.int32, device=device)
+        pos = torch.zeros(n, dtype=torch.int64, device=device)
+        with set_forward_context(None, vllm_config, num_tokens=n):
+            hidden = model(input_ids=ids, positions=pos, inputs_embeds=None)
+        model.compute_logits(hidden)
 
-    return _times(run, runner.device, sizes, stop_ratio, rounds)
+    return _times(run, device, sizes, stop_ratio, rounds)
 
 
 def measure_budget(runner) -> tuple[int, dict[int, float]]:
@@ -135,6 +129,7 @@ def measure_costs(runner) -> cost.CostTable:
     """The cost model's table of this runner's engine: target and draft pass times (with LM heads) by tokens, each
     the least of ``COST_ROUNDS`` rounds and made non-decreasing (:func:`monotone`)."""
     sizes = load.probe_sizes(min(int(runner.max_num_tokens), COST_MAX_TOKENS))
+    drafter = runner.drafter
     return cost.CostTable.from_times(
-        monotone(forward_times(runner, sizes, COST_STOP_RATIO, logits=True, rounds=COST_ROUNDS)),
-        monotone(draft_times(runner, sizes, rounds=COST_ROUNDS)))
+        monotone(model_times(runner.model, runner.vllm_config, runner.device, sizes, rounds=COST_ROUNDS)),
+        monotone(model_times(drafter.model, drafter.vllm_config, drafter.device, sizes, rounds=COST_ROUNDS)))
