@@ -13,7 +13,9 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
   (each layer exact: target beam sampling) and with the paper's dynamic width (``dsbd_beam.dynamic_width``);
 * the DSBD rows' engine has the cost model on (the default, ``cost_model`` "auto": each step drafts only the depth
   that pays, down to none); ``--pinned``: the same rows again on an engine with pinned shapes (``cost_model`` and
-  ``verify_budget`` null: always the full forest);
+  ``verify_budget`` null: always the full forest); ``--engine-requests``: the T = 0 DSBD rows as engine requests
+  (the engine's depth), as the γ = 0 row runs, rather than through ``LLM.beam_search``'s route, so that a row and
+  its no-draft counterpart differ only in drafting;
 * ``--self-draft``: DSBD full width with the target as its own draft (the acceptance ceiling);
 * ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model;
 * ``--no-relayout``: the in-engine γ = 0 and DSBD T = 0 rows again with the re-layout off
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--depth", type=int, default=3, help="the DSBD engine's draft depth γ")
+    ap.add_argument("--engine-requests", action="store_true",
+                    help="run the T = 0 DSBD rows as engine requests, as the γ = 0 row, not through LLM.beam_search")
     ap.add_argument("--pinned", action="store_true",
                     help="also run the DSBD rows on an engine with pinned shapes (cost model and budget off)")
     ap.add_argument("--self-draft", action="store_true",
@@ -167,14 +171,17 @@ def main(argv=None) -> int:
     G = args.depth
     # (label, engine, draft depth on the request: None = LLM.beam_search as the user calls it, -1 = the engine's;
     #  temperature, dynamic width[, re-layout])
+    # --engine-requests: the T = 0 DSBD rows as the γ = 0 row's engine requests (the engine's depth), not through
+    # LLM.beam_search's route, so that a row and its no-draft counterpart differ only in drafting
+    full = -1 if args.engine_requests else None
     runs = [("vllm beam_search", "plain", None, 0.0, False), ("in-engine beam search (γ = 0)", "dsbd", 0, 0.0, False),
-            (f"DSBD full width γ = {G}", "dsbd", None, 0.0, False)]
+            (f"DSBD full width γ = {G}", "dsbd", full, 0.0, False)]
     if args.sampling:
         runs += [("in-engine beam sampling T = 1 (γ = 0)", "dsbd", 0, 1.0, False),
                  (f"DSBD full width γ = {G} T = 1, fixed width", "dsbd", -1, 1.0, False),
                  (f"DSBD full width γ = {G} T = 1, dynamic width", "dsbd", -1, 1.0, True)]
     if args.self_draft:
-        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", None, 0.0, False))
+        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", full, 0.0, False))
         if args.sampling:
             runs.append((f"DSBD full width γ = {G} T = 1, the target as its own draft,", "dsbd-self", -1, 1.0,
                          False))
