@@ -28,12 +28,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "DEFAULT_DEPTH", "METHOD", "DSBDConfig", "uses_dsbd"]
+__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "AUTO_COST", "DEFAULT_DEPTH", "METHOD", "DSBDConfig", "uses_dsbd"]
 
 METHOD = "dsbd"  # the value of --speculative-method / speculative_config["method"]
 ADDITIONAL_CONFIG_KEY = "dsbd"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]
 MODES = ("sample", "single", "full")
 AUTO_BUDGET = "auto"  # verify_budget: measured at start-up (engine/load.py)
+AUTO_COST = "auto"  # cost_model: the table measured at start-up (engine/cost.py)
+COST_TABLE_KEYS = ("target_ms", "draft_ms", "step_ms")  # a pinned cost_model table
 DEFAULT_DEPTH = 3  # the draft depth when an engine with a draft model is given none
 
 
@@ -65,10 +67,18 @@ class DSBDConfig:
             plain target sampling (``min_width``, ``width_threshold`` and ``dynamic_width`` have no effect).
         verify_budget: load-aware speculation (``engine/load.py``): the most tokens a step schedules (each request
             its root or beam leaves plus its forest) before the draft width, then depth, shrink, down to no draft.
-            "auto" (default): the knee of the target's forward time, measured at start-up, and at least one
-            request's full step; an integer >= 1: that budget; None: pinned, every request drafts the configured
-            width and depth whatever the load. Mode "single" is always pinned (its output law depends on the width
-            and depth), as is an engine without a draft model (nothing to shrink); an integer there is refused.
+            "auto" (default): with the cost model on, no cap (the cost model weighs the load); without it, the knee
+            of the target's forward time, measured at start-up on a GPU, and at least one request's full step; an
+            integer >= 1: that budget (a cap under the cost model's choice); None: pinned, every request drafts the
+            configured width and depth whatever the load or the acceptance (the cost model is off too). Mode
+            "single" is always pinned (its output law depends on the width and depth), as is an engine without a
+            draft model (nothing to shrink); an integer there is refused.
+        cost_model: each step, each request's draft depth maximises expected tokens per second (``engine/cost.py``)
+            from a table of target and draft pass times by token count and the request's pass rate in its earlier
+            steps; depth 0 where drafting does not pay. "auto" (default): the table is measured at start-up (on
+            every device); a mapping ``{"target_ms": {tokens: ms}, "draft_ms": {tokens: ms}, "step_ms": ms}``: that
+            table (pinned; "step_ms" optional, default 0); None: off (shapes from ``verify_budget`` alone). Applies
+            where the shape is load-aware (a draft model, mode "sample", ``verify_budget`` not None).
         full_cuda_graphs: let vLLM's full CUDA graphs (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) replay the target
             passes that need no forest attention: steps whose forests are all chains (width 1) with no beam request's
             trie or forest. Other passes run piecewise (attention outside the graphs) or eagerly (``engine/graphs.py``).
@@ -89,6 +99,7 @@ class DSBDConfig:
     mode: str = "sample"
     draft: bool = True
     verify_budget: int | str | None = AUTO_BUDGET
+    cost_model: str | dict | None = AUTO_COST
     full_cuda_graphs: bool = False
     beam_nodes: int | None = None
 
@@ -141,6 +152,7 @@ class DSBDConfig:
             if not self.draft:
                 raise ValueError(f"DSBD config: 'beam_nodes' = {n} sets the nodes per depth of beam requests' draft "
                                  "forests, and this engine has no draft model: leave 'beam_nodes' out")
+        self._check_cost_model()
 
     @property
     def max_beam_nodes(self) -> int:
@@ -158,6 +170,34 @@ class DSBDConfig:
         if _is_int(b) and self.mode == "single":
             raise ValueError(f"DSBD config: 'verify_budget' = {b} with mode='single': that mode's output law depends "
                              "on the width and depth, so they are pinned (not load-aware); leave 'verify_budget' out")
+
+    def _check_cost_model(self) -> None:
+        c = self.cost_model
+        if c is None or c == AUTO_COST:
+            return
+        table = isinstance(c, Mapping) and "target_ms" in c and "draft_ms" in c and set(c) <= set(COST_TABLE_KEYS)
+        for key in ("target_ms", "draft_ms") if table else ():
+            t = c[key]
+            table = table and isinstance(t, Mapping) and len(t) > 0 and all(
+                str(n).isdigit() and int(n) >= 1 and not isinstance(v, bool) and isinstance(v, (int, float))
+                and v >= 0 for n, v in t.items())
+        step = c.get("step_ms", 0) if table else None
+        if not table or isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0:
+            raise ValueError(f"DSBD config: 'cost_model' must be {AUTO_COST!r} (measured at start-up), null (off) or a "
+                             "table {'target_ms': {tokens: ms}, 'draft_ms': {tokens: ms}, 'step_ms': ms} (token "
+                             f"counts >= 1, times >= 0; 'step_ms' optional), got {c!r}")
+        if not self.draft or self.mode == "single":
+            raise ValueError("DSBD config: a 'cost_model' table chooses draft depths, and this engine "
+                             + ("has no draft model" if not self.draft else "is in mode 'single', whose shape is "
+                                "pinned") + ": leave 'cost_model' out")
+        object.__setattr__(self, "cost_model", {k: ({str(n): float(v) for n, v in c[k].items()}
+                                                    if k != "step_ms" else float(c[k])) for k in c})
+
+    @property
+    def cost_aware(self) -> bool:
+        """Whether the cost model chooses each request's draft depth (``engine/cost.py``): load-aware, and a
+        ``cost_model`` given ("auto" or a table)."""
+        return self.load_aware and self.cost_model is not None
 
     @property
     def load_aware(self) -> bool:

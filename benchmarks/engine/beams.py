@@ -11,6 +11,11 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
   steps ahead of the live beams and one target pass verifies the forest (``LLM.beam_search`` takes this path);
 * ``--sampling``: beam sampling at temperature 1 (seeded): in-engine γ = 0, and DSBD full width with fixed width
   (each layer exact: target beam sampling) and with the paper's dynamic width (``dsbd_beam.dynamic_width``);
+* the DSBD rows' engine has the cost model on (the default, ``cost_model`` "auto": each step drafts only the depth
+  that pays, down to none); ``--pinned``: the same rows again on an engine with pinned shapes (``cost_model`` and
+  ``verify_budget`` null: always the full forest); ``--engine-requests``: the T = 0 DSBD rows as engine requests
+  (the engine's depth), as the γ = 0 row runs, rather than through ``LLM.beam_search``'s route, so that a row and
+  its no-draft counterpart differ only in drafting;
 * ``--self-draft``: DSBD full width with the target as its own draft (the acceptance ceiling);
 * ``--no-draft-engine``: ``LLM.beam_search`` on a DSBD engine started without a draft model;
 * ``--no-relayout``: the in-engine γ = 0 and DSBD T = 0 rows again with the re-layout off
@@ -20,7 +25,8 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
   with ``--sampling``; ``--pin-depth`` pins the draft depth on those requests (every step drafts, no pause after
   forests that passed no layer). Writes ``overdraft.png`` (target passes per beam step against N) beside the table.
 
-Reported per row: wall seconds, best-beam tokens per second, target passes (vLLM's loop: engine requests it made,
+Reported per row: wall seconds, best-beam tokens per second and its ratio to the in-engine γ = 0 row of the same
+temperature (side by side in one run), target passes (vLLM's loop: engine requests it made,
 from ``vllm:request_success``; in-engine: ``vllm:dsbd_beam_target_passes``), target passes per beam step (in-engine:
 ``vllm:dsbd_beam_target_passes / vllm:dsbd_beam_steps``, counted by the engine), and KV blocks held per request
 (in-engine: measured, ``vllm:dsbd_beam_kv_blocks``, the blocks the request owns when it finishes, its draft
@@ -89,7 +95,9 @@ def _beam_search(llm, prompts, bp, depth, dynamic=False, nodes=None):
     return [beam_outputs({"type": "token", "prompt_token_ids": p}, o, tok) for p, o in zip(prompts, outs)]
 
 
-def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False, nodes=None):
+def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=False, nodes=None, repeats=1):
+    """One row: the counters and outputs of its first timed run, the least wall time of ``repeats`` (on shared cores
+    noise only adds time)."""
     from vllm.sampling_params import BeamSearchParams
 
     bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens, temperature=temperature)
@@ -99,6 +107,10 @@ def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=F
     outs = _beam_search(llm, prompts, bp, depth, dynamic, nodes)
     secs = time.perf_counter() - t0
     c = {k.split(":")[1]: _value(llm, k) - c0[k] for k in _COUNTERS}
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        _beam_search(llm, prompts, bp, depth, dynamic, nodes)
+        secs = min(secs, time.perf_counter() - t0)
     best = [list(o.sequences[0].tokens[len(p):]) for o, p in zip(outs, prompts)]
     beams = [[list(s.tokens) for s in o.sequences] for o in outs]
     # quality: the best beam's log-probability per token under the target (raw, temperature 1)
@@ -117,6 +129,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--depth", type=int, default=3, help="the DSBD engine's draft depth γ")
+    ap.add_argument("--engine-requests", action="store_true",
+                    help="run the T = 0 DSBD rows as engine requests, as the γ = 0 row, not through LLM.beam_search")
+    ap.add_argument("--pinned", action="store_true",
+                    help="also run the DSBD rows on an engine with pinned shapes (cost model and budget off)")
     ap.add_argument("--self-draft", action="store_true",
                     help="also run DSBD full width with the target as its own draft (the acceptance ceiling: every "
                          "forest layer passes; it costs a second target per draft pass)")
@@ -133,6 +149,7 @@ def main(argv=None) -> int:
                     help="comma-separated N >= W: one DSBD row per N (draft nodes per depth of the beam forests)")
     ap.add_argument("--pin-depth", action="store_true",
                     help="the --nodes rows pin the draft depth on the request (every step drafts)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per row (the least wall time is reported)")
     ap.add_argument("--out", default=str(ROOT / "results" / "beams"))
     args = ap.parse_args(argv)
 
@@ -166,14 +183,17 @@ def main(argv=None) -> int:
     G = args.depth
     # (label, engine, draft depth on the request: None = LLM.beam_search as the user calls it, -1 = the engine's;
     #  temperature, dynamic width[, re-layout])
+    # --engine-requests: the T = 0 DSBD rows as the γ = 0 row's engine requests (the engine's depth), not through
+    # LLM.beam_search's route, so that a row and its no-draft counterpart differ only in drafting
+    full = -1 if args.engine_requests else None
     runs = [("vllm beam_search", "plain", None, 0.0, False), ("in-engine beam search (γ = 0)", "dsbd", 0, 0.0, False),
-            (f"DSBD full width γ = {G}", "dsbd", None, 0.0, False)]
+            (f"DSBD full width γ = {G}", "dsbd", full, 0.0, False)]
     if args.sampling:
         runs += [("in-engine beam sampling T = 1 (γ = 0)", "dsbd", 0, 1.0, False),
                  (f"DSBD full width γ = {G} T = 1, fixed width", "dsbd", -1, 1.0, False),
                  (f"DSBD full width γ = {G} T = 1, dynamic width", "dsbd", -1, 1.0, True)]
     if args.self_draft:
-        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", None, 0.0, False))
+        runs.append((f"DSBD full width γ = {G}, the target as its own draft,", "dsbd-self", full, 0.0, False))
         if args.sampling:
             runs.append((f"DSBD full width γ = {G} T = 1, the target as its own draft,", "dsbd-self", -1, 1.0,
                          False))
@@ -183,6 +203,9 @@ def main(argv=None) -> int:
     runs += [(f"DSBD γ = {G} N = {n}{pin}", "dsbd", nd, 0.0, False, True, n) for n in nodes]
     if args.sampling:
         runs += [(f"DSBD γ = {G} T = 1, fixed width, N = {n}{pin}", "dsbd", nd, 1.0, False, True, n) for n in nodes]
+    if args.pinned:  # the same DSBD rows with pinned shapes: every step drafts the full forest
+        runs += [(f"{r[0]} pinned shapes,", r[1] + "-pinned", *r[2:]) for r in runs
+                 if r[1] in ("dsbd", "dsbd-self") and r[2] != 0]
     if args.no_relayout:
         runs += [("in-engine beam search (γ = 0), no re-layout,", "dsbd", 0, 0.0, False, False),
                  (f"DSBD full width γ = {G}, no re-layout,", "dsbd", None, 0.0, False, False)]
@@ -191,12 +214,15 @@ def main(argv=None) -> int:
     if args.loop_without_prefix_caching:
         runs.append(("vllm beam_search, no prefix caching,", "plain-nocache", None, 0.0, False))
 
-    def dsbd(d):
+    def dsbd(d, pinned=False):
         spec = {"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W}
-        return dict(speculative_config={**spec, "beam_nodes": max(nodes)} if nodes else spec)
+        spec.update({"beam_nodes": max(nodes)} if nodes else {})
+        spec.update({"cost_model": None, "verify_budget": None} if pinned else {})
+        return dict(speculative_config=spec)
 
     engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
-               "dsbd-self": dsbd(target), "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
+               "dsbd-self": dsbd(target), "dsbd-pinned": dsbd(draft, True), "dsbd-self-pinned": dsbd(target, True),
+               "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
     llm, current = None, None
     from vllm_dsbd.engine.state import RELAYOUT_ENV
 
@@ -209,7 +235,7 @@ def main(argv=None) -> int:
         blocks0 = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         b0 = (blocks0.sum, blocks0.count) if blocks0 is not None else (0.0, 0)
         os.environ[RELAYOUT_ENV] = "1" if relayout else "0"  # read as the engine registers a request
-        r = _run(llm, prompts, W, N, depth, temp, dynamic, n_nodes)
+        r = _run(llm, prompts, W, N, depth, temp, dynamic, n_nodes, args.repeats)
         os.environ.pop(RELAYOUT_ENV)
         blocks = _metric(llm, "vllm:dsbd_beam_kv_blocks")
         n_b = blocks.count - b0[1] if blocks is not None else 0
@@ -232,17 +258,23 @@ def main(argv=None) -> int:
     lines = [f"# Beam search W = {W}: vLLM's front-end loop vs in the DSBD engine", "",
              f"{name}, {prompt_desc} (first {len(prompts)}), {N} tokens, temperature 0 (T = 1 rows: beam sampling, "
              f"seeds 0..{len(prompts) - 1}), float32, "
-             f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on.", "",
-             "| row | wall s | best-beam tok/s | target passes | target passes per beam step | forest layers passed "
-             "/ draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on. "
+             "DSBD rows not marked 'pinned shapes': the cost model on (the default).", "",
+             "| row | wall s | best-beam tok/s | vs γ = 0 | target passes | target passes per beam step | forest "
+             "layers passed / draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    # the in-engine γ = 0 row of each temperature: every row's no-draft counterpart
+    zero = {r["temperature"]: sum(len(b) for b in r["best"]) / r["seconds"] for r in rows if "(γ = 0)" in r["label"]
+            and "no re-layout" not in r["label"]}
     for r in rows:
         toks = sum(len(b) for b in r["best"])
         passes = r["beam_passes"] if r["beam_passes"] else r["requests"]
         per_step = f"{r['beam_passes'] / r['beam_steps']:.3f}" if r["beam_steps"] else "1 engine request per beam"
         forest = f"{r['layers_passed']:.0f} / {r['draft_nodes']:.0f}" if r["beam_steps"] else "-"
         blocks = r["blocks"]
-        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {passes:.0f} | {per_step} | "
+        vs0 = f"{toks / r['seconds'] / zero[r['temperature']]:.2f}x" if r["temperature"] in zero else "-"
+        lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {vs0} | {passes:.0f} | "
+                     f"{per_step} | "
                      f"{forest} | {blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x | "
                      f"{r['logprob_per_token']:.3f} |")
     rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]

@@ -9,6 +9,8 @@ vLLM's own log lines are hidden unless --verbose is given.
 
 Draft: the distilled SmolLM2 draft when its artifact is in the repository (drafts/), otherwise the target's first
 layers, untrained (low acceptance; say so in the table). Both engines run in this process, one after the other.
+The DSBD engine drafts its configured shape every step (cost model off), so that the table shows what speculation
+does; ``--cost-model`` runs it with the cost model on (the engine's default), which drafts only where it pays.
 Tokens per target pass = generated tokens / target forward passes (one per engine step for a request; DSBD's are
 counted by the engine, ``vllm:dsbd_target_passes``).
 """
@@ -115,6 +117,8 @@ def main():
     ap.add_argument("--draft-layers", type=int, default=8, help="layers of the untrained fallback draft")
     ap.add_argument("--beam-width", type=int, default=4,
                     help="LLM.beam_search width of the beam search part (0: skip it)")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="run the DSBD engine with the cost model on (its default), not with the configured shape")
     ap.add_argument("--paths", action="store_true", help="print the model folders and a serve command, then exit")
     ap.add_argument("--verbose", action="store_true", help="show vLLM's log lines")
     args = ap.parse_args()
@@ -152,7 +156,7 @@ def main():
                 BeamSearchParams(beam_width=W, max_tokens=args.max_tokens))
     plain = run(target, prompts, params, verbose=args.verbose, beam=beam)
     spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
-            "width": max(args.width, W)}
+            "width": max(args.width, W), **({} if args.cost_model else {"cost_model": None})}
     if W > args.width:  # the engine's width holds the beams; the sampling requests keep --width
         params = [p.clone() for p in params]
         for p in params:

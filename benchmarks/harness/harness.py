@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="1,2,4")
     ap.add_argument("--depths", default="2,3,4")
     ap.add_argument("--beam-widths", default="2,4")
+    ap.add_argument("--pinned", action="store_true",
+                    help="also run each DSBD mode-sample row with pinned shapes (cost model and budget off)")
     ap.add_argument("--configs", default=None, help="regex: run only the configurations whose name matches")
     ap.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs (the CPU profile is always eager)")
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     prompts, prompt_desc, problems = load_prompts(tok, args.num_prompts, args.max_prompt_len, args.token_prompts,
                                                args.sharegpt)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    configs = harness_runs.configurations(ints(args.widths), ints(args.depths), ints(args.beam_widths))
+    configs = harness_runs.configurations(ints(args.widths), ints(args.depths), ints(args.beam_widths),
+                                          pinned=args.pinned)
     if args.configs:
         configs = [c for c in configs if re.search(args.configs, c.name)]
     beams = [c for c in configs if c.kind == "beam_search"]

@@ -23,6 +23,7 @@ class Config:
     depth: int = 0
     dynamic: bool = False
     mode: str = "sample"  # DSBD: "sample" (exact target sampling, the default) or "single" (the paper's, opt-in)
+    pinned: bool = False  # DSBD mode "sample": pinned shapes (cost model and verify budget off), not the cost model
 
 
 @dataclass
@@ -51,7 +52,9 @@ class Run:
         return float(self.tokens)
 
 
-def configurations(widths, depths, beam_widths, draft_model_depth: int = 3) -> list[Config]:
+def configurations(widths, depths, beam_widths, draft_model_depth: int = 3, pinned: bool = False) -> list[Config]:
+    """The harness's configurations; ``pinned``: each DSBD mode-"sample" row also with pinned shapes (its cost model
+    and budget off), side by side with the default (the cost model on)."""
     out = [Config("plain", "plain")]
     out += [Config(f"beam_search W={w}", "beam_search", width=w) for w in beam_widths]
     out.append(Config(f"draft_model g={draft_model_depth}", "draft_model", depth=draft_model_depth))
@@ -59,6 +62,8 @@ def configurations(widths, depths, beam_widths, draft_model_depth: int = 3) -> l
         for g in depths:
             # the default mode: a plain request is exact target sampling, W drafts per depth, one output per layer
             out.append(Config(f"dsbd W={w} g={g}", "dsbd", w, g))
+            if pinned:
+                out.append(Config(f"dsbd-pinned W={w} g={g}", "dsbd", w, g, pinned=True))
             if w > 1:  # the paper's single-output-beam mode (opt-in), fixed and dynamic width
                 for dyn in (False, True):
                     out.append(Config(f"dsbd-single W={w} g={g} {'dyn' if dyn else 'fixed'}", "dsbd", w, g, dyn,
@@ -108,6 +113,8 @@ def run_config(cfg: Config, target: str, draft: str, prompts: list[list[int]], *
     elif cfg.kind == "dsbd":
         spec = {"method": "dsbd", "model": draft, "num_speculative_tokens": cfg.depth, "width": cfg.width,
                 "dynamic_width": cfg.dynamic, "mode": cfg.mode}
+        if cfg.pinned:
+            spec.update(cost_model=None, verify_budget=None)
     llm = vllm.LLM(model=target, speculative_config=spec, disable_log_stats=False, seed=0, **engine_kw)
     try:
         toks = [TokensPrompt(prompt_token_ids=p) for p in prompts]

@@ -5,7 +5,9 @@
 - ``tiny_pair`` / ``peaky_pair``: the tiny random Llama pairs of the engine tests, built once (the ``tiny_pair``
   fixture of ``tests/conftest.py`` gives the first);
 - ``dsbd_llm``: a ``vllm.LLM`` with the engine tests' common keywords (``ENGINE_KW``; a DSBD engine when the
-  overrides give a DSBD ``speculative_config``), shut down and freed when its ``with`` block ends;
+  overrides give a DSBD ``speculative_config``, with the cost model off unless it names ``cost_model``: it would
+  switch a tiny random draft off, and these tests check what forests do), shut down and freed when its ``with``
+  block ends;
 - ``runner_of``: the model runner of an engine whose core runs in process;
 - ``shutdown``: frees an engine so the next one in the same process can start;
 - ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
@@ -69,6 +71,9 @@ def dsbd_llm(model, **overrides):
     so the next engine in the process can start."""
     import vllm
 
+    spec = overrides.get("speculative_config")
+    if isinstance(spec, dict) and spec.get("method") == "dsbd" and "cost_model" not in spec:
+        overrides = {**overrides, "speculative_config": {**spec, "cost_model": None}}
     gc.collect()  # an earlier engine whose fixture frame held it until after its shutdown
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

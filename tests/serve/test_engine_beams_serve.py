@@ -171,8 +171,9 @@ def plain(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
     target, draft, _, template = models
-    cmd = _common(target, template) + ["--speculative-method", "dsbd", "--spec-model", str(draft),
-                                       "--spec-tokens", "2", "--speculative-config", json.dumps({"width": WIDTH})]
+    cmd = _common(target, template) + ["--speculative-method", "dsbd", "--spec-model", str(draft), "--spec-tokens", "2",
+                                       # the cost model off: the beams' forests as before (seeded T > 0 beams too)
+                                       "--speculative-config", json.dumps({"width": WIDTH, "cost_model": None})]
     log = tmp_path_factory.mktemp("dsbd_server") / "server.log"
     with _server(cmd, server_env(), log) as (base, proc, tail):
         out = {}

@@ -37,7 +37,7 @@ from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
 ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
-           "full_cuda_graphs", "beam_nodes"]
+           "cost_model", "full_cuda_graphs", "beam_nodes"]
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_engine_args_dsbd(pair):
     assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
-        "draft": True, "verify_budget": "auto", "full_cuda_graphs": False, "beam_nodes": None,
+        "draft": True, "verify_budget": "auto", "cost_model": "auto", "full_cuda_graphs": False, "beam_nodes": None,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -513,6 +513,16 @@ def test_dsbd_config_defaults_and_roundtrip():
         ({"verify_budget": -3}, r"'verify_budget' must be 'auto'.*got -3"),
         ({"draft": False, "depth": 0, "verify_budget": 32}, r"'verify_budget' = 32 shrinks draft forests, and this "
                                                             "engine has no draft model"),
+        ({"cost_model": "on"}, r"'cost_model' must be 'auto' \(measured at start-up\), null \(off\) or a table"),
+        ({"cost_model": {"target_ms": {1: 5}}}, r"'cost_model' must be 'auto'.*got \{'target_ms'"),
+        ({"cost_model": {"target_ms": {0: 5}, "draft_ms": {1: 1}}}, r"'cost_model' must be 'auto'"),
+        ({"cost_model": {"target_ms": {1: -5}, "draft_ms": {1: 1}}}, r"'cost_model' must be 'auto'"),
+        ({"cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}, "step_ms": True}}, r"'cost_model' must be 'auto'"),
+        ({"cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}, "other": 1}}, r"'cost_model' must be 'auto'"),
+        ({"cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}}, "mode": "single"},
+         r"a 'cost_model' table chooses draft depths, and this engine is in mode 'single'"),
+        ({"draft": False, "depth": 0, "cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}}},
+         r"a 'cost_model' table chooses draft depths, and this engine has no draft model"),
     ],
 )
 def test_dsbd_config_rejects(d, match):
@@ -554,6 +564,18 @@ def test_verify_budget_settings_and_when_speculation_is_load_aware():
     assert not DSBDConfig(mode="single").load_aware  # "auto" (the default) in mode single: pinned
     assert not DSBDConfig(width=4, draft=False).load_aware  # no draft model: nothing to shrink
     assert json.loads(json.dumps(DSBDConfig(verify_budget=None).to_dict()))["verify_budget"] is None
+
+
+def test_cost_model_settings_and_when_it_chooses_depths():
+    assert DSBDConfig().cost_model == "auto" and DSBDConfig().cost_aware  # on by default
+    assert not DSBDConfig(cost_model=None).cost_aware and DSBDConfig(cost_model=None).load_aware  # off: budget only
+    assert not DSBDConfig(verify_budget=None).cost_aware  # pinned shapes: the cost model is off too
+    assert not DSBDConfig(mode="single").cost_aware and not DSBDConfig(width=4, draft=False).cost_aware
+    # a pinned table: token counts as JSON keys (strings), times as floats; it survives to_dict / JSON / from_dict
+    cfg = DSBDConfig.from_dict({"cost_model": {"target_ms": {1: 5, 8: 6}, "draft_ms": {"1": 1}, "step_ms": 2}})
+    assert cfg.cost_aware and cfg.cost_model == {"target_ms": {"1": 5.0, "8": 6.0}, "draft_ms": {"1": 1.0},
+                                                 "step_ms": 2.0}
+    assert DSBDConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 @pytest.mark.parametrize("where", ["speculative_config", "additional_config", "cli"])

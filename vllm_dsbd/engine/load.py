@@ -1,12 +1,13 @@
-"""Load-aware speculation: how wide and deep each request of a step drafts, from the batch alone.
+"""Load-aware speculation: the most each request of a step may draft, from the batch alone (the cost model,
+``cost.py``, chooses each request's depth within it).
 
 Verifying costs the target almost nothing under the device's compute knee and real time past it, so a step has a
 verified-token budget and every request's draft shape shrinks, level by level (depth first), as the batch grows
 (:func:`plan`). The plan depends only on the batch's shapes and the budget, never on a draw, an acceptance or a timing:
 every tensor-parallel rank computes the same, and every output law is unchanged (a forest's shape is fixed before its
-coins are drawn). ``"auto"``: the knee of a start-up timing table (``load_probe.py``), never below one request's full
-step. Imports neither vLLM nor torch. The levels, the plan and the probe: docs/design.md §3.6; settings:
-docs/usage/configuration.md.
+coins are drawn). ``"auto"`` with the cost model off: the knee of a start-up timing table (``load_probe.py``), never
+below one request's full step; with it on, no budget. Imports neither vLLM nor torch. The levels, the plan and the
+probe: docs/design.md §3.6; settings: docs/usage/configuration.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,28 @@
-"""The start-up probe of ``verify_budget="auto"`` (``load.py``): the target's forward time at 1, 2, 4, ... tokens.
-
-Run once by the worker after vLLM's warm-up, through vLLM's ``_dummy_run`` with the drafter's dummy pass off; per size
-the least of ``REPEATS`` timed passes. With tensor parallelism rank 0 decides when to stop and its table is every rank's
-(the passes are collective). Details: docs/design.md §3.6.
+"""Start-up probes of the target's (and the draft's) pass time by token count, run once by the worker after vLLM's
+warm-up: the knee of ``verify_budget="auto"`` (``load.py``: the target through vLLM's ``_dummy_run``, the drafter's
+dummy pass off) and the cost model's table (``cost.py``: target and draft models called directly under a dummy
+forward context, each with its LM head over every token); per size one warm-up pass, then the
+least of ``REPEATS`` timed passes (noise only adds time); the cost table's sizes are timed in ``COST_ROUNDS`` rounds
+and made non-decreasing. With tensor parallelism rank 0 decides when to stop and its
+table is every rank's (the passes are collective). Details: docs/design.md §3.6.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from . import load
+from . import cost, load
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 REPEATS = 3
 STOP_RATIO = 2 * load.KNEE_RATIO
+COST_STOP_RATIO = 8.0  # the cost table's sizes go on until a pass takes this many times a one-token pass
+COST_MAX_TOKENS = 1024  # ... or this many tokens (the table's last slope goes on past its end)
+COST_ROUNDS = 3  # the cost table's sizes are timed in turn this many times (each keeps its least time)
 
 
 def _tp_group():
@@ -33,34 +39,79 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_times(runner, sizes: list[int]) -> dict[int, float]:
-    """{tokens: seconds} of the target's forward pass (``runner._dummy_run``), rank 0's on every rank."""
+def _times(run: Callable[[int], None], device, sizes: list[int], stop_ratio: float,
+           rounds: int = 1) -> dict[int, float]:
+    """{tokens: seconds} of ``run(n)``, rank 0's on every rank, until a size takes over ``stop_ratio`` x the first.
+    ``rounds`` > 1: after the first round (which finds the sizes) the sizes are timed again in turn, so that a burst of
+    load on shared cores slows one round of every size rather than every timing of one size; each size keeps its least
+    time."""
     group = _tp_group()
-    drafter = runner.drafter
-    drafter.dummy_run = lambda *args, **kwargs: None  # the target alone (an attribute of our drafter, removed below)
     times: dict[int, float] = {}
-    try:
-        with torch.inference_mode():
-            for n in sizes:
-                runner._dummy_run(n, skip_eplb=True)
-                best = float("inf")
-                for _ in range(REPEATS):
-                    _sync(runner.device)
-                    t0 = time.perf_counter()
-                    runner._dummy_run(n, skip_eplb=True)
-                    _sync(runner.device)
-                    best = min(best, time.perf_counter() - t0)
-                times[n] = best
-                stop = best > STOP_RATIO * times[sizes[0]]
-                if group is not None:
-                    stop = group.broadcast_object(stop, src=0)
-                if stop:
-                    break
-    finally:
-        del drafter.dummy_run
+
+    def timed(n: int) -> float:
+        best = float("inf")
+        for _ in range(REPEATS):
+            _sync(device)
+            t0 = time.perf_counter()
+            run(n)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    with torch.inference_mode():
+        for n in sizes:
+            run(n)
+            times[n] = timed(n)
+            stop = times[n] > stop_ratio * times[sizes[0]]
+            if group is not None:
+                stop = group.broadcast_object(stop, src=0)
+            if stop:
+                break
+        for _ in range(rounds - 1):
+            for n in list(times):
+                times[n] = min(times[n], timed(n))
     if group is not None:
         times = group.broadcast_object(times, src=0)
     return times
+
+
+def monotone(times: dict[int, float]) -> dict[int, float]:
+    """The least non-decreasing table under ``times`` (a pass over more tokens never costs less; a size timed slower
+    than a larger one was slowed by noise): each size takes the least time of itself and every larger size."""
+    out, low = {}, float("inf")
+    for n in sorted(times, reverse=True):
+        low = min(low, times[n])
+        out[n] = low
+    return dict(sorted(out.items()))
+
+
+def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, rounds: int = 1) -> dict[int, float]:
+    """{tokens: seconds} of the target's forward pass through vLLM's ``runner._dummy_run`` (the knee's table), rank
+    0's on every rank."""
+    drafter = runner.drafter
+    drafter.dummy_run = lambda *args, **kwargs: None  # the target alone (an attribute of our drafter, removed below)
+    try:
+        return _times(lambda n: runner._dummy_run(n, skip_eplb=True), runner.device, sizes, stop_ratio, rounds)
+    finally:
+        del drafter.dummy_run
+
+
+def model_times(model, vllm_config, device, sizes: list[int], stop_ratio: float = COST_STOP_RATIO,
+                rounds: int = 1) -> dict[int, float]:
+    """{tokens: seconds} of one pass of ``model`` (the target or the draft) over n tokens with its LM head over every
+    token, called directly under a dummy forward context (no attention metadata, as vLLM's dummy passes: short
+    contexts; without ``_dummy_run``'s own per-call work, which on a CPU made SmolLM2's one-token pass 68 ms where a
+    whole engine step takes about 11), rank 0's on every rank."""
+    from vllm.forward_context import set_forward_context
+
+    def run(n: int) -> None:
+        ids = torch.zeros(n, dtype=torch.int32, device=device)
+        pos = torch.zeros(n, dtype=torch.int64, device=device)
+        with set_forward_context(None, vllm_config, num_tokens=n):
+            hidden = model(input_ids=ids, positions=pos, inputs_embeds=None)
+        model.compute_logits(hidden)
+
+    return _times(run, device, sizes, stop_ratio, rounds)
 
 
 def measure_budget(runner) -> tuple[int, dict[int, float]]:
@@ -72,3 +123,13 @@ def measure_budget(runner) -> tuple[int, dict[int, float]]:
     logger.info("DSBD load-aware speculation: target forward ms by tokens {%s}; knee %d tokens (time <= %.2f x one "
                 "token's), verify budget %d tokens per step", table, knee, load.KNEE_RATIO, budget)
     return budget, times
+
+
+def measure_costs(runner) -> cost.CostTable:
+    """The cost model's table of this runner's engine: target and draft pass times (with LM heads) by tokens, each
+    the least of ``COST_ROUNDS`` rounds and made non-decreasing (:func:`monotone`)."""
+    sizes = load.probe_sizes(min(int(runner.max_num_tokens), COST_MAX_TOKENS))
+    drafter = runner.drafter
+    return cost.CostTable.from_times(
+        monotone(model_times(runner.model, runner.vllm_config, runner.device, sizes, rounds=COST_ROUNDS)),
+        monotone(model_times(drafter.model, drafter.vllm_config, drafter.device, sizes, rounds=COST_ROUNDS)))

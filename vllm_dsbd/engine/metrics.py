@@ -1,5 +1,5 @@
 """DSBD statistics: layers passed per iteration, the width of each verified layer, beam requests' passes and steps, KV
-commits and the draft depth load-aware speculation allowed.
+commits and the draft depth the cost model chose (or load-aware speculation allowed).
 
 Per engine (worker) process :class:`DSBDStats` counts what verification did, logs a ``DSBD: ...`` summary at most every
 ``log_interval_s`` seconds and updates the ``vllm:dsbd_*`` Prometheus collectors (``prometheus.py`` carries them across
@@ -41,7 +41,7 @@ class DSBDStats:
         self.tokens = 0
         self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
-        self.draft_depths = Counter()  # depth allowed by load-aware speculation -> requests x steps
+        self.draft_depths = Counter()  # depth chosen by the cost model (or allowed by the budget) -> requests x steps
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
         self.beam_passes = 0  # target passes over beam requests (one per request and pass)
         self.beam_steps = 0  # beam steps done (every live beam grew by one token)
@@ -60,7 +60,7 @@ class DSBDStats:
         return collectors_for(self)
 
     def record_levels(self, depths: list[int]) -> None:
-        """The draft depth load-aware speculation allowed each decoding request of a step."""
+        """The draft depth the cost model chose (or the budget allowed) each decoding request of a step."""
         if not depths:
             return
         self.draft_depths.update(depths)

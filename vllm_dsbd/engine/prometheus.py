@@ -106,8 +106,8 @@ def _build_collectors() -> dict:
         "tokens": PCounter("vllm:dsbd_emitted_tokens", "tokens emitted by DSBD iterations", **kw),
         "moves": PCounter("vllm:dsbd_kv_commit_slots", "KV slots moved by DSBD commits", **kw),
         "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
-        "draft_depth": Histogram("vllm:dsbd_draft_depth", "DSBD draft depth allowed per request per step by "
-                                 "load-aware speculation", buckets=[float(b) for b in range(0, 65)], **kw),
+        "draft_depth": Histogram("vllm:dsbd_draft_depth", "DSBD draft depth per request per step: chosen by "
+                                 "the cost model, or allowed by the verify budget", buckets=[float(b) for b in range(0, 65)], **kw),
         "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
         "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),
         "beam_requests": PCounter("vllm:dsbd_beam_requests", "beam requests finished", **kw),

@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, kv, load, memory, penalties, reads, sampler
+from . import attention, cost, kv, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.sampling import top_rows
 from .beams.step import step_beams
@@ -74,6 +74,11 @@ class DSBDRunnerMixin:
         # the worker after vLLM's warm-up (load_probe.py), which sets it
         given = cfg.load_aware and cfg.verify_budget != AUTO_BUDGET
         self.dsbd_budget: int | None = cfg.verify_budget if given else None
+        # the cost model (cost.py): each request's depth this step; its table pinned here or measured by the worker
+        # after vLLM's warm-up (load_probe.py, cost_model "auto"); None: off
+        self.dsbd_cost: cost.CostTable | None = None
+        if cfg.cost_aware and isinstance(cfg.cost_model, dict):
+            self.set_cost_table(cost.CostTable.from_config(cfg.cost_model), "pinned")
         mode = vllm_config.model_config.logprobs_mode
         if mode not in ("raw_logprobs", "raw_logits"):
             raise ValueError(f"DSBD engine: logprobs_mode={mode!r} is not supported (the DSBD sampler returns the "
@@ -85,6 +90,15 @@ class DSBDRunnerMixin:
                     ("without host reads (static" + (", fused kernel)" if self.dsbd_fused else ")"))
                     if self.dsbd_static else "on row subsets", "with one host read per call (static)"
                     if self.drafter.static_drafting else "with one host read per depth")
+
+    def set_cost_table(self, table: cost.CostTable, origin: str) -> None:
+        """Switches the cost model on with ``table`` (logged once with the rule)."""
+        self.dsbd_cost = table
+        logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
+                    "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
+                    "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
+                    "layers); depth 0 where drafting does not pay", origin, table.describe(), self.dsbd_cfg.depth,
+                    cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
 
     def _make_dsbd_drafter(self, vllm_config, device):
         if not self.dsbd_cfg.draft:
@@ -326,6 +340,8 @@ class DSBDRunnerMixin:
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
                 self.dsbd_stats.record(row, res)
+                if row.forest is not None:  # the cost model's estimate, for the next steps' choices
+                    row.state.acceptance.observe(res.passed, row.forest.depth)
         self._dsbd_results = results
         self._dsbd_last_plan = plan
         ids = sampler.sampled_token_ids(results, len(plan))
@@ -373,6 +389,8 @@ class DSBDRunnerMixin:
 
     def _beam_result(self, i: int, row, out, blocks: int | None, moves: list) -> sampler.RowResult:
         self.dsbd_stats.record_beam(out, blocks)
+        if out.draft_nodes:  # the cost model's estimate, for the next steps' choices
+            row.state.acceptance.observe(out.layers_passed, out.draft_layers)
         row.beam_result = out
         if out.moves:  # i: the request's batch row (plan order = batch order)
             moves.append((i, [s for s, _ in out.moves], [d for _, d in out.moves]))
@@ -493,10 +511,12 @@ class DSBDRunnerMixin:
 
     def _load_levels(self, discard) -> list[load.Level]:
         """The draft limits of every request of the batch this step (``load.plan``: from the batch's shapes and the
-        budget, never from a draw); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
-        cfg, shapes = self.dsbd_cfg, []
+        budget; with the cost model, each request's depth within them, ``cost.choose``; never from a draw of this
+        step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
+        cfg, shapes, states = self.dsbd_cfg, [], []
         for req_id in self.input_batch.req_ids:
             st = self.dsbd_requests.get(req_id)
+            states.append(st)
             if st is None:
                 shapes.append(load.Shape(leaves=1, width=0, depth=0))
             elif st.beam is not None:
@@ -506,10 +526,32 @@ class DSBDRunnerMixin:
             else:
                 shapes.append(load.Shape(leaves=1, width=st.width, depth=cfg.depth))
         levels = load.plan(shapes, self.dsbd_budget)
+        if self.dsbd_cost is not None:
+            levels = self._choose_depths(levels, shapes, states, discard)
         if cfg.draft:
             self.dsbd_stats.record_levels(
                 [lv.depth for lv, s, skip in zip(levels, shapes, discard) if not skip and s.depth and not s.pinned])
         return levels
+
+    def _choose_depths(self, levels, shapes, states, discard) -> list[load.Level]:
+        """The cost model's depth for every decoding request within its level (``cost.choose``), from the table and
+        each request's estimate of its earlier steps."""
+        rows, cands = [], []
+        for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
+            if st is None or discard[i]:
+                continue
+            a = st.acceptance.planning_rate()
+            rows.append(i)
+            cands.append(cost.Candidate(leaves=s.leaves, width=min(lv.width, s.width), depth=min(lv.depth, s.depth),
+                                        rate=a, catch_up=s.leaves, pinned=s.pinned))
+        depths = cost.choose(cands, self.dsbd_cost)
+        out = list(levels)
+        for i, c, d in zip(rows, cands, depths):
+            if not c.pinned:
+                if c.depth > 0 and c.width > 0:
+                    states[i].acceptance.chose(d)
+                out[i] = load.Level(levels[i].width, d)
+        return out
 
     def _beam_draft_job(self, i: int, st, num_leaf_drafts: int, level: load.Level | None = None) -> BeamDraftJob | None:
         """The draft job of a beam request after a full step, or None: depth up to the steps left (and the request's
@@ -521,7 +563,8 @@ class DSBDRunnerMixin:
         depth = min(self.dsbd_cfg.depth, beam.params.max_tokens - beam.steps - 1)
         if beam.params.depth is not None:  # pinned by the request
             depth = min(depth, beam.params.depth)
-        elif beam.draft_skip > 0:  # recent forests passed no layer: this step goes without one (beams.py)
+        elif self.dsbd_cost is None and beam.draft_skip > 0:  # recent forests passed no layer: this step goes
+            # without one (trie.py; the cost model has its own estimate and waits, cost.Acceptance)
             beam.draft_skip -= 1
             return None
         elif level is not None:  # load-aware (load.py): fewer depths, and nodes below

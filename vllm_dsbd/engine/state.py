@@ -13,6 +13,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
 from .beams.trie import BeamRequest
+from .cost import Acceptance
 from .penalties import RequestPenalties
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
@@ -55,6 +56,8 @@ class RequestState:
     iterations: int = 0
     layers_passed: int = 0
     widths: list[int] = field(default_factory=list)
+    # the cost model's estimate of its per-layer pass rate, from the forests it verified (engine/cost.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 class Requests:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_dsbd.config import AUTO_BUDGET
+from vllm_dsbd.config import AUTO_BUDGET, AUTO_COST
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
@@ -51,10 +51,20 @@ def _vllm_init_device(worker, init_device) -> None:
 
 class _DecisionsMixin:
     def compile_or_warm_up_model(self):
-        """vLLM's warm-up (and graph capture), then the probe of ``verify_budget="auto"`` (``load_probe.py``) on a
-        load-aware engine; the random state is reset after it, as vLLM resets it after its own warm-up."""
+        """vLLM's warm-up (and graph capture), then the start-up probe (``load_probe.py``): the cost model's table
+        (``cost_model="auto"``, on every device) or, with the cost model off, the knee of ``verify_budget="auto"``
+        (on a GPU); the random state is reset after it, as vLLM resets it after its own warm-up."""
         out = super().compile_or_warm_up_model()
         runner = self.model_runner
+        if runner.dsbd_cfg.cost_aware:
+            if runner.dsbd_cfg.cost_model == AUTO_COST:
+                from vllm.utils.torch_utils import set_random_seed
+
+                from .load_probe import measure_costs
+
+                runner.set_cost_table(measure_costs(runner), "measured at start-up")
+                set_random_seed(self.model_config.seed)
+            return out
         if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == AUTO_BUDGET:
             if getattr(runner.device, "type", str(runner.device)) != "cuda":
                 # a CPU's forward times on shared cores move between runs, and with them the forests and a seeded
@@ -73,9 +83,14 @@ class _DecisionsMixin:
 
     def dsbd_load(self) -> dict:
         """This rank's load-aware speculation settings (``LLM.collective_rpc("dsbd_load")``): the budget (None:
-        pinned), the start-up table {tokens: seconds} when measured, and the depths allowed so far {depth: count}."""
+        pinned or no cap), the knee probe's table {tokens: seconds} when measured, the cost model's table (``{"target":
+        {tokens: seconds}, "draft": {...}, "step": seconds}``, None: off) and the depths allowed (with the cost model:
+        chosen) so far {depth: count}."""
         runner = self.model_runner
+        table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
+                "cost": None if table is None else {"target": dict(table.target), "draft": dict(table.draft),
+                                                    "step": table.step},
                 "depths": dict(runner.dsbd_stats.draft_depths)}
 
     def dsbd_decisions(self) -> dict:

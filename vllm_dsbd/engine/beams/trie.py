@@ -38,6 +38,7 @@ class StepResult:
     stepped: bool = False  # a beam step was made (False: only some leaves are in, see BeamRequest.partial)
     draft_nodes: int = 0  # forest nodes this pass verified
     layers_passed: int = 0  # forest layers whose target beams were all draft nodes (another beam step ran on them)
+    draft_layers: int = 0  # layers of the forest this pass verified (its deepest verified node's)
     widths: list[int] = field(default_factory=list)  # T > 0: K of every verified layer that had drafts
     # a re-layout changed vLLM's token list of the request: its output tokens are now these (linear prefix, then the
     # trie up to leaf 0), and ``dropped`` dead slots are gone (see BeamRequest._relayout)
@@ -191,13 +192,15 @@ class BeamRequest:
         return PendingStep(self, logits, forest, forest_logits, None if p.ignore_eos else p.eos_token_id)
 
     def end_step(self, st: PendingStep) -> StepResult:
-        nodes = 0
+        nodes = layers = 0
         if st.forest is not None:
             nodes = len(st.flogits)
+            layers = max(st.forest.layers[:nodes], default=0)
             self._backoff = 0 if st.passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
             self.draft_skip = self._backoff
         out = self._apply(st.cands)
         out.stepped, out.draft_nodes, out.layers_passed, out.widths = True, nodes, st.passed, st.widths
+        out.draft_layers = layers
         return out
 
     def graft(self, forest: BeamForest, F: int) -> int:

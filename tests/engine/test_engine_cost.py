@@ -1,0 +1,159 @@
+"""The cost model in a real vLLM 0.26.0 engine on CPU (``engine/cost.py``), temperature 0.
+
+Two DSBD engines (width 2, depth 3) with the same pinned cost table (flat target passes of 10 ms, draft passes of 4 ms:
+a layer must pass with probability > 0.4 for depth 1 to pay), on the same tiny random Llama target:
+
+* with an independently drawn random draft (it agrees with the target on almost no greedy token): after its first
+  forests fail, the cost model switches drafting off, trying again now and then (after 1, 2, 4, ... idle steps);
+  the engine's counts show depth 0 in most of the request-steps and few forests verified;
+* with the target as its own draft (every layer passes): it keeps drafting, at the full depth 3 in most steps;
+* on both, plain greedy requests equal greedy decoding of the target (Hugging Face), and ``LLM.beam_search`` equals
+  vLLM's own ``LLM.beam_search`` on a plain engine; the chosen depths reach ``vllm:dsbd_draft_depth``.
+
+And the start-up probe of ``cost_model="auto"`` runs on the engine's runner: target and draft tables from one token
+on, positive times.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_utils import dsbd_llm, greedy_tokens, metric  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from vllm.sampling_params import BeamSearchParams  # noqa: E402
+from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
+
+WIDTH, DEPTH, MAX_TOKENS = 2, 3, 32
+PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [250, 3, 77, 12, 9]]
+BEAM = BeamSearchParams(beam_width=WIDTH, max_tokens=16)
+TABLE = {"target_ms": {"1": 10, "256": 10}, "draft_ms": {"1": 4, "256": 4}}
+SPEC = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_target_passes", "vllm:dsbd_beam_draft_nodes",
+        "vllm:dsbd_beam_layers_passed", "vllm:dsbd_beam_steps")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(target, random draft): the tiny target of the engine tests and an independently drawn 2-layer draft."""
+    return tiny_llama_pair(vocab_size=400, seed=0, draft_init="random", init_std=0.1, target_layers=3, draft_layers=2)
+
+
+def _measure_costs(worker):
+    from vllm_dsbd.engine.load_probe import measure_costs
+
+    table = measure_costs(getattr(worker, "worker", worker).model_runner)
+    return dict(table.target), dict(table.draft)
+
+
+def _phase(llm, fn):
+    """``fn()``'s result, what it added to the counters ``SPEC`` and to the chosen depths {depth: request-steps}."""
+    before = {k: metric(llm, k) or 0 for k in SPEC}
+    d0 = llm.collective_rpc("dsbd_load")[0]["depths"]
+    out = fn()
+    d1 = llm.collective_rpc("dsbd_load")[0]["depths"]
+    return {"out": out, **{k: (metric(llm, k) or 0) - before[k] for k in SPEC},
+            "depths": {d: n - d0.get(d, 0) for d, n in d1.items() if n - d0.get(d, 0)}}
+
+
+def _requests(llm):
+    def plain():
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def beams():
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], BEAM)
+        return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
+
+    return {"plain": _phase(llm, plain), "beams": _phase(llm, beams)}
+
+
+@pytest.fixture(scope="module")
+def greedy(models):
+    fn = next_token_logits_fn(load_hf(models[0]))
+    with torch.no_grad():
+        return [greedy_tokens(fn, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def vllm_beams(models):
+    with dsbd_llm(models[0]) as llm:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], BEAM)
+        return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
+
+
+def _engine(target, draft):
+    return dsbd_llm(target, max_num_seqs=8, speculative_config={
+        "method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH, "cost_model": TABLE})
+
+
+@pytest.fixture(scope="module")
+def bad(models, vllm_beams):  # vllm_beams first: one engine at a time
+    target, draft = models
+    with _engine(target, draft) as llm:
+        out = _requests(llm)
+        out["load"] = llm.collective_rpc("dsbd_load")[0]
+        hist = metric(llm, "vllm:dsbd_draft_depth")
+        out["hist"] = ({float(le): n for le, n in hist.buckets.items()}, hist.count)
+        out["probe"] = llm.collective_rpc(_measure_costs)[0]
+        return out
+
+
+@pytest.fixture(scope="module")
+def self_draft(models, bad):
+    target, _ = models
+    with _engine(target, target) as llm:
+        return _requests(llm)
+
+
+def test_outputs_equal_greedy_and_vllm_beams(bad, self_draft, greedy, vllm_beams):
+    for run in (bad, self_draft):
+        assert run["plain"]["out"] == greedy
+        # vLLM's beams, token for token and in order; their scores up to float32 rounding (another batch shape)
+        assert [[t for t, _ in b] for b in run["beams"]["out"]] == [[t for t, _ in b] for b in vllm_beams]
+        assert [[s for _, s in b] for b in run["beams"]["out"]] == [pytest.approx([s for _, s in b], abs=1e-4)
+                                                                    for b in vllm_beams]
+
+
+def test_the_pinned_table_is_the_engines(bad):
+    cost = bad["load"]["cost"]
+    assert cost["target"] == pytest.approx({1: 0.010, 256: 0.010})
+    assert cost["draft"] == pytest.approx({1: 0.004, 256: 0.004})
+    assert bad["load"]["budget"] is None  # "auto" with the cost model on: no cap
+
+
+def test_a_bad_draft_is_switched_off(bad):
+    plain, beams = bad["plain"], bad["beams"]
+    steps = len(PROMPTS) * (MAX_TOKENS - 1)  # decoding steps of the plain requests
+    assert sum(plain["depths"].values()) >= steps
+    # drafting off in most request-steps: the first forests and the tries after 1, 2, 4, ... idle steps only
+    assert plain["depths"].get(0, 0) >= 0.6 * sum(plain["depths"].values()), plain["depths"]
+    assert 0 < plain["vllm:spec_decode_num_drafts"] <= 0.4 * steps, plain
+    assert beams["depths"].get(0, 0) >= 0.6 * sum(beams["depths"].values()), beams["depths"]
+    assert beams["vllm:dsbd_beam_draft_nodes"] <= 0.4 * WIDTH * beams["vllm:dsbd_beam_steps"], beams
+
+
+def test_a_self_draft_keeps_drafting(self_draft):
+    plain, beams = self_draft["plain"], self_draft["beams"]
+    for run in (plain, beams):
+        assert run["depths"].get(0, 0) <= 0.1 * sum(run["depths"].values()), run["depths"]
+        assert run["depths"].get(DEPTH, 0) >= 0.6 * sum(run["depths"].values()), run["depths"]
+    # forests verified in most plain steps; beam forests pass layers: fewer target passes than beam steps
+    assert plain["vllm:spec_decode_num_drafts"] >= 0.5 * len(PROMPTS) * MAX_TOKENS / (DEPTH + 1), plain
+    assert beams["vllm:dsbd_beam_layers_passed"] > 0
+    assert beams["vllm:dsbd_beam_target_passes"] < beams["vllm:dsbd_beam_steps"], beams
+
+
+def test_chosen_depths_reach_prometheus(bad):
+    buckets, count = bad["hist"]
+    depths = bad["load"]["depths"]
+    assert count == sum(depths.values()) and buckets[0.0] == depths[0]
+    assert buckets[float(DEPTH)] == count  # nothing above the configured depth
+
+
+def test_the_auto_probe_runs_on_the_engine(bad):
+    target, draft = bad["probe"]
+    for table in (target, draft):
+        sizes = sorted(table)
+        assert sizes[0] == 1 and sizes == [2 ** k for k in range(len(sizes))] and all(t > 0 for t in table.values())
