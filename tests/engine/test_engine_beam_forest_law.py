@@ -24,7 +24,7 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, runner_of, tiny_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, runner_of, sharpened, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [5, 6, 7, 8]
 WIDTH, STEPS, DEPTH, TOP_K, N = 2, 3, 2, 3, 2000
-SHARPEN = 3.0  # the draft's logits are the truncated target's x 3 (see _sharpened)
+SHARPEN = 3.0  # the draft's logits are the truncated target's x 3 (see the note above the fixture)
 
 
 def _params(seed):
@@ -62,27 +62,15 @@ def _run(llm) -> tuple[Counter, dict]:
     return sets, {k: after[k] - before[k] for k in after}
 
 
-def _sharpened(draft, folder, factor: float):
-    """A copy of the draft model folder with its LM head scaled by ``factor`` (logits x factor: a peakier draft that
-    still ranks tokens as the truncated target does). The with-replacement rule is biased only where Q differs from
-    P and the first draft carries much of Q; measured on this engine with 2,000 requests, W = 2 (chi2 / threshold):
-    plain truncated draft and top-k 4 over 4 steps 100 / 203; x 3, top-k 4, 3 steps 148 / 164; x 3, top-k 3, 3 steps
-    218 / 70 (the exact rule: 8 / 70)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(draft, folder)
-    weights = load_file(folder / "model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * factor
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
-
+# the draft's logits are the truncated target's x 3 (``engine_utils.sharpened``: a peakier draft that still ranks tokens
+# as the truncated target does). The with-replacement rule is biased only where Q differs from P and the first draft
+# carries much of Q; measured on this engine with 2,000 requests, W = 2 (chi2 / threshold): plain truncated draft and
+# top-k 4 over 4 steps 100 / 203; x 3, top-k 4, 3 steps 148 / 164; x 3, top-k 3, 3 steps 218 / 70 (the exact rule:
+# 8 / 70).
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     target, draft = tiny_pair()
-    draft = _sharpened(draft, tmp_path_factory.mktemp("draft") / "sharp", SHARPEN)
+    draft = sharpened(draft, tmp_path_factory.mktemp("draft") / "sharp", SHARPEN)
     with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048,
                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                       "width": WIDTH}) as llm:

@@ -25,13 +25,12 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, runner_of, tiny_pair, with_eos  # sets the CPU engine environment
+from engine_utils import dsbd_llm, metric, runner_of, sharpened, tiny_pair, with_eos  # CPU engine env first
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report, report_power  # noqa: E402
 from planted import planted_verify_layer  # noqa: E402
-from test_engine_beam_forest_law import _sharpened  # noqa: E402
 from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -92,7 +91,7 @@ def runs(tmp_path_factory):
     folder = with_eos(target, tmp / "target", EOS)
     # the draft: the target itself, logits x SHARPEN (the tiny pair's 2-layer draft ranks the joint's top 4 too
     # differently from the target for all 3 drafts of a layer ever to be the target's 3 outputs: no layer passed)
-    draft = _sharpened(target, tmp / "sharp", SHARPEN)
+    draft = sharpened(target, tmp / "sharp", SHARPEN)
     out = {}
     with dsbd_llm(folder, max_num_seqs=256, max_num_batched_tokens=2048,
                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,

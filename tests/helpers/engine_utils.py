@@ -10,6 +10,7 @@
 - ``shutdown``: frees an engine so the next one in the same process can start;
 - ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
 - ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
+- ``sharpened``: a copy of a model folder with its logits scaled (a colder draft, e.g. of the target itself);
 - ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests);
 - ``eos_pair_engine``: a DSBD engine on the tiny random Llama pair whose target ends sequences at a given token.
 """
@@ -105,6 +106,21 @@ def with_eos(source, folder, eos: int):
             cfg = json.loads(path.read_text())
             cfg["eos_token_id"] = eos
             path.write_text(json.dumps(cfg))
+    return folder
+
+
+def sharpened(source, folder, factor: float):
+    """A copy of the model folder ``source`` in ``folder`` with its LM head scaled by ``factor`` (logits x factor: a
+    colder model that ranks tokens as ``source`` does; the planted-rule power checks need drafts whose first draw takes
+    much of their mass). Returns ``folder``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * factor
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
