@@ -23,11 +23,14 @@ Checks (any failure makes the exit status non-zero):
    no HTTP 5xx in the server log; ``/health`` is 200 afterwards;
 4. every temperature-0 request, replayed alone (one at a time), gives the same text as under load (seeded
    temperature-1 requests are replayed too, their equality only recorded);
-5. no KV-cache leak: the KV-cache usage (``vllm:kv_cache_usage_perc`` on ``/metrics``, times the block count of
+5. the server drafted: DSBD's counters on ``/metrics`` grew over the concurrent phase by forests verified, forest
+   nodes and layers passed for plain requests, and by forest nodes for beam requests (their T = 0 forests pass
+   rarely on the tiny pair; the counts are in the record);
+6. no KV-cache leak: the KV-cache usage (``vllm:kv_cache_usage_perc`` on ``/metrics``, times the block count of
    ``vllm:cache_config_info``) returns to its starting value. The gauge is refreshed only by an engine step, and an
    aborted request (client gone) is freed outside a step, so each reading is taken right after a one-token probe
    request (its own blocks are freed before the step's statistics are made); polled for up to ``--kv-wait`` s;
-6. the server exits by itself on SIGTERM within ``--shutdown-timeout`` s and leaves no child process alive.
+7. the server exits by itself on SIGTERM within ``--shutdown-timeout`` s and leaves no child process alive.
 
 A short table of counts is printed last; ``--out FILE`` writes the whole record (every request) as JSON.
 
@@ -50,8 +53,8 @@ from dataclasses import asdict
 from typing import Any
 
 from soak_requests import Result, Spec, execute, make_specs  # beside this file (a script's folder is on sys.path)
-from soak_server import (CHAT_TEMPLATE, DEPTH, ENGINE_WIDTH, MAX_NUM_SEQS, Client, kv_reading, probe, serve_cmd,
-                         stop_server, tail, wait_healthy)
+from soak_server import (CHAT_TEMPLATE, DEPTH, ENGINE_WIDTH, MAX_NUM_SEQS, Client, dsbd_reading, kv_reading, probe,
+                         serve_cmd, stop_server, tail, wait_healthy)
 from vllm_dsbd.testing.server import free_port, server_env
 
 
@@ -95,6 +98,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             probe(client)
             kv_before = kv_reading(client)
             record["kv_before"] = kv_before
+            dsbd_before = dsbd_reading(client)
 
             # --- concurrent phase
             t0 = time.monotonic()
@@ -129,6 +133,13 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             if proc.poll() is not None:
                 failures.append(f"server exited with {proc.returncode} during the soak")
                 raise _Abort
+
+            # --- the server drafted: forests verified and layers passed, for plain and for beam requests
+            dsbd_after = dsbd_reading(client)
+            record["dsbd_metrics"] = grown = {k: dsbd_after[k] - dsbd_before[k] for k in dsbd_after}
+            for kind, keys in (("plain", ("forests", "nodes", "layers_passed")), ("beam", ("beam_nodes",))):
+                if any(r.kind == kind for r in results) and not all(grown[k] > 0 for k in keys):
+                    failures.append(f"{kind} requests: DSBD's counters did not grow ({', '.join(keys)}): {grown}")
 
             # --- the raw gauge (stale after aborts), then the no-leak check with probes
             record["kv_after_raw"] = kv_reading(client)
@@ -272,6 +283,7 @@ def table(record: dict[str, Any]) -> str:
                                             f"{c.get('bad_400_in_stream')} as a stream's error event)"),
         ("disconnected mid-stream", f"{c.get('disconnect_ok')} / {c.get('disconnect')} (aborted by the server: "
                                     f"{c.get('engine_aborts')})"),
+        ("DSBD counters over the soak", json.dumps(record.get("dsbd_metrics"))),
         ("T=0 equal when replayed alone", f"{c.get('t0_equal')} / {c.get('t0_replayed')}"),
         ("T=1 seeded equal alone (info)", f"{c.get('t1_seeded_equal')} / {c.get('t1_seeded_replayed')}"),
         ("HTTP status counts", json.dumps(c.get("status"))),

@@ -152,6 +152,27 @@ def kv_reading(client: Client) -> dict[str, Any]:
     return {"usage": usage, "num_blocks": blocks, "used_blocks": used, "finished_requests": finished}
 
 
+# DSBD's counters that show the server drafted and verified forests (plain requests, then beam requests)
+DSBD_COUNTERS = {"forests": "vllm:dsbd_iterations_total", "nodes": "vllm:dsbd_draft_nodes_total",
+                 "layers_passed": "vllm:dsbd_layers_passed_sum", "beam_passes": "vllm:dsbd_beam_target_passes_total",
+                 "beam_steps": "vllm:dsbd_beam_steps_total", "beam_nodes": "vllm:dsbd_beam_draft_nodes_total",
+                 "beam_layers_passed": "vllm:dsbd_beam_layers_passed_total"}
+
+
+def dsbd_reading(client: Client) -> dict[str, float]:
+    """DSBD's counters from /metrics (``DSBD_COUNTERS``; 0 for one the server does not show)."""
+    status, body = client.get("/metrics", timeout=30)
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    out = {k: 0.0 for k in DSBD_COUNTERS}
+    names = {v: k for k, v in DSBD_COUNTERS.items()}
+    for line in body.decode(errors="replace").splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in names:
+            out[names[m.group(1)]] += float(m.group(3))
+    return out
+
+
 def probe(client: Client) -> None:
     """A one-token request: makes the engine take a step, which refreshes the KV-usage gauge."""
     status, body = client.post("/v1/completions", {"model": MODEL_NAME, "prompt": "probe", "max_tokens": 1,

@@ -13,8 +13,9 @@ n = 2) and seeded T = 1. Checked:
   (live beams' trie paths and the n best finished beams), and once the request finished, its best beam; so the
   streamed tokens before the finishing output are a prefix of every returned beam (never retracted), and all the
   deltas together are the best beam;
-* not vacuous: most requests stream tokens before they finish, and finished beams held the prefix back at some step
-  (the live beams alone agreed on more: a stream of the live beams' prefix would have retracted tokens);
+* not vacuous: every case's streamed run drafted forests and the runs passed forest layers (DSBD's beam counters), most
+  requests stream tokens before they finish, and finished beams held the prefix back at some step (the live beams
+  alone agreed on more: a stream of the live beams' prefix would have retracted tokens);
 * the beams (``kv_transfer_params["dsbd_beam"]``) equal the same requests' non-streamed (``FINAL_ONLY``) beams, whose
   ``CompletionOutput`` is the best beam too (tokens and finish reason); settings given as a JSON string (the OpenAI
   server's ``vllm_xargs`` carry no mappings) give the same beams;
@@ -28,7 +29,7 @@ import json
 
 import pytest
 
-from engine_utils import dsbd_llm  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import test_engine_beams  # noqa: E402
@@ -118,12 +119,15 @@ def runs(setup):
     with dsbd_llm(folder, max_num_seqs=16,
                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                       "width": WIDTH}) as llm:
-        out = {}
+        out = {"counts": {}}
         for name, width, n, temp in CASES:
+            before = _beam_counts(llm)
             streamed = _streamed_run(llm, [_params(width, n, temp, RequestOutputKind.DELTA, eos) for _ in PROMPTS],
                                      name)
+            after = _beam_counts(llm)
             final = _final_run(llm, [_params(width, n, temp, RequestOutputKind.FINAL_ONLY, eos) for _ in PROMPTS])
             out[name] = (streamed, final)
+            out["counts"][name] = {k: after[k] - before[k] for k in after}
         cum = [_params(4, None, 0.0, RequestOutputKind.CUMULATIVE, eos) for _ in PROMPTS]
         for sp in cum:
             sp.detokenize = True
@@ -140,6 +144,12 @@ def runs(setup):
         out["after_bad"] = _final_run(llm, [_params(4, None, 0.0, RequestOutputKind.FINAL_ONLY, eos)
                                             for _ in PROMPTS])
         yield out
+
+
+def _beam_counts(llm) -> dict:
+    """DSBD's beam counters: target passes, beam steps, forest nodes verified, forest layers passed."""
+    return {k: int(metric(llm, f"vllm:dsbd_beam_{k}") or 0)
+            for k in ("target_passes", "steps", "draft_nodes", "layers_passed")}
 
 
 def _beams(final_output):
@@ -177,6 +187,15 @@ def test_streamed_beams_equal_the_non_streamed_ones(runs, name):
 
 
 def test_streams_are_not_vacuous(runs):
+    # every streamed case drafted forests (DSBD's counters), and forest layers passed: fewer target passes than steps
+    # (at width 4 and T = 0 all 4 new beams must be forest nodes for a layer to pass, which this random pair's draft
+    # never managed in the W4 and W4-n2 cases: their passes are all single steps; measured W2 116 passes for 120
+    # steps, W4-T1 107 for 120)
+    for name, c in runs["counts"].items():
+        print(name, c)
+        assert c["draft_nodes"] > 0 and c["steps"] <= c["target_passes"] + c["layers_passed"], (name, c)
+    total = {k: sum(c[k] for c in runs["counts"].values()) for k in ("target_passes", "steps", "layers_passed")}
+    assert total["layers_passed"] > 0 and total["target_passes"] < total["steps"], total
     early = [sum(len(d) for d, f in r["outputs"] if not f) for c in CASES for r in runs[c[0]][0]]
     assert sum(1 for e in early if e > 0) >= len(early) // 2, early
     # some requests end on EOS, some run to max_tokens

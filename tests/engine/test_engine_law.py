@@ -7,6 +7,17 @@ chi-square (threshold df + 10 sqrt(2 df), bins with fewer than 10 samples merged
 engine whose KV cache is so small that requests are preempted and recomputed (asserted from vLLM's counter).
 Power, in the test: the same statistic and sample size reject plain vLLM at temperature 0.9 (1.5x). Not vacuous: drafts
 were made and accepted (vLLM's counters) on every DSBD engine.
+
+The multi-draft rule inside the engine: a W = 4 engine whose draft is the target itself at logits x 3 (cold: its first
+draw takes most of its mass, so the later drafts' laws Q_j differ most from Q), at temperature 0.9 (the target's laws
+less peaked than at 0.6, so first drafts are rejected more often), passes the law test of the first 2 tokens (the
+prefill's and the first verified layer's, where the multi-draft rule decides) against plain vLLM's temperature-0.9
+sample, and the same requests with the with-replacement rule planted into the engine's verification (``planted.py``;
+the engine core runs in this process, so its sampler calls the patched ``core.verify.verify_layer``) are rejected by
+it. (The truncated
+draft above at temperature 0.6 hides the planted rule at this sample size: chi2 43.6 against a threshold of 118.7;
+so does this cold draft at temperature 0.6: 63.8 against 105.2; and at 0.9 in the law of the first 4 tokens, whose
+later tokens spread the sample over many bins: 53.8 against 85.8, measured.)
 """
 from __future__ import annotations
 
@@ -14,16 +25,20 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, peaky_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, metric, peaky_pair, sharpened  # sets the CPU engine environment before vllm
 import vllm
 
 import chisq
+import vllm_dsbd.core.verify as verify_mod
+from planted import planted_verify_layer
 
 pytestmark = pytest.mark.slow
 
 WIDTH, DEPTH = 4, 2
 N_LAW, LAW_TOKENS = 800, 4  # 4 tokens: the prefill's, then an iteration that verifies both draft depths
 TEMP, HOT = 0.6, 0.9
+COLD, PLANTED = 3.0, "with_replacement"  # the cold draft's logit factor; the wrong rule planted into the engine
+COLD_TOKENS = 2  # the cold-draft test's law: of the first 2 tokens
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(100)]  # 100 tokens: 7 blocks of 16 with the forest's lookahead
 
 
@@ -80,6 +95,37 @@ def dsbd_preempted(dsbd):
     return counts, preemptions, accepted
 
 
+@pytest.fixture(scope="module")
+def dsbd_cold(dsbd, tmp_path_factory):
+    """Default-mode DSBD, width 4, the draft = the target at logits x COLD: the same requests with the exact rule and
+    with the PLANTED rule in the engine's verification, and the counters of each run."""
+    target, _ = peaky_pair()
+    draft = sharpened(target, tmp_path_factory.mktemp("cold") / "draft", COLD)
+    out = {}
+    with dsbd_llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
+                                              "width": WIDTH, "verify_budget": None}) as llm:
+        for name in ("exact", "planted"):
+            real = verify_mod.verify_layer
+            if name == "planted":
+                verify_mod.verify_layer = planted_verify_layer(PLANTED)
+            try:
+                before = _counters(llm)
+                samples = _sample(llm, 50_000, temperature=HOT, width=WIDTH)
+                after = _counters(llm)
+            finally:
+                verify_mod.verify_layer = real
+            out[name] = samples, {k: after[k] - (before[k] or 0) for k in after}
+    return out
+
+
+def _prefix(counts: Counter, k: int) -> Counter:
+    """The law of the first k tokens from that of the first LAW_TOKENS."""
+    out = Counter()
+    for seq, c in counts.items():
+        out[seq[:k]] += c
+    return out
+
+
 def _law_test(name, counts, plain):
     stat, df, thr = chisq.two_sample(counts, plain["t1"])
     chisq.report(f"{name} vs plain vLLM", stat, df, thr)
@@ -104,6 +150,21 @@ def test_plain_request_law_equals_plain_vllm(dsbd, plain, width):
     assert stat_h > thr_h
     print(f"  W={width}: draft tokens {counts[width]['draft_tokens']:.0f}, accepted {counts[width]['accepted_tokens']:.0f}")
     assert counts[width]["draft_tokens"] > 0 and counts[width]["accepted_tokens"] > 0
+
+
+def test_cold_draft_law_and_planted_rule_in_the_engine(dsbd_cold, plain):
+    """W = 4 with the cold draft: the exact rule's law equals plain vLLM's; the with-replacement rule planted into the
+    engine's verification, same requests and seeds, is rejected by the same statistic."""
+    (exact, c_exact), (bad, c_bad) = dsbd_cold["exact"], dsbd_cold["planted"]
+    for name, c in (("exact", c_exact), ("planted", c_bad)):
+        print(f"  cold draft W={WIDTH} {name}: draft tokens {c['draft_tokens']:.0f}, accepted {c['accepted_tokens']:.0f}")
+        assert c["draft_tokens"] > 0 and c["accepted_tokens"] > 0  # both rules verified forests and accepted drafts
+    stat = chisq.two_sample(_prefix(exact, COLD_TOKENS), _prefix(plain["hot"], COLD_TOKENS))
+    planted = chisq.two_sample(_prefix(bad, COLD_TOKENS), _prefix(plain["hot"], COLD_TOKENS))
+    chisq.report_power(f"first {COLD_TOKENS} tokens, DSBD W={WIDTH} cold draft vs plain vLLM, T={HOT}", stat, planted,
+                       PLANTED)
+    assert stat[1] >= 3 and stat[0] < stat[2]
+    assert planted[0] > planted[2], "the test cannot tell the with-replacement rule from the exact one"
 
 
 def test_law_under_preemption_equals_plain_vllm(dsbd_preempted, plain):

@@ -16,7 +16,8 @@ equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 
 alternatives, which vLLM's loop takes from its 2 * n candidates per step and DSBD does not keep). A width above the
 DSBD server's, a beam search that cannot fit ``max_model_len``, ``stop`` strings (which vLLM's loop silently ignores)
 and top-logprob alternatives (completions ``logprobs`` 2, chat ``top_logprobs`` 2) are 400s naming the parameter, and
-a good request afterwards still gets the same answer.
+a good request afterwards still gets the same answer. DSBD's beam counters on ``/metrics`` show draft forests verified
+and layers passed for the beam searches, and forests verified for the streamed requests.
 
 Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
 with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
@@ -197,6 +198,8 @@ def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
                                                      vllm_xargs={"dsbd_beam": {"width": 2, "max_tokens": 4}})),
         ]
         out["stream_alive"] = proc.poll() is None
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+            out["metrics_end"] = r.read().decode()
         return out
 
 
@@ -251,6 +254,27 @@ def test_beams_ran_in_the_engine(dsbd):
             if line.startswith("vllm:request_success_total")]
     n_prompts = len(REQUESTS) + 1 + 1  # two_prompts has 2; after_bad is one more
     assert vals and sum(vals) == n_prompts, [l for l in dsbd["metrics"].splitlines() if "request_success" in l]
+
+
+def _beam_counts(text: str) -> dict:
+    """DSBD's beam counters on ``/metrics``: target passes, beam steps, forest nodes verified, layers passed."""
+    names = {"passes": "vllm:dsbd_beam_target_passes_total", "steps": "vllm:dsbd_beam_steps_total",
+             "nodes": "vllm:dsbd_beam_draft_nodes_total", "layers_passed": "vllm:dsbd_beam_layers_passed_total"}
+    return {k: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+            for k, name in names.items()}
+
+
+def test_beam_requests_drafted_forests_and_passed_layers(dsbd):
+    """The beam searches had draft forests verified and forest layers passed, so fewer target passes than beam steps;
+    the streamed ``dsbd_beam`` requests had forests verified (a server without drafting would fail here). Measured:
+    the beam searches 44 passes for 46 steps (82 nodes, 2 layers passed), the streamed requests 40 for 40 (72 nodes:
+    their forests never passed at T = 0 on this random pair)."""
+    first, end = _beam_counts(dsbd["metrics"]), _beam_counts(dsbd["metrics_end"])
+    streamed = {k: end[k] - first[k] for k in end}
+    print("beam counters after the beam searches:", first, "; the streamed requests:", streamed)
+    assert first["nodes"] > 0 and first["layers_passed"] > 0, first
+    assert first["steps"] <= first["passes"] + first["layers_passed"] and first["passes"] < first["steps"], first
+    assert streamed["nodes"] > 0 and streamed["passes"] > 0, streamed
 
 
 def test_bad_beam_requests_are_400_and_server_keeps_serving(dsbd, plain):

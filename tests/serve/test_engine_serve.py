@@ -3,7 +3,8 @@
 One server (module fixture) in a subprocess, tiny random Llama pair (target 3 layers, draft = its first 2), DSBD
 width 2, depth 2. Checked over HTTP with the stdlib only: completions (temperature 0), chat completions (with a
 trivial chat template: the tiny tokenizer has none), streaming, the per-request width ``vllm_xargs.dsbd_width``, and
-``/metrics`` showing speculative drafts and DSBD's own metrics. The server runs as ``vllm serve`` does by default: the
+``/metrics`` showing speculative drafts and DSBD's own metrics; every request test reads DSBD's counters around its
+requests and asserts that they drafted forests and passed layers (so drafting switched off would fail them). The server runs as ``vllm serve`` does by default: the
 engine core in a child process of the API server, so DSBD's metrics must cross processes to reach ``/metrics``.
 Separately, a misspelt DSBD key makes ``serve`` exit non-zero naming it (in-process engine: faster to fail).
 
@@ -13,6 +14,7 @@ answered, a setting DSBD does not apply is a 400 naming it, and a good request a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -98,9 +100,32 @@ def _completion(base, **extra):
         return json.loads(r.read())
 
 
+def _dsbd_counts(base) -> dict:
+    """DSBD's counters on the server's ``/metrics``: forest iterations, forest nodes verified, layers passed (the sum
+    of the per-iteration histogram)."""
+    with _request(base + "/metrics") as r:
+        text = r.read().decode()
+    names = {"forests": "vllm:dsbd_iterations_total", "nodes": "vllm:dsbd_draft_nodes_total",
+             "layers_passed": "vllm:dsbd_layers_passed_sum"}
+    return {k: sum(v for _, v in _samples(text, name)) for k, name in names.items()}
+
+
+@contextlib.contextmanager
+def drafted(base):
+    """Asserts that the requests made inside the block drafted forests and passed layers (DSBD's counters on
+    ``/metrics`` grew): a server with drafting switched off would fail here. Yields the counts' growth."""
+    before = _dsbd_counts(base)
+    grown = {}
+    yield grown
+    after = _dsbd_counts(base)
+    grown.update({k: after[k] - before[k] for k in after})
+    assert grown["forests"] > 0 and grown["nodes"] > 0 and grown["layers_passed"] > 0, grown
+
+
 def test_completion(server):
     base, _, _ = server
-    out = _completion(base)
+    with drafted(base):
+        out = _completion(base)
     assert out["choices"][0]["text"]
     assert out["usage"]["completion_tokens"] == 12
     again = _completion(base)  # temperature 0: deterministic
@@ -111,7 +136,7 @@ def test_chat_completion(server):
     base, _, _ = server
     payload = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 10,
                "temperature": 0}
-    with _request(base + "/v1/chat/completions", payload) as r:
+    with drafted(base), _request(base + "/v1/chat/completions", payload) as r:
         assert r.status == 200
         out = json.loads(r.read())
     msg = out["choices"][0]["message"]
@@ -124,7 +149,7 @@ def test_streaming_completion(server):
     base, _, _ = server
     payload = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 12, "temperature": 0, "stream": True}
     chunks, done = [], False
-    with _request(base + "/v1/completions", payload) as r:
+    with drafted(base), _request(base + "/v1/completions", payload) as r:
         assert r.status == 200
         for raw in r:
             line = raw.decode().strip()
@@ -143,7 +168,8 @@ def test_streaming_completion(server):
 
 def test_request_width_1(server):
     base, _, _ = server
-    out = _completion(base, vllm_xargs={"dsbd_width": 1})
+    with drafted(base):  # width 1: a chain forest
+        out = _completion(base, vllm_xargs={"dsbd_width": 1})
     assert out["choices"][0]["text"]
     assert out["usage"]["completion_tokens"] == 12
 
@@ -183,6 +209,8 @@ def test_dsbd_metrics_cross_processes(server):
     assert iters and iters[0][1] > 0, [l for l in text.splitlines() if "dsbd" in l][:20]
     assert tokens and tokens[0][1] >= 2 * 12  # at least the two 12-token completions just made
     assert passed and passed[0][1] == iters[0][1]  # one layers-passed observation per forest iteration
+    assert _samples(text, "vllm:dsbd_layers_passed_sum")[0][1] > 0  # and layers passed
+    assert _samples(text, "vllm:dsbd_draft_nodes_total")[0][1] >= iters[0][1]
     assert widths and 0 < widths[0][1] <= iters[0][1]
     # the width of a verified layer is between 1 and the engine's width 2
     buckets = dict(_samples(text, 'vllm:dsbd_layer_width_bucket{layer="1",'))
@@ -200,11 +228,12 @@ def test_bad_startup_config_exits_naming_key(tiny_pair):
 
 def test_temperature_zero_equals_plain_vllm(server, plain_texts):
     base, _, _ = server
-    for ids, expected in zip(PROMPT_IDS, plain_texts[0]):
-        for width in (1, 2):
-            out = _completion(base, prompt=ids, max_tokens=MAX_TOKENS, ignore_eos=True,
-                              vllm_xargs={"dsbd_width": width})
-            assert out["choices"][0]["text"] == expected, (ids, width)
+    for width in (1, 2):
+        with drafted(base):  # not vacuous: forests at each width
+            for ids, expected in zip(PROMPT_IDS, plain_texts[0]):
+                out = _completion(base, prompt=ids, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                  vllm_xargs={"dsbd_width": width})
+                assert out["choices"][0]["text"] == expected, (ids, width)
 
 
 def test_logprobs_request_is_answered(server):

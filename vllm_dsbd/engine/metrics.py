@@ -49,6 +49,7 @@ class DSBDStats:
         self.beam_blocks: list[int] = []  # KV blocks held by each finished beam request
         self.beam_draft_nodes = 0  # forest nodes verified on beam requests
         self.beam_layers_passed = 0  # forest layers passed on beam requests (each a beam step with no target pass)
+        self.beam_pass_layers = Counter()  # layers passed -> target passes over a beam request that verified a forest
         self.beam_dropped = 0  # dead trie slots dropped by re-layouts (BeamRequest._relayout)
         self._log_interval = log_interval_s
         self._last_log = time.monotonic()
@@ -79,9 +80,13 @@ class DSBDStats:
         self.beam_draft_nodes += step.draft_nodes
         self.beam_layers_passed += step.layers_passed
         self.beam_dropped += step.dropped
+        if step.draft_nodes:
+            self.beam_pass_layers[step.layers_passed] += 1
         self._record_widths(step.widths, prom)
         if prom is not None:
             prom["beam_passes"].inc()
+            if step.draft_nodes:
+                prom["beam_pass_layers"].observe(step.layers_passed)
             for name, v in (("beam_steps", steps), ("beam_nodes", step.draft_nodes),
                             ("beam_layers", step.layers_passed), ("beam_dropped", step.dropped)):
                 if v:

@@ -114,6 +114,9 @@ def _build_collectors() -> dict:
         "beam_nodes": PCounter("vllm:dsbd_beam_draft_nodes", "draft forest nodes verified on beam requests", **kw),
         "beam_layers": PCounter("vllm:dsbd_beam_layers_passed",
                                 "forest layers whose target beams were all draft nodes (beam requests)", **kw),
+        "beam_pass_layers": Histogram("vllm:dsbd_beam_pass_layers", "forest layers passed per target pass over a "
+                                      "beam request that verified a forest", buckets=[float(b) for b in range(0, 65)],
+                                      **kw),
         "beam_dropped": PCounter("vllm:dsbd_beam_relayout_slots",
                                  "dead trie slots dropped by re-layouts of beam requests", **kw),
         "beam_blocks": Histogram("vllm:dsbd_beam_kv_blocks", "KV blocks held by a beam request when it finished",
