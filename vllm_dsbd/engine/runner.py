@@ -13,24 +13,24 @@ from __future__ import annotations
 import functools
 import logging
 
-import numpy as np
 import torch
 
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, cost, kv, load, memory, penalties, reads, sampler
+from . import attention, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.sampling import top_rows
 from .beams.step import step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
+from .kv_commit import KVCommitMixin
 from .metrics import DSBDStats
 from .state import PendingForest, Requests
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 
-class DSBDRunnerMixin:
+class DSBDRunnerMixin(KVCommitMixin):
     """Put before vLLM's runner class in the bases (``class X(DSBDRunnerMixin, CPUModelRunner)``)."""
 
     def __init__(self, vllm_config, device):
@@ -60,7 +60,7 @@ class DSBDRunnerMixin:
         self._dsbd_plan: list[sampler.RowPlan] | None = None
         self._dsbd_forest: attention.ForestBatch | None = None
         self._dsbd_results: list[sampler.RowResult] | None = None
-        self._dsbd_planes: dict[int, kv.PlaneSet] | None = None
+        self._dsbd_planes: dict | None = None  # kv.PlaneSet per KV cache group, built on first use (kv_commit.py)
         self._dsbd_last_plan: list[sampler.RowPlan] | None = None
         # beam requests finished this step: req id -> payload for the front end (patch beam_scheduler reads it)
         self._dsbd_finished: dict[str, dict] = {}
@@ -407,50 +407,6 @@ class DSBDRunnerMixin:
         if self.model_config.logprobs_mode != "raw_logits":
             picked = self.sampler.compute_logprobs(picked)
         return self.sampler.gather_logprobs(picked, n if n >= 0 else picked.shape[-1], tokens.to(logits.device))
-
-    def _kv_planes(self) -> dict[int, kv.PlaneSet]:
-        if self._dsbd_planes is None:
-            ctx = self.compilation_config.static_forward_context
-            planes: dict[int, list[torch.Tensor]] = {}
-            for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-                for name in group.layer_names:
-                    cache = getattr(ctx.get(name), "kv_cache", None)
-                    if isinstance(cache, torch.Tensor) and cache.numel():
-                        planes.setdefault(gid, []).extend(kv.layer_planes(cache))
-            kernel = kv.commit_kernel(self.dsbd_env.kv_commit)  # VLLM_DSBD_KV_COMMIT
-            self._dsbd_planes = {gid: kv.PlaneSet(p, kernel) for gid, p in planes.items()}
-        return self._dsbd_planes
-
-    def _commit_kv(self, plan, results) -> None:
-        """Moves the accepted path's K/V of every layer to the first slots after the context."""
-        moves = []  # (row, src positions, dst positions)
-        for i, (row, res) in enumerate(zip(plan, results)):
-            if row.forest is None:
-                continue
-            st = row.state
-            acc = len(res.path)
-            if any(c != k for k, c in enumerate(res.path)):
-                moves.append((i, [row.context_len + c for c in res.path],
-                              [row.context_len + k for k in range(acc)]))
-            # draft K/V exist for the path nodes above the drafted depth (the deepest nodes are never drafted on)
-            if st.draft_len == row.context_len:
-                st.draft_len += min(acc, row.drafted_depth - 1)
-        if not moves:
-            return
-        self.dsbd_stats.record_moves(sum(sum(a != b for a, b in zip(s, d)) for _, s, d in moves))
-        self._move_kv(moves)
-
-    def _move_kv(self, moves: list[tuple[int, list[int], list[int]]]) -> None:
-        """Moves K/V of every layer (target and draft) within requests: (batch row, src positions, dst positions)."""
-        if not moves:
-            return
-        rows = np.concatenate([np.full(len(s), i, dtype=np.int64) for i, s, _ in moves])
-        src_pos = np.concatenate([np.asarray(s, dtype=np.int64) for _, s, _ in moves])
-        dst_pos = np.concatenate([np.asarray(d, dtype=np.int64) for _, _, d in moves])
-        for gid, planes in self._kv_planes().items():
-            bt = self.input_batch.block_table[gid]
-            table, bs = bt.block_table.np, bt.block_size
-            kv.commit(planes, kv.batch_slots(table, rows, src_pos, bs), kv.batch_slots(table, rows, dst_pos, bs))
 
     # ------------------------------------------------------------------------------------------------------------
     # 5. the next forests
