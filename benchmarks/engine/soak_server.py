@@ -31,7 +31,9 @@ def serve_cmd(target, draft, port: int, chat_template) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(target),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--speculative-method", "dsbd", "--spec-model", str(draft), "--spec-tokens", str(DEPTH),
-            "--speculative-config", json.dumps({"width": ENGINE_WIDTH}),
+            # pinned shapes (cost model off): the soak stresses forests under load, and the cost model would switch
+            # the tiny pair's draft off on a CPU (no forests at all, seen 2026-11-26)
+            "--speculative-config", json.dumps({"width": ENGINE_WIDTH, "cost_model": None}),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
             "--max-num-seqs", str(MAX_NUM_SEQS), "--chat-template", str(chat_template),
             "--enable-log-requests"]  # logs "Aborted request(s) ..." when a client goes away

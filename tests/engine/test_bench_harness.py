@@ -73,17 +73,21 @@ def test_harness_runs_and_reports(tmp_path):
 def test_harness_top_k_reaches_every_engine(tmp_path):
     """``--top-k 1`` at temperature 1 leaves one token per step: plain sampling, vLLM ``draft_model`` and DSBD W = 1
     must then all give the target's greedy tokens, although their seeds and random streams differ. On these flat
-    laws any engine that sampled without the truncation would leave the greedy path within a few tokens."""
+    laws any engine that sampled without the truncation would leave the greedy path within a few tokens. DSBD runs
+    with the cost model (the default: on these tiny CPU models it may draft nothing) and with pinned shapes
+    (``--pinned``: every step drafts), whose drafts are asserted."""
     out = _run_harness(tmp_path, "--max-tokens", "16", "--widths", "1", "--depths", "2", "--beam-widths", "",
-                       "--top-k", "1", "--configs", "^(plain|draft_model g=3|dsbd W=1 g=2)$")
+                       "--top-k", "1", "--pinned", "--configs",
+                       "^(plain|draft_model g=3|dsbd W=1 g=2|dsbd-pinned W=1 g=2)$")
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["top_k"] == 1 and "top-k 1" in (out / "README.md").read_text()
     rows = {r["config"]: r for r in res["rows"]}
-    assert set(rows) == {"plain", "draft_model g=3", "dsbd W=1 g=2"}
-    assert rows["dsbd W=1 g=2"]["drafts"] > 0 and rows["draft_model g=3"]["drafts"] > 0
+    assert set(rows) == {"plain", "draft_model g=3", "dsbd W=1 g=2", "dsbd-pinned W=1 g=2"}
+    assert rows["dsbd-pinned W=1 g=2"]["drafts"] > 0 and rows["draft_model g=3"]["drafts"] > 0
     greedy = rows["plain"]["outputs"]
     assert sum(len(o) for o in greedy) >= 16, greedy  # 2 prompts x 16 tokens; EOS may end one early
-    assert rows["draft_model g=3"]["outputs"] == greedy and rows["dsbd W=1 g=2"]["outputs"] == greedy
+    for config in ("draft_model g=3", "dsbd W=1 g=2", "dsbd-pinned W=1 g=2"):
+        assert rows[config]["outputs"] == greedy, config
 
 
 @pytest.mark.parametrize("flag", [["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-1"]])

@@ -1,6 +1,7 @@
 """Soak of a DSBD OpenAI server, CI size: ``benchmarks/engine/soak.py`` with 60 requests, 8 at a time.
 
-The script starts its own DSBD server on 127.0.0.1 (tiny random Llama pair, engine width 4, depth 2, the engine core
+The script starts its own DSBD server on 127.0.0.1 (tiny random Llama pair, engine width 4, depth 2, pinned shapes: cost
+model off, so that every step drafts; the engine core
 in a child process), fires a seeded mix of plain and beam requests, streaming and not, widths 1/2/4, T = 0 and 1,
 clients that leave mid-stream and bad requests, then checks completeness, the 400s, health, T = 0 replays alone,
 the KV cache's free blocks, that DSBD's counters grew (forests drafted; layers passed on plain requests) and a clean
