@@ -25,7 +25,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, runner_of, sharpened, tiny_pair, with_eos  # CPU engine env first
+from engine_utils import (  # the CPU engine environment first
+    beam_counters, dsbd_llm, metric, runner_of, sharpened, tiny_pair, with_eos)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -50,8 +51,7 @@ def _params(seed):
 
 
 def _counters(llm) -> dict:
-    names = ("beam_target_passes", "beam_steps", "beam_draft_nodes", "beam_layers_passed")
-    out = {n: int(metric(llm, f"vllm:dsbd_{n}") or 0) for n in names}
+    out = beam_counters(llm)
     hist = metric(llm, "vllm:dsbd_beam_pass_layers")
     out["forest_passes"] = int(hist.count) if hist is not None else 0
     # cumulative bucket counts: passes that passed at most one layer

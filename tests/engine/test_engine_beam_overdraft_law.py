@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, runner_of, sharpened, tiny_pair  # sets the CPU engine environment first
+from engine_utils import beam_counters, dsbd_llm, runner_of, sharpened, tiny_pair  # the CPU engine environment first
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -42,15 +42,6 @@ def _params(seed):
                                ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
 
 
-def _counters(llm) -> dict:
-    names = ("beam_target_passes", "beam_steps", "beam_draft_nodes", "beam_layers_passed")
-    out = {n: int(metric(llm, f"vllm:dsbd_{n}") or 0) for n in names}
-    widths = [m for m in llm.get_metrics() if m.name == "vllm:dsbd_layer_width"]
-    out["drafted_layers"] = int(sum(m.count for m in widths))
-    out["width_sum"] = int(sum(m.sum for m in widths))
-    return out
-
-
 def _recording(real, sizes: Counter):
     """``drafter.propose_beam_forests`` as the runner calls it, counting the nodes of every drafted forest depth."""
     def propose(drafter, jobs):
@@ -62,14 +53,14 @@ def _recording(real, sizes: Counter):
 
 
 def _run(llm) -> tuple[Counter, dict]:
-    before = _counters(llm)
+    before = beam_counters(llm)
     sizes, real = Counter(), runner_mod.propose_beam_forests
     runner_mod.propose_beam_forests = _recording(real, sizes)
     try:
         outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, [_params(s) for s in range(N)], use_tqdm=False)
     finally:
         runner_mod.propose_beam_forests = real
-    after = _counters(llm)
+    after = beam_counters(llm)
     sets = Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
     return sets, {**{k: after[k] - before[k] for k in after}, "depth_sizes": sizes}
 

@@ -11,6 +11,7 @@
 - ``runner_of``: the model runner of an engine whose core runs in process;
 - ``shutdown``: frees an engine so the next one in the same process can start;
 - ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
+- ``beam_counters``: beam requests' DSBD counters and the drafted layers' widths (the beam law tests' deltas);
 - ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
 - ``sharpened``: a copy of a model folder with its LM head scaled (a peakier draft for the beam law tests);
 - ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests);
@@ -110,6 +111,17 @@ def metric(llm, name: str):
         if m.name == name:
             return getattr(m, "value", m)
     return None
+
+
+def beam_counters(llm) -> dict:
+    """Beam requests' DSBD counters as ints: ``vllm:dsbd_beam_{target_passes, steps, draft_nodes, layers_passed}``,
+    and the drafted layers' count and width sum (``vllm:dsbd_layer_width``), for deltas around a law test's requests."""
+    names = ("beam_target_passes", "beam_steps", "beam_draft_nodes", "beam_layers_passed")
+    out = {n: int(metric(llm, f"vllm:dsbd_{n}") or 0) for n in names}
+    widths = [m for m in llm.get_metrics() if m.name == "vllm:dsbd_layer_width"]
+    out["drafted_layers"] = int(sum(m.count for m in widths))
+    out["width_sum"] = int(sum(m.sum for m in widths))
+    return out
 
 
 def with_eos(source, folder, eos: int):
