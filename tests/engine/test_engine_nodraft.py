@@ -22,7 +22,7 @@ import logging
 
 import pytest
 
-from engine_utils import dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
+from engine_utils import LogRecords, dsbd_llm, metric  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 import test_engine_beams  # noqa: E402
@@ -37,15 +37,6 @@ setup, plain = test_engine_beams.setup, test_engine_beams.plain
 
 WIDTH = 4
 SEEDED = [SHORT[0], SHORT[2]]
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _runner_report(worker) -> dict:
@@ -73,7 +64,7 @@ def _seeded(llm, eos, seed: int):
 @pytest.fixture(scope="module")
 def nodraft(setup, plain):  # after plain: one engine at a time
     folder, _, eos = setup
-    records = _Records()
+    records = LogRecords()
     log = logging.getLogger("vllm.vllm_dsbd.engine")
     log.addHandler(records)
     with contextlib.ExitStack() as stack:

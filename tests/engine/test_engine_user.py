@@ -24,7 +24,7 @@ import logging
 
 import pytest
 
-from engine_utils import dsbd_llm, metric, tiny_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import LogRecords, dsbd_llm, metric, tiny_pair  # the CPU engine environment first
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 from vllm import SamplingParams  # noqa: E402
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
@@ -40,15 +40,6 @@ EOS_RANK_PROMPT = [1, *range(17, 32)]
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 DSBD = ("vllm:dsbd_iterations", "vllm:dsbd_draft_nodes", "vllm:dsbd_beam_steps", "vllm:dsbd_beam_target_passes",
         "vllm:dsbd_beam_layers_passed", "vllm:dsbd_beam_requests")
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _counts(llm) -> dict:
@@ -68,7 +59,7 @@ def _delta(after: dict, before: dict) -> dict:
 @pytest.fixture(scope="module")
 def run():
     target, draft = tiny_pair()
-    records = _Records()
+    records = LogRecords()
     log = logging.getLogger("vllm.vllm_dsbd.engine")
     log.addHandler(records)
     try:

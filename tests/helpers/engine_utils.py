@@ -11,6 +11,7 @@
 - ``runner_of``: the model runner of an engine whose core runs in process;
 - ``shutdown``: frees an engine so the next one in the same process can start;
 - ``metric``: a metric from ``llm.get_metrics()`` (a counter's value, or the metric object, e.g. a histogram);
+- ``LogRecords``: a logging handler that keeps the messages (start-up lines);
 - ``beam_counters``: beam requests' DSBD counters and the drafted layers' widths (the beam law tests' deltas);
 - ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
 - ``sharpened``: a copy of a model folder with its LM head scaled (a peakier draft for the beam law tests);
@@ -20,6 +21,7 @@
 import contextlib
 import functools
 import gc
+import logging
 import os
 
 import torch
@@ -111,6 +113,17 @@ def metric(llm, name: str):
         if m.name == name:
             return getattr(m, "value", m)
     return None
+
+
+class LogRecords(logging.Handler):
+    """Collects the messages of the log records it receives (attach it to a logger to read an engine's log lines)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def beam_counters(llm) -> dict:
