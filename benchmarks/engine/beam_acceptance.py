@@ -4,6 +4,7 @@ beams? K = W is DSBD's forest (W nodes per depth); larger K shows what wider for
 no vLLM, no KV cache (every step recomputes): a quick offline check of a draft, not a speed benchmark.
 
     python benchmarks/engine/beam_acceptance.py            # SmolLM2-135M and its distilled draft, 6 prompts, 16 steps
+    python benchmarks/engine/beam_acceptance.py --draft DIR --num-prompts 16 --json out.json   # another draft
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--ks", default="4,6,8,12,16")
+    ap.add_argument("--draft", default=None, help="a draft folder (HF); default: the committed distilled draft")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the coverage table here")
     args = ap.parse_args(argv)
     import torch
 
@@ -27,13 +31,18 @@ def main(argv=None) -> int:
     from vllm_dsbd.testing.drafts import draft_folder
     from vllm_dsbd.testing.prompts import load_prompts
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     target_dir = models.smollm2_dir()
-    draft_dir, draft_desc = draft_folder(target_dir, 8, pathlib.Path(__file__).resolve().parents[2])
+    if args.draft:
+        draft_dir, draft_desc = pathlib.Path(args.draft), args.draft
+    else:
+        draft_dir, draft_desc = draft_folder(target_dir, 8, pathlib.Path(__file__).resolve().parents[2])
     T = models.next_token_logits_fn(models.load_hf(target_dir))
     D = models.next_token_logits_fn(models.load_hf(draft_dir))
     tok = models.load_tokenizer(target_dir)
-    prompts, _, _ = load_prompts(tok, 8, 128, False)
+    n = max(8, (args.num_prompts + 1) // 2)
+    chat_code, _, _ = load_prompts(tok, n, 128, False)
+    prompts = chat_code[:8] + chat_code[n:n + 8] + chat_code[8:n] + chat_code[n + 8:]  # 8 chat, 8 code, then more
     W, ks = args.width, [int(k) for k in args.ks.split(",")]
     hits, total = {k: 0 for k in ks}, 0
     with torch.no_grad():
@@ -56,6 +65,12 @@ def main(argv=None) -> int:
     print(f"draft: {draft_desc}; W = {W}; {total} beam steps over {args.num_prompts} prompts")
     for k in ks:
         print(f"  forest width K = {k:2d}: the target's {W} pairs inside the draft's {k}: {hits[k] / total:.3f}")
+    if args.json:
+        import json
+
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"draft": draft_desc, "width": W, "beam_steps": total, "num_prompts": args.num_prompts,
+             "steps": args.steps, "coverage": {str(k): hits[k] / total for k in ks}}, indent=1) + "\n")
     return 0
 
 

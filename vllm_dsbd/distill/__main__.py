@@ -35,6 +35,15 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm (0: off)")
     p.add_argument("--prompts", default=d.prompts, help="sharegpt, humaneval, or a .txt/.jsonl file")
     p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature of the corpus")
+    p.add_argument("--beam-width", type=int, default=d.beam_width,
+                   help="0: the target samples the corpus; W >= 2: the corpus is the target's beam search of width W "
+                        "(its W final beams per prompt), for a draft made for beam requests")
+    p.add_argument("--loss", default=d.loss, choices=["kl", "topk"],
+                   help="kl: forward KL on the full vocabulary; topk: KL + a squared error on the log-probabilities "
+                        "of the target's top-k tokens (what a beam forest's ranking needs)")
+    p.add_argument("--topk", type=int, default=d.topk, help="k of --loss topk")
+    p.add_argument("--topk-weight", type=float, default=d.topk_weight, help="weight of the top-k term")
+    p.add_argument("--init", default=None, help="a draft folder (HF) to start from (default: the target's first layers)")
     p.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size, help="sequences generated together")
     p.add_argument("--gen-dtype", default=d.gen_dtype, choices=["float32", "bfloat16", "float16"],
                    help="dtype of the target while generating the corpus")

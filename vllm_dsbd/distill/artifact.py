@@ -174,4 +174,5 @@ def assemble(target_dir: str | os.PathLike, artifact_dir: str | os.PathLike, out
         raise ValueError(f"artifact layers do not match a {n}-layer draft: missing {missing}, unexpected {unexpected}")
     meta = {k: v for k, v in info.items() if k not in ("format", "layers_file", "layers_sha256", "rebuild")}
     meta["assembled_from_artifact"] = str(artifact_dir)
+    meta["artifact_layers_sha256"] = info.get("layers_sha256")  # lets a cached assembly notice a newer artifact
     return save_draft_folder(draft, target_dir, pathlib.Path(out_dir), meta)

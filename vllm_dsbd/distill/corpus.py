@@ -1,7 +1,9 @@
 """The training corpus: text the target generates itself, cached on disk with the target's final hidden states.
 
 The target samples continuations of prompts at ``temperature`` (1 by default: the distribution speculative sampling
-verifies against) with a KV cache, ``gen_batch_size`` sequences at a time. For every position whose next token was
+verifies against) with a KV cache, ``gen_batch_size`` sequences at a time; or (``beam_width`` W >= 2) runs its own
+beam search of width W on each prompt and keeps the W final beams as W rows: the contexts a beam request's draft
+forest is drafted from (:func:`generate_beam_batch`). For every position whose next token was
 *generated* (the last prompt position and every generated token but the last) the cache keeps the target's final
 hidden state (after its final norm, float16): the target's full next-token distribution there is
 ``softmax(lm_head(h))``, recomputed at training time for the cost of one LM-head product, so the training loss is
@@ -167,6 +169,45 @@ def generate_batch(model: Any, prompts: list[list[int]], *, seq_len: int, temper
     return Shard(rows, lengths.long(), plen.long(), hidden.to(torch.float16))
 
 
+@torch.no_grad()
+def generate_beam_batch(model: Any, prompts: list[list[int]], *, seq_len: int, beam_width: int, eos_id: int | None,
+                        pad_id: int, device: torch.device) -> Shard:
+    """The target's own beam search (``transformers``' ``generate``, ``num_beams`` = W, deterministic) on each
+    prompt; its W final beams become W rows (prompt + beam, cut at the first EOS), and one forward pass over the rows
+    gives the hidden states at every generated position (same layout as :func:`generate_batch`)."""
+    B, W = len(prompts), beam_width
+    plen = torch.tensor([len(p) for p in prompts])
+    P = int(plen.max())
+    ids = torch.full((B, P), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), num_beams=W,
+                         num_return_sequences=W, do_sample=False, max_new_tokens=int(seq_len - plen.min()),
+                         eos_token_id=eos_id, pad_token_id=pad_id, length_penalty=1.0, early_stopping=True)
+    gen = out[:, P:].cpu()
+    seqs = []
+    for r in range(B * W):
+        i = r // W
+        g = gen[r].tolist()[: seq_len - len(prompts[i])]
+        if eos_id is not None and eos_id in g:
+            g = g[: g.index(eos_id) + 1]
+        seqs.append(list(prompts[i]) + (g or [eos_id if eos_id is not None else pad_id]))
+    L = max(len(s) for s in seqs)
+    rows = torch.full((B * W, seq_len), pad_id, dtype=torch.int32)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    prompt_lengths = plen.repeat_interleave(W)
+    x = torch.full((B * W, L), pad_id, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        rows[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
+        x[r, : len(s)] = torch.tensor(s)
+    am = (torch.arange(L)[None, :] < lengths[:, None]).long()
+    h = model.model(input_ids=x.to(device), attention_mask=am.to(device), use_cache=False).last_hidden_state.cpu()
+    hidden = torch.cat([h[r, prompt_lengths[r] - 1: lengths[r] - 1] for r in range(B * W)])
+    return Shard(rows, lengths, prompt_lengths.long(), hidden.to(torch.float16))
+
+
 def present_shards(cache_dir: pathlib.Path) -> dict[int, pathlib.Path]:
     """Index -> path of every complete shard in ``cache_dir``."""
     out = {}
@@ -197,12 +238,16 @@ def _shard_prompts(prompt_ids: list[list[int]], k: int, gen_batch_size: int) -> 
 
 
 def _make_shard(model, prompt_ids, k, cache_dir, *, seq_len, gen_batch_size, temperature, seed, device, eos_id,
-                pad_id) -> int:
+                pad_id, beam_width=0) -> int:
     t0 = time.time()
     g = torch.Generator(device=device)
     g.manual_seed(random.Random(f"{seed}/{k}").getrandbits(63))
-    shard = generate_batch(model, _shard_prompts(prompt_ids, k, gen_batch_size), seq_len=seq_len,
-                           temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=g, device=device)
+    if beam_width:
+        shard = generate_beam_batch(model, _shard_prompts(prompt_ids, k, gen_batch_size), seq_len=seq_len,
+                                    beam_width=beam_width, eos_id=eos_id, pad_id=pad_id, device=device)
+    else:
+        shard = generate_batch(model, _shard_prompts(prompt_ids, k, gen_batch_size), seq_len=seq_len,
+                               temperature=temperature, eos_id=eos_id, pad_id=pad_id, generator=g, device=device)
     _atomic_save_safetensors(
         {"ids": shard.ids, "lengths": shard.lengths.int(), "prompt_lengths": shard.prompt_lengths.int(),
          "hidden": shard.hidden},
@@ -226,19 +271,22 @@ def _gen_worker(rank: int, job: dict, todo: list[int], threads: int | None) -> N
     for k in todo:
         _make_shard(model, job["prompt_ids"], k, pathlib.Path(job["cache_dir"]), seq_len=job["seq_len"],
                     gen_batch_size=job["gen_batch_size"], temperature=job["temperature"], seed=job["seed"],
-                    device=torch.device(job["device"]), eos_id=job["eos_id"], pad_id=job["pad_id"])
+                    device=torch.device(job["device"]), eos_id=job["eos_id"], pad_id=job["pad_id"],
+                    beam_width=job.get("beam_width", 0))
 
 
 def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathlib.Path, *, n_tokens: int,
                  seq_len: int, gen_batch_size: int, temperature: float, seed: int, device: str, eos_id: int | None,
                  pad_id: int, gen_dtype: str = "bfloat16", workers: int = 1, threads: int | None = None,
-                 progress: bool = True, log: Callable[[str], None] = print) -> tuple[list[pathlib.Path], dict]:
+                 progress: bool = True, log: Callable[[str], None] = print,
+                 beam_width: int = 0) -> tuple[list[pathlib.Path], dict]:
     """Makes sure ``cache_dir`` holds shards 0..k-1 with at least ``n_tokens`` loss (generated) tokens; returns
     their paths and generation stats. ``prompt_ids``: the (already shuffled, encoded) training prompts; they are
     reused cyclically when the corpus needs more sequences than there are prompts (with other samples each time).
 
     ``workers`` > 1 generates shards in that many processes (``threads`` torch threads each): on a CPU shared with
-    other jobs, single-threaded processes degrade gracefully where one multi-threaded process stalls."""
+    other jobs, single-threaded processes degrade gracefully where one multi-threaded process stalls.
+    ``beam_width`` W >= 2: each prompt gives its W final beams of the target's beam search instead of one sample."""
     from tqdm.auto import tqdm
 
     cache_dir = pathlib.Path(cache_dir)
@@ -250,13 +298,14 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
     if not prompt_ids:
         raise ValueError("no prompts to generate the corpus from")
     # shards to make: the missing indices from the first gap on, enough for n_tokens by the prompts' budgets
+    rows = max(1, beam_width)  # rows per prompt
     present = present_shards(cache_dir)
     first = len(paths)
     todo, expect, k = [], have, first
     while expect < n_tokens:
         if k not in present:
             todo.append(k)
-            expect += int(0.9 * sum(seq_len - len(p) for p in _shard_prompts(prompt_ids, k, gen_batch_size)))
+            expect += int(0.9 * rows * sum(seq_len - len(p) for p in _shard_prompts(prompt_ids, k, gen_batch_size)))
         else:
             expect += shard_loss_tokens(present[k])
         k += 1
@@ -264,7 +313,7 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
     t0 = time.time()
     job = {"target_dir": str(target_dir), "gen_dtype": gen_dtype, "device": str(device), "prompt_ids": prompt_ids,
            "cache_dir": str(cache_dir), "seq_len": seq_len, "gen_batch_size": gen_batch_size,
-           "temperature": temperature, "seed": seed, "eos_id": eos_id, "pad_id": pad_id}
+           "temperature": temperature, "seed": seed, "eos_id": eos_id, "pad_id": pad_id, "beam_width": beam_width}
     while True:
         if workers <= 1:
             if threads:
@@ -273,7 +322,7 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
             for k in todo:
                 n = _make_shard(model, prompt_ids, k, cache_dir, seq_len=seq_len, gen_batch_size=gen_batch_size,
                                 temperature=temperature, seed=seed, device=torch.device(device), eos_id=eos_id,
-                                pad_id=pad_id)
+                                pad_id=pad_id, beam_width=beam_width)
                 bar.update(n)
                 bar.set_postfix(shard=k, tok_s=f"{(bar.n - have) / max(time.time() - t0, 1e-9):.0f}")
             del model
@@ -318,7 +367,7 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
         todo, expect = [], got
         while expect < n_tokens:
             todo.append(k)
-            expect += int(0.9 * sum(seq_len - len(p) for p in _shard_prompts(prompt_ids, k, gen_batch_size)))
+            expect += int(0.9 * rows * sum(seq_len - len(p) for p in _shard_prompts(prompt_ids, k, gen_batch_size)))
             k += 1
     bar.close()
     stats["generation_seconds"] = round(time.time() - t0, 1)

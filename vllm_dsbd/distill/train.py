@@ -6,6 +6,11 @@ match the target's next-token distribution on text the target generated (``corpu
 ``KL(p_target || q_draft)`` over the **full vocabulary** at every generated position. The target's distribution is
 recomputed from its cached final hidden state with the (frozen) LM head, inside a fused, chunked loss
 (:class:`FusedKL`) that never keeps [tokens, vocab] tensors for the backward pass.
+
+For beam requests (``--beam-width``, ``--loss topk``): the corpus is the target's own beam searches, and the loss adds
+a squared error on the log-probabilities of the target's ``topk`` best tokens (plus a hinge on the draft's own top
+tokens the target ranks lower): a T = 0 forest layer passes only when the draft ranks the target's best (beam, token)
+pairs, across beams, among its N best, which the mass-weighted KL fits loosely. ``--init`` starts from a draft.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ class DistillConfig:
     grad_clip: float = 1.0
     prompts: str = "sharegpt"
     temperature: float = 1.0
+    beam_width: int = 0  # >= 2: the corpus is the target's beam search of this width (W final beams per prompt)
+    loss: str = "kl"  # "kl": forward KL; "topk": KL + topk_weight * top-k log-probability error (module docstring)
+    topk: int = 8
+    topk_weight: float = 1.0
+    init: str | None = None  # a draft folder (HF) with ``layers`` layers to start from (default: the target's first)
     gen_batch_size: int = 64
     gen_dtype: str = "bfloat16"  # dtype of the target while it generates the corpus
     train_dtype: str = "bfloat16"  # matmul dtype (autocast) in training; master weights and softmax stay float32
@@ -85,6 +95,12 @@ class DistillConfig:
             raise ValueError(f"--max-prompt-len ({self.max_prompt_len}) must be < --seq-len ({self.seq_len})")
         if self.temperature < 0:
             raise ValueError("--temperature must be >= 0")
+        if self.beam_width < 0 or self.beam_width == 1:
+            raise ValueError(f"--beam-width must be 0 (sampled corpus) or >= 2, got {self.beam_width}")
+        if self.loss not in ("kl", "topk"):
+            raise ValueError(f"--loss must be kl or topk, got {self.loss!r}")
+        if self.loss == "topk" and (self.topk < 1 or self.topk_weight < 0):
+            raise ValueError("--topk must be >= 1 and --topk-weight >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("--min-lr-ratio must be in [0, 1]")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
@@ -117,25 +133,54 @@ def _kl_terms(zq: torch.Tensor, zp: torch.Tensor):
     return kl, ent, (lq.exp() - p).to(out_dtype)
 
 
+def _topk_terms(zq: torch.Tensor, zp: torch.Tensor, k: int, lam: float):
+    """:func:`_kl_terms` plus ``lam`` times a ranking term, per row: the mean over the target's ``k`` best tokens of
+    (log q - log p)^2, and for the draft's ``k`` best tokens outside them a squared hinge max(0, log q - max(log p,
+    the target's k-th best log p))^2 (a draft token ranked above what the target ranks it is pushed down, no further).
+    Returns (kl + lam * rank, entropy, gradient w.r.t. zq)."""
+    out_dtype = zq.dtype
+    lq = torch.log_softmax(zq.float(), -1)
+    lp = torch.log_softmax(zp.float(), -1)
+    p, q = lp.exp(), lq.exp()
+    kl = (p * (lp - lq)).sum(-1)
+    ent = -(p * lp).sum(-1)
+    vp, ip = torch.topk(lp, k, dim=-1)
+    _, iq = torch.topk(lq, k, dim=-1)
+    in_p = torch.zeros_like(lp).scatter_(1, ip, 1.0)
+    in_q = torch.zeros_like(lp).scatter_(1, iq, 1.0) * (1.0 - in_p)
+    d = in_p * (lq - lp) + in_q * torch.relu(lq - torch.maximum(lp, vp[:, -1:]))
+    rank = (d * d).sum(-1) / k
+    grad = (q - p) + (2.0 * lam / k) * (d - d.sum(-1, keepdim=True) * q)
+    return kl + lam * rank, ent, grad.to(out_dtype), kl
+
+
 _COMPILED: dict = {}
 
 
-def _kl_terms_fn(compile_: bool):
-    """The eager function, or (``compile_``) a torch.compile'd one that fuses the elementwise passes (about 2x faster
-    on a CPU); falls back to eager, once, if compilation is not possible here."""
+def _kl_terms_fn(compile_: bool, topk: int = 0, lam: float = 0.0):
+    """(zq, zp) -> (loss, entropy, gradient, kl) per row: the KL (``topk`` 0) or :func:`_topk_terms`; eager, or
+    (``compile_``) torch.compile'd, which fuses the elementwise passes (about 2x faster on a CPU); falls back to
+    eager, once, if compilation is not possible here."""
+    if topk:
+        eager = lambda zq, zp: _topk_terms(zq, zp, topk, lam)  # noqa: E731
+    else:
+        def eager(zq, zp):
+            kl, ent, g = _kl_terms(zq, zp)
+            return kl, ent, g, kl
     if not compile_:
-        return _kl_terms
-    if "fn" not in _COMPILED:
+        return eager
+    key = (topk, lam)
+    if key not in _COMPILED:
         try:
-            fn = torch.compile(_kl_terms, dynamic=False)
-            fn(torch.zeros(2, 8), torch.zeros(2, 8))  # fails here if there is no working compiler
-            _COMPILED["fn"] = fn
+            fn = torch.compile(eager, dynamic=False)
+            fn(torch.zeros(2, max(8, 2 * topk)), torch.zeros(2, max(8, 2 * topk)))  # fails here without a compiler
+            _COMPILED[key] = fn
         except Exception as e:  # pragma: no cover - depends on the toolchain
             import warnings
 
             warnings.warn(f"torch.compile of the KL loss failed ({type(e).__name__}: {e}); using eager mode")
-            _COMPILED["fn"] = _kl_terms
-    return _COMPILED["fn"]
+            _COMPILED[key] = eager
+    return _COMPILED[key]
 
 
 class FusedKL(torch.autograd.Function):
@@ -145,13 +190,15 @@ class FusedKL(torch.autograd.Function):
     chunks of ``chunk`` positions; the gradient w.r.t. ``h`` (``(q - p) W / N``) is computed in the forward pass,
     so no [N, V] tensor outlives its chunk. Logits are products in ``W``'s dtype (pass a bfloat16 copy for speed),
     softmaxes are float32. Returns (loss, per-position KL, per-position target entropy) - only loss has a gradient.
-    With ``compile_`` the elementwise part is torch.compile'd (chunks padded to ``chunk`` rows: one shape).
+    With ``compile_`` the elementwise part is torch.compile'd (chunks padded to ``chunk`` rows: one shape). With
+    ``topk`` > 0 the loss is :func:`_topk_terms`' (``lam`` its weight); the per-position values returned stay the KL.
     """
 
     @staticmethod
-    def forward(ctx, h, t, W, chunk, compile_):
+    def forward(ctx, h, t, W, chunk, compile_, topk=0, lam=0.0):
         N = h.shape[0]
-        fn = _kl_terms_fn(compile_)
+        fn = _kl_terms_fn(compile_, topk, lam)
+        loss = torch.empty(N, dtype=torch.float32, device=h.device)
         grad = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         kl = torch.empty(N, dtype=torch.float32, device=h.device)
         ent = torch.empty(N, dtype=torch.float32, device=h.device)
@@ -162,24 +209,25 @@ class FusedKL(torch.autograd.Function):
             if compile_ and e - s < chunk:
                 zq = torch.nn.functional.pad(zq, (0, 0, 0, chunk - (e - s)))
                 zp = torch.nn.functional.pad(zp, (0, 0, 0, chunk - (e - s)))
-            k, en, g = fn(zq, zp)
-            kl[s:e], ent[s:e] = k[: e - s], en[: e - s]
+            lo, en, g, k = fn(zq, zp)
+            loss[s:e], kl[s:e], ent[s:e] = lo[: e - s], k[: e - s], en[: e - s]
             grad[s:e] = (g[: e - s] @ W).float()
         ctx.save_for_backward(grad)
         ctx.n = N
         ctx.h_dtype = h.dtype
         ctx.mark_non_differentiable(kl, ent)
-        return kl.mean(), kl, ent
+        return loss.mean(), kl, ent
 
     @staticmethod
     def backward(ctx, g, _g_kl, _g_ent):
         (grad,) = ctx.saved_tensors
-        return (grad * (g / ctx.n)).to(ctx.h_dtype), None, None, None, None
+        return (grad * (g / ctx.n)).to(ctx.h_dtype), None, None, None, None, None, None
 
 
-def fused_kl(h: torch.Tensor, t: torch.Tensor, W: torch.Tensor, chunk: int = 128, compile_: bool = False):
-    """See :class:`FusedKL`: returns (mean KL, per-position KL, per-position target entropy)."""
-    return FusedKL.apply(h, t, W, chunk, compile_)
+def fused_kl(h: torch.Tensor, t: torch.Tensor, W: torch.Tensor, chunk: int = 128, compile_: bool = False,
+             topk: int = 0, lam: float = 0.0):
+    """See :class:`FusedKL`: returns (mean loss, per-position KL, per-position target entropy)."""
+    return FusedKL.apply(h, t, W, chunk, compile_, topk, lam)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -301,6 +349,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
     corpus_meta = {"format": corp._FORMAT, "target_fingerprint": fingerprint, "prompts": cfg.prompts,
                    "seq_len": cfg.seq_len, "max_prompt_len": cfg.max_prompt_len, "temperature": cfg.temperature,
                    "gen_batch_size": cfg.gen_batch_size, "gen_dtype": cfg.gen_dtype, "seed": cfg.seed}
+    if cfg.beam_width:  # only then: a sampled corpus cached before this setting existed stays valid
+        corpus_meta["beam_width"] = cfg.beam_width
     cache_dir = work / "corpus"
     corp.check_meta(cache_dir, corpus_meta)
     ckpt_path = work / CKPT
@@ -317,11 +367,14 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
             str(target_dir), prompt_ids, cache_dir, n_tokens=cfg.tokens, seq_len=cfg.seq_len,
             gen_batch_size=cfg.gen_batch_size, temperature=cfg.temperature, seed=cfg.seed, device=str(device),
             eos_id=eos_id, pad_id=pad_id, gen_dtype=cfg.gen_dtype, workers=workers, threads=cfg.threads,
-            progress=cfg.progress, log=log)
+            progress=cfg.progress, log=log, beam_width=cfg.beam_width)
     corpus = Corpus(paths)
 
     # 2. draft + optimizer ----------------------------------------------------------------------------------------
     draft = build_draft(target, cfg.layers)
+    if cfg.init:
+        _load_init(draft, cfg.init, cfg.layers)
+        log(f"starting from the layers of {cfg.init}")
     del target  # the layers above the draft's are no longer referenced
     draft.to(device)
     W = draft.get_output_embeddings().weight.detach()
@@ -334,6 +387,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
                "corpus_tokens": corpus.n_loss_tokens, "batch_size": cfg.batch_size, "total_steps": total,
                "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio, "warmup_steps": cfg.warmup_steps,
                "weight_decay": cfg.weight_decay, "seed": cfg.seed}
+    if cfg.loss != "kl" or cfg.init:
+        run_key.update(loss=cfg.loss, topk=cfg.topk, topk_weight=cfg.topk_weight, init=cfg.init)
     step, elapsed_before, loss_log = 0, 0.0, []
     if ckpt_path.is_file():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
@@ -369,7 +424,8 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
             group["lr"] = lr_at(step, total, cfg)
         with torch.autocast(device.type, dtype=_dtype(cfg.train_dtype), enabled=amp):
             h = draft.model(input_ids=ids, use_cache=False).last_hidden_state
-        loss, kl, _ = fused_kl(h[mask].float(), hid, W_mm, cfg.kl_chunk, cfg.compile_loss)
+        loss, kl, _ = fused_kl(h[mask].float(), hid, W_mm, cfg.kl_chunk, cfg.compile_loss,
+                               cfg.topk if cfg.loss == "topk" else 0, cfg.topk_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
@@ -404,9 +460,12 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
         "num_hidden_layers": cfg.layers,
         "target": str(target_dir),
         "target_fingerprint": fingerprint,
-        "method": "forward KL(target || draft) on the full vocabulary at every generated position of text the "
-                  "target sampled itself; draft = target's first layers (init) + target's embedding, final norm "
-                  "and LM head (frozen, shared)",
+        "method": ("forward KL(target || draft) on the full vocabulary" + (
+                   f" + {cfg.topk_weight} x the top-{cfg.topk} log-probability error" if cfg.loss == "topk" else "")
+                   + " at every generated position of text the target " + (
+                   f"beam-searched itself (width {cfg.beam_width}, final beams)" if cfg.beam_width else
+                   "sampled itself") + "; draft = " + (f"the layers of {cfg.init} (init)" if cfg.init else
+                   "target's first layers (init)") + " + target's embedding, final norm and LM head (frozen, shared)"),
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items()
                      if k not in ("target", "out", "work_dir", "artifact", "progress", "stop_after")},
         "work_dir": str(work),
@@ -426,6 +485,18 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
         art.export_artifact(out, cfg.artifact)
         log(f"artifact written to {cfg.artifact}")
     return out
+
+
+def _load_init(draft: Any, folder: str, n_layers: int) -> None:
+    """Copies the decoder layers of the draft folder ``folder`` (HF format, same target) into ``draft``."""
+    from ..testing import models
+
+    src = models.load_hf(pathlib.Path(folder).expanduser(), dtype=torch.float32)
+    if src.config.num_hidden_layers != n_layers:
+        raise ValueError(f"--init {folder} has {src.config.num_hidden_layers} layers, --layers is {n_layers}")
+    with torch.no_grad():
+        for d, s in zip(draft.model.layers.parameters(), src.model.layers.parameters()):
+            d.copy_(s)
 
 
 def _trained_tokens(corpus: Corpus, cfg: DistillConfig, total: int, steps_per_epoch: int) -> int:

@@ -5,6 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def _assembled_from(out: Path, artifact: Path) -> bool:
+    """Whether the assembled folder ``out`` was built from this artifact's layers (a replaced artifact is rebuilt)."""
+    import json
+
+    try:
+        made = json.loads((out / "distill.json").read_text()).get("artifact_layers_sha256")
+        return made is not None and made == json.loads((artifact / "draft.json").read_text())["layers_sha256"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def draft_folder(target: Path, n_layers: int, root: Path | None = None) -> tuple[Path, str]:
     """The best draft available offline: the distilled one if its artifact is committed, else truncated layers.
     The artifacts are looked for in ``root``'s ``drafts/`` (default: the checkout this package runs from, an editable
@@ -16,7 +27,7 @@ def draft_folder(target: Path, n_layers: int, root: Path | None = None) -> tuple
         try:
             from vllm_dsbd.distill import assemble
             out = target.parent / f"draft-{artifacts[0].name}"
-            if not (out / "config.json").exists():
+            if not (out / "config.json").exists() or not _assembled_from(out, artifacts[0]):
                 assemble(target, artifacts[0], out)
             return out, f"distilled ({artifacts[0].name})"
         except ImportError:
