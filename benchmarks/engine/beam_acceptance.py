@@ -5,6 +5,10 @@ no vLLM, no KV cache (every step recomputes): a quick offline check of a draft, 
 
     python benchmarks/engine/beam_acceptance.py            # SmolLM2-135M and its distilled draft, 6 prompts, 16 steps
     python benchmarks/engine/beam_acceptance.py --draft DIR --num-prompts 16 --json out.json   # another draft
+    python benchmarks/engine/beam_acceptance.py --mix 0,0.25,0.5,0.75   # also drafts between the draft and the target
+
+``--mix a`` adds a synthetic draft log_softmax(a log p + (1 - a) log q) (a = 0: the draft, 1: the target), with its
+mean KL(target || draft) over the live beams: what coverage a draft of a given KL would reach.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None, help="a draft folder (HF); default: the committed distilled draft")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the coverage table here")
+    ap.add_argument("--mix", default="0", help="comma-separated a in [0, 1): drafts log_softmax(a log p + (1-a) log q)")
     args = ap.parse_args(argv)
     import torch
 
@@ -44,7 +49,8 @@ def main(argv=None) -> int:
     chat_code, _, _ = load_prompts(tok, n, 128, False)
     prompts = chat_code[:8] + chat_code[n:n + 8] + chat_code[8:n] + chat_code[n + 8:]  # 8 chat, 8 code, then more
     W, ks = args.width, [int(k) for k in args.ks.split(",")]
-    hits, total = {k: 0 for k in ks}, 0
+    mixes = [float(a) for a in args.mix.split(",")]
+    hits, kls, total, rows = {a: {k: 0 for k in ks} for a in mixes}, {a: 0.0 for a in mixes}, 0, 0
     with torch.no_grad():
         for p in prompts[: args.num_prompts]:
             beams = [(list(p), 0.0)]
@@ -53,24 +59,35 @@ def main(argv=None) -> int:
                 lt, ld = (torch.log_softmax(f(seqs).double(), -1) for f in (T, D))
                 V = lt.shape[1]
                 sc = torch.tensor([b[1] for b in beams], dtype=torch.float64)[:, None]
-                jt, jd = (lt + sc).flatten(), (ld + sc).flatten()
+                jt = (lt + sc).flatten()
                 jt[tok.eos_token_id :: V] = -torch.inf  # EOS finishes a beam: never a live beam
-                jd[tok.eos_token_id :: V] = -torch.inf
                 top = set(torch.topk(jt, W).indices.tolist())
                 if step > 0:  # the first step has one beam (the prompt), as in the engine (no forest yet)
                     total += 1
-                    for k in ks:
-                        hits[k] += top <= set(torch.topk(jd, k).indices.tolist())
+                    rows += lt.shape[0]
+                    for a in mixes:
+                        la = torch.log_softmax(a * lt + (1 - a) * ld, -1) if a else ld
+                        kls[a] += float((lt.exp() * (lt - la)).sum())
+                        jd = (la + sc).flatten()
+                        jd[tok.eos_token_id :: V] = -torch.inf
+                        for k in ks:
+                            hits[a][k] += top <= set(torch.topk(jd, k).indices.tolist())
                 beams = [(beams[i // V][0] + [i % V], float(jt[i])) for i in sorted(top, key=lambda i: -float(jt[i]))]
     print(f"draft: {draft_desc}; W = {W}; {total} beam steps over {args.num_prompts} prompts")
-    for k in ks:
-        print(f"  forest width K = {k:2d}: the target's {W} pairs inside the draft's {k}: {hits[k] / total:.3f}")
+    for a in mixes:
+        if a:
+            print(f"synthetic draft a = {a}: log_softmax({a} log p + {1 - a:g} log q)")
+        print(f"  mean KL(target || draft) over the live beams: {kls[a] / rows:.3f} nats")
+        for k in ks:
+            print(f"  forest width K = {k:2d}: the target's {W} pairs inside the draft's {k}: {hits[a][k] / total:.3f}")
     if args.json:
         import json
 
         pathlib.Path(args.json).write_text(json.dumps(
             {"draft": draft_desc, "width": W, "beam_steps": total, "num_prompts": args.num_prompts,
-             "steps": args.steps, "coverage": {str(k): hits[k] / total for k in ks}}, indent=1) + "\n")
+             "steps": args.steps, "coverage": {str(k): hits[0.0][k] / total for k in ks} if 0.0 in hits else None,
+             "mixes": {str(a): {"kl": kls[a] / rows, "coverage": {str(k): hits[a][k] / total for k in ks}}
+                       for a in mixes}}, indent=1) + "\n")
     return 0
 
 

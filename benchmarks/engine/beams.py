@@ -124,6 +124,7 @@ def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=F
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the tiny random Llama instead of SmolLM2-135M")
+    ap.add_argument("--draft", default=None, help="SmolLM2: this draft folder instead of the committed draft")
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub, as demo_vllm.py runs
         target = models.smollm2_dir()
-        draft, draft_desc = draft_folder(target, 8, ROOT)
+        draft, draft_desc = (args.draft, args.draft) if args.draft else draft_folder(target, 8, ROOT)
         name = "SmolLM2-135M-Instruct"
     tok = models.load_tokenizer(target)
     prompts, prompt_desc, _ = load_prompts(tok, args.num_prompts, 128, args.tiny)
