@@ -73,8 +73,8 @@ class DSBDConfig:
             configured width and depth whatever the load or the acceptance (the cost model is off too). Mode
             "single" is always pinned (its output law depends on the width and depth), as is an engine without a
             draft model (nothing to shrink); an integer there is refused.
-        cost_model: each step, each request's draft depth maximises expected tokens per second (``engine/cost.py``)
-            from a table of target and draft pass times by token count and the request's pass rate in its earlier
+        cost_model: each step, each request's draft depth (and a T = 0 beam request's N, from its width up)
+            maximises expected tokens per second (``engine/cost.py``) from a table of target and draft pass times by token count and the request's pass rate in its earlier
             steps; depth 0 where drafting does not pay. "auto" (default): the table is measured at start-up (on
             every device); a mapping ``{"target_ms": {tokens: ms}, "draft_ms": {tokens: ms}, "step_ms": ms}``: that
             table (pinned; "step_ms" optional, default 0); None: off (shapes from ``verify_budget`` alone). Applies
@@ -195,8 +195,8 @@ class DSBDConfig:
 
     @property
     def cost_aware(self) -> bool:
-        """Whether the cost model chooses each request's draft depth (``engine/cost.py``): load-aware, and a
-        ``cost_model`` given ("auto" or a table)."""
+        """Whether the cost model chooses each request's draft depth and T = 0 beam requests' N (``engine/cost.py``):
+        load-aware, and a ``cost_model`` given ("auto" or a table)."""
         return self.load_aware and self.cost_model is not None
 
     @property

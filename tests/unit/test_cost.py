@@ -234,9 +234,9 @@ def test_subforest_counts_match_drafting_the_smaller_forest(seed):
 
 def test_acceptance_per_width_from_subforests():
     acc = Acceptance()
-    # no forest verified yet: only the full N, at the prior
+    # no forest verified yet: every N' of the grid, at the prior
     c = acc.candidate(4, 16, 3, low=4)
-    assert (c.width, c.rate, c.options) == (16, PRIOR_RATE, ())
+    assert (c.width, c.rate, c.options) == (16, PRIOR_RATE, tuple((w, PRIOR_RATE) for w in (11, 8, 6, 4)))
     # a 2-deep forest of N = 8, W = 2: layer 1 needs the 3 best depth-1 nodes (beams 0 and 2), layer 2 passes with them
     sub = Subforest(width=2, nodes=8, layers=(1,) * 8 + (2,) * 8, parents=(-1,) * 8 + (0, 2, 1, 0, 2, 3, 4, 5),
                     beams=((0, 2), (8, 9)))
@@ -247,18 +247,21 @@ def test_acceptance_per_width_from_subforests():
     c = acc.candidate(2, 8, 2, low=2)
     assert c.width == 8 and c.rate == pytest.approx(0.8)
     assert dict(c.options) == pytest.approx({2: 0.4, 3: 0.8, 4: 0.8, 6: 0.8})
-    # capped below the request's N (a budget level): the options stop there, the rate is the best at or below it
+    # capped below the request's N (a budget level): the options stop there
     c = acc.candidate(2, 4, 2, low=2)
     assert c.width == 4 and dict(c.options) == pytest.approx({2: 0.4, 3: 0.8})
-    # the estimate is monotone in N: a width whose own count is lower takes the best below it
+    # the estimate is monotone in N: a width whose own count is lower takes the best below it; one without a count
+    # (above every forest drafted so far) is at the prior, or better
     acc.by_width[6] = [0.0, 4.0]
-    assert acc.width_rate(6) == pytest.approx(0.8)
+    assert acc.width_rate(6) == pytest.approx(0.8) and acc.width_rate(11) == pytest.approx(0.8)
+    acc.by_width = {2: [0.0, 4.0]}
+    assert acc.width_rate(3) == pytest.approx(PRIOR_RATE) and acc.width_rate(2) == pytest.approx(0.2)
     # plain requests and T > 0 beams (no ``low``) and N = W: no options
     assert acc.candidate(2, 8, 2).options == () and acc.candidate(2, 2, 2, low=2).options == ()
-    # after ``wait`` idle steps, a try: the full N only, at least at the prior's rate
+    # after ``wait`` idle steps, a try: the full N only (its forest informs every smaller N), at least at the prior
     acc.idle = acc.wait
     c = acc.candidate(2, 8, 2, low=2)
-    assert c.options == () and c.rate == pytest.approx(0.8)
+    assert c.options == () and c.width == 8 and c.rate == pytest.approx(PRIOR_RATE)
 
 
 SLOPE = CostTable.from_times({1: 0.010, 4: 0.010, 64: 0.016}, {1: 0.001, 64: 0.002})  # 0.1 ms a target token
@@ -334,3 +337,20 @@ def test_a_batch_with_n_choices_is_at_least_as_good_as_the_full_n_and_a_best_res
 def test_pinned_beam_requests_keep_their_shape():
     c = Candidate(leaves=4, width=16, depth=2, rate=0.0, catch_up=4, pinned=True, options=((4, 0.9),))
     assert choose_shapes([c], CPU) == [(16, 2)]
+
+
+def test_a_batch_drafts_a_smaller_n_together_where_no_lone_request_pays():
+    # 4 beam requests (W = 2, N = 8), every N' at the prior; draft passes of 2 ms whatever their tokens, the target
+    # 0.2 ms a token: at N = 8 nothing pays, nor does one request's forest alone (the draft passes are shared); all
+    # four at N' = 2, depth 1 do (427 expected beam steps a second against 351)
+    table = CostTable.from_times({1: 0.010, 256: 0.010 + 255 * 0.0002}, {1: 0.002, 256: 0.002})
+    cands = [Candidate(leaves=2, width=8, depth=3, rate=PRIOR_RATE, catch_up=2,
+                       options=tuple((w, PRIOR_RATE) for w in (6, 4, 3, 2)))] * 4
+    assert choose([Candidate(2, 8, 3, PRIOR_RATE, 2)] * 4, table) == [0] * 4
+    none = [(8, 0)] * 4
+    assert all(shapes_rate(table, cands, [x] + none[1:]) <= shapes_rate(table, cands, none) for x in
+               all_shapes(cands[0]))
+    got = choose_shapes(cands, table)
+    assert got == [(2, 1)] * 4
+    assert shapes_rate(table, cands, got) == pytest.approx(426.7, rel=1e-3)
+    assert shapes_rate(table, cands, none) == pytest.approx(350.9, rel=1e-3)

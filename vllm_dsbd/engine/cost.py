@@ -198,29 +198,24 @@ class Acceptance:
         r = self.rate()
         return max(r, PRIOR_RATE) if self.idle >= self.wait else r
 
-    def width_rate(self, width: int) -> float | None:
-        """The estimate at ``width`` nodes per depth: the best of the estimates at the widths <= ``width`` that have
-        evidence (a larger forest holds every smaller one's nodes, so it passes at least as often), None where none
-        has."""
-        rates = [_rate(*pt) for w, pt in self.by_width.items() if w <= width]
-        return max(rates) if rates else None
+    def width_rate(self, width: int) -> float:
+        """The estimate at ``width`` nodes per depth: its own count's (the prior's rate without one), or a smaller
+        width's where that is higher (a larger forest holds a smaller one's nodes: it passes at least as often)."""
+        own = self.by_width.get(width, (0.0, 0.0))
+        return max([_rate(*own)] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
 
     def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False,
                   low: int | None = None) -> Candidate:
         """This request as this step's choice sees it (:class:`Candidate`, ``catch_up`` = ``leaves``). ``low``: a
-        T = 0 beam request's width W, below which N never goes: the model may then also choose any N' of
-        ``width_grid(low, width)`` with evidence (never a width without: the full width's forests inform every
-        smaller one); after ``wait`` idle steps only the full width is tried."""
-        rate = self.planning_rate()
-        opts: tuple[tuple[int, float], ...] = ()
-        if low is not None and low < width and (full := self.width_rate(width)) is not None:
-            if self.idle >= self.wait:
-                rate = max(full, PRIOR_RATE)
-            else:
-                rate = full
-                opts = tuple((w, r) for w in width_grid(low, width)[:-1] if (r := self.width_rate(w)) is not None)
-        return Candidate(leaves=leaves, width=width, depth=depth, rate=rate, catch_up=leaves, pinned=pinned,
-                         options=opts)
+        T = 0 beam request's width W, below which N never goes: the model may then choose any N' of
+        ``width_grid(low, width)``, each at :meth:`width_rate`; after ``wait`` idle steps (a try) only ``width``, at
+        least at the prior's rate."""
+        if low is None or low >= width:
+            return Candidate(leaves, width, depth, self.planning_rate(), leaves, pinned)
+        if self.idle >= self.wait:  # a try: the full width, whose forest informs every smaller one
+            return Candidate(leaves, width, depth, max(self.width_rate(width), PRIOR_RATE), leaves, pinned)
+        rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
+        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]))
 
     def chose(self, depth: int) -> None:
         """The model chose ``depth`` for this request this step."""
@@ -345,10 +340,12 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
     and ``width`` target tokens, plus its nodes in the draft pass that depth needs (pass 0 over the catch-up tokens for
     k = 1, pass k - 1 over the depth-(k - 1) nodes otherwise). Increments are taken in order of ``rate^k / width`` (a
     request's come in depth order, so every prefix is a set of depths); the prefix with the most tokens per second
-    wins (the empty one: no draft anywhere). At batch 1 this is ``argmax_d E(d) / cost(d)``. Then, while any changes
-    (at most ``MAX_SWEEPS`` rounds), each candidate with ``options`` in turn takes the (N', depth) of all its own that
-    makes the step fastest with the others' shapes fixed, only where strictly faster (ties keep the shape; among new
-    ones the shallower, then the wider): at batch 1 the argmax over every (N', depth)."""
+    wins (the empty one: no draft anywhere). At batch 1 this is ``argmax_d E(d) / cost(d)``. With ``options``: the
+    same with every such candidate at its j-th largest N' instead, for each j, where strictly faster (draft passes
+    are shared: a lone request may not pay for one where all together do); then, while any changes (at most
+    ``MAX_SWEEPS`` rounds), each candidate with ``options`` in turn takes the (N', depth) of all its own that makes
+    the step fastest with the others' shapes fixed, only where strictly faster (ties keep the shape; among new ones
+    the shallower, then the wider): at batch 1 the argmax over every (N', depth)."""
     if not cands:
         return []
     shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table))]
@@ -356,6 +353,15 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
     if not movable:
         return shapes
     step = _Step(cands, shapes, table)
+    best_ratio = step.ratio()
+    for j in range(1, max(len(cands[i].options) for i in movable) + 1):  # every request at its j-th largest N'
+        alt = list(cands)
+        for i in movable:
+            w, r = sorted(cands[i].options, reverse=True)[min(j, len(cands[i].options)) - 1]
+            alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up)
+        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table))], table)
+        if (r := trial.ratio()) > best_ratio * (1 + 1e-9):
+            step, best_ratio = trial, r
     for _ in range(MAX_SWEEPS):
         changed = False
         for i in movable:

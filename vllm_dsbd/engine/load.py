@@ -1,5 +1,5 @@
 """Load-aware speculation: the most each request of a step may draft, from the batch alone (the cost model,
-``cost.py``, chooses each request's depth within it).
+``cost.py``, chooses each request's depth, and a T = 0 beam request's N, within it).
 
 Verifying costs the target almost nothing under the device's compute knee and real time past it, so a step has a
 verified-token budget and every request's draft shape shrinks, level by level (depth first), as the batch grows

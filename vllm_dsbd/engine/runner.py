@@ -97,7 +97,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
-                    "layers); depth 0 where drafting does not pay", origin, table.describe(), self.dsbd_cfg.depth,
+                    "layers; T = 0 beam requests: per N, from W up); depth 0 where drafting does not pay", origin, table.describe(), self.dsbd_cfg.depth,
                     cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
 
     def _make_dsbd_drafter(self, vllm_config, device):
@@ -467,8 +467,8 @@ class DSBDRunnerMixin(KVCommitMixin):
 
     def _load_levels(self, discard) -> list[load.Level]:
         """The draft limits of every request of the batch this step (``load.plan``: from the batch's shapes and the
-        budget; with the cost model, each request's depth within them, ``cost.choose``; never from a draw of this
-        step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
+        budget; with the cost model, each request's depth within them, ``cost.choose_shapes``; never from a draw of
+        this step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
         cfg, shapes, states = self.dsbd_cfg, [], []
         for req_id in self.input_batch.req_ids:
             st = self.dsbd_requests.get(req_id)
