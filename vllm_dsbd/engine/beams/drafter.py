@@ -1,8 +1,8 @@
 """Draft forests for beam requests: the draft beam-searches (T = 0) or beam-samples (T > 0) a few steps ahead of the W
 live beams of every beam request of the step, one draft pass per depth for all of them. Each depth has N >= W nodes
-(``BeamRequest.nodes``, over-drafting, or at T = 0 fewer but >= W where the cost model chose: ``BeamDraftJob.nodes``):
-at T = 0 the draft's N best (beam, token) pairs, at T > 0 N draws without
-replacement, and all N go on to the next depth.
+(``BeamRequest.nodes``, over-drafting; at T = 0 the cost model may choose fewer, never below W: ``BeamDraftJob.nodes``):
+at T = 0 the draft's N best (beam, token) pairs, at T > 0 N draws without replacement, and all N go on to the next
+depth.
 
 A catch-up pass computes the draft K/V still missing (linear context causally, trie nodes under their ancestor masks);
 each depth's pairs go after the trie (forest node c at slot ``base + len(trie) + c``) and become the request's draft
