@@ -329,7 +329,8 @@ class _Step:
 
     def ratio(self) -> float:
         t = self.table
-        return math.fsum(self.expect) / (t.step + t.target_time(self.tokens) + sum(t.draft_time(n) for n in self.passes))
+        draft = sum(t.draft_time(n) for n in self.passes)
+        return math.fsum(self.expect) / (t.step + t.target_time(self.tokens) + draft)
 
 
 def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[int, int]]:
