@@ -73,12 +73,13 @@ class DSBDConfig:
             configured width and depth whatever the load or the acceptance (the cost model is off too). Mode
             "single" is always pinned (its output law depends on the width and depth), as is an engine without a
             draft model (nothing to shrink); an integer there is refused.
-        cost_model: each step, each request's draft depth maximises expected tokens per second (``engine/cost.py``)
-            from a table of target and draft pass times by token count and the request's pass rate in its earlier
-            steps; depth 0 where drafting does not pay. "auto" (default): the table is measured at start-up (on
-            every device); a mapping ``{"target_ms": {tokens: ms}, "draft_ms": {tokens: ms}, "step_ms": ms}``: that
-            table (pinned; "step_ms" optional, default 0); None: off (shapes from ``verify_budget`` alone). Applies
-            where the shape is load-aware (a draft model, mode "sample", ``verify_budget`` not None).
+        cost_model: each step, each request's draft depth (and a T = 0 beam request's N, from its width up) maximises
+            expected tokens per second (``engine/cost.py``) from a table of target and draft pass times by token count
+            and the request's pass rate in its earlier steps; depth 0 where drafting does not pay. "auto" (default): the
+            table is measured at start-up (on every device); a mapping ``{"target_ms": {tokens: ms}, "draft_ms":
+            {tokens: ms}, "step_ms": ms}``: that table (pinned; "step_ms" optional, default 0); None: off (shapes from
+            ``verify_budget`` alone). Applies where the shape is load-aware (a draft model, mode "sample",
+            ``verify_budget`` not None).
         full_cuda_graphs: let vLLM's full CUDA graphs (FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) replay the target
             passes that need no forest attention: steps whose forests are all chains (width 1) with no beam request's
             trie or forest. Other passes run piecewise (attention outside the graphs) or eagerly (``engine/graphs.py``).
@@ -195,8 +196,8 @@ class DSBDConfig:
 
     @property
     def cost_aware(self) -> bool:
-        """Whether the cost model chooses each request's draft depth (``engine/cost.py``): load-aware, and a
-        ``cost_model`` given ("auto" or a table)."""
+        """Whether the cost model chooses each request's draft depth and T = 0 beam requests' N (``engine/cost.py``):
+        load-aware, and a ``cost_model`` given ("auto" or a table)."""
         return self.load_aware and self.cost_model is not None
 
     @property

@@ -23,7 +23,9 @@ caching on for all (vLLM's loop relies on it to avoid re-prefilling every beam e
 * ``--nodes 4,8,16,32``: over-drafted forests, one DSBD row per N (draft nodes per depth, ``dsbd_beam.nodes``; the
   engine's ``beam_nodes`` is the largest N, which the plain DSBD row then gets too) at T = 0, and at T = 1 fixed width
   with ``--sampling``; ``--pin-depth`` pins the draft depth on those requests (every step drafts, no pause after
-  forests that passed no layer). Writes ``overdraft.png`` (target passes per beam step against N) beside the table.
+  forests that passed no layer). Writes ``overdraft.png`` (target passes per beam step against N) beside the table;
+* ``--beam-nodes 16``: the DSBD engines' ``beam_nodes`` (default: the largest ``--nodes``), without N rows: with the
+  cost model on, T = 0 beam requests draft the N it chooses between W and this.
 
 Reported per row: wall seconds, best-beam tokens per second and its ratio to the in-engine γ = 0 row of the same
 temperature (side by side in one run), target passes (vLLM's loop: engine requests it made,
@@ -103,10 +105,13 @@ def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=F
     bp = BeamSearchParams(beam_width=width, max_tokens=max_tokens, temperature=temperature)
     _beam_search(llm, prompts[:1], BeamSearchParams(beam_width=width, max_tokens=2), depth)  # warm-up
     c0 = {k: _value(llm, k) for k in _COUNTERS}
+    chosen0 = _chosen(llm)
     t0 = time.perf_counter()
     outs = _beam_search(llm, prompts, bp, depth, dynamic, nodes)
     secs = time.perf_counter() - t0
     c = {k.split(":")[1]: _value(llm, k) - c0[k] for k in _COUNTERS}
+    chosen = {key: {k: v - chosen0[key].get(k, 0) for k, v in sorted(d.items()) if v - chosen0[key].get(k, 0)}
+              for key, d in _chosen(llm).items()}
     for _ in range(repeats - 1):
         t0 = time.perf_counter()
         _beam_search(llm, prompts, bp, depth, dynamic, nodes)
@@ -118,7 +123,17 @@ def _run(llm, prompts, width, max_tokens, depth=None, temperature=0.0, dynamic=F
     return dict(seconds=secs, best=best, beams=beams, requests=c["request_success"], logprob_per_token=lp,
                 temperature=temperature, nodes=nodes,
                 beam_passes=c["dsbd_beam_target_passes"], beam_steps=c["dsbd_beam_steps"],
-                draft_nodes=c["dsbd_beam_draft_nodes"], layers_passed=c["dsbd_beam_layers_passed"])
+                draft_nodes=c["dsbd_beam_draft_nodes"], layers_passed=c["dsbd_beam_layers_passed"], chosen=chosen)
+
+
+def _chosen(llm) -> dict:
+    """A DSBD engine's counts of the draft depths the cost model chose (or the budget allowed) and of the N it chose
+    for T = 0 beam requests, per request and step (``dsbd_load``); empty elsewhere."""
+    try:
+        load = llm.collective_rpc("dsbd_load")[0]
+    except Exception:  # noqa: BLE001 - a plain vLLM engine has no such method
+        return {"depths": {}, "nodes": {}}
+    return {"depths": dict(load["depths"]), "nodes": dict(load.get("nodes", {}))}
 
 
 def main(argv=None) -> int:
@@ -148,6 +163,8 @@ def main(argv=None) -> int:
                     help="also run vLLM's loop with prefix caching off (every beam re-prefilled every step)")
     ap.add_argument("--nodes", default="",
                     help="comma-separated N >= W: one DSBD row per N (draft nodes per depth of the beam forests)")
+    ap.add_argument("--beam-nodes", type=int, default=None,
+                    help="the DSBD engines' beam_nodes (default: the largest --nodes): N the cost model chooses up to")
     ap.add_argument("--pin-depth", action="store_true",
                     help="the --nodes rows pin the draft depth on the request (every step drafts)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per row (the least wall time is reported)")
@@ -217,7 +234,8 @@ def main(argv=None) -> int:
 
     def dsbd(d, pinned=False):
         spec = {"method": "dsbd", "model": str(d), "num_speculative_tokens": G, "width": W}
-        spec.update({"beam_nodes": max(nodes)} if nodes else {})
+        beam_nodes = args.beam_nodes or (max(nodes) if nodes else None)
+        spec.update({"beam_nodes": beam_nodes} if beam_nodes else {})
         spec.update({"cost_model": None, "verify_budget": None} if pinned else {})
         return dict(speculative_config=spec)
 
@@ -262,8 +280,9 @@ def main(argv=None) -> int:
              f"{os.cpu_count()} CPU threads available, torch threads 1, block size {bs}, prefix caching on. "
              "DSBD rows not marked 'pinned shapes': the cost model on (the default).", "",
              "| row | wall s | best-beam tok/s | vs γ = 0 | target passes | target passes per beam step | forest "
-             "layers passed / draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "layers passed / draft nodes | KV blocks / request | vs one plain request | best beam log-prob / token | "
+             "cost model's N / depth (request-steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     # the in-engine γ = 0 row of each temperature: every row's no-draft counterpart
     zero = {r["temperature"]: sum(len(b) for b in r["best"]) / r["seconds"] for r in rows if "(γ = 0)" in r["label"]
             and "no re-layout" not in r["label"]}
@@ -277,7 +296,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['label']} | {r['seconds']:.2f} | {toks / r['seconds']:.1f} | {vs0} | {passes:.0f} | "
                      f"{per_step} | "
                      f"{forest} | {blocks:.1f} ({r['blocks_how']}) | {blocks / plain_blocks:.2f}x | "
-                     f"{r['logprob_per_token']:.3f} |")
+                     f"{r['logprob_per_token']:.3f} | {_choices(r['chosen'])} |")
     rate = [sum(len(b) for b in r["best"]) / r["seconds"] for r in rows]
     speed = rate[1] / rate[0]
     extra_rows = "; ".join(f"{r['label']} {x / rate[0]:.1f}x" for r, x in zip(rows[2:], rate[2:]))
@@ -298,6 +317,12 @@ def main(argv=None) -> int:
         _plot(rows, out / "overdraft.png", f"{name}, W = {W}, γ = {G}, {len(prompts)} prompts, {N} tokens")
     print("\n".join(lines))
     return 0
+
+
+def _choices(chosen: dict) -> str:
+    """The row's chosen N and depths, e.g. ``N {4: 10, 16: 2}; depth {0: 200, 1: 12}``."""
+    parts = [f"{name} {chosen[key]}" for name, key in (("N", "nodes"), ("depth", "depths")) if chosen.get(key)]
+    return "; ".join(parts) or "-"
 
 
 def _plot(rows, path: Path, title: str) -> None:

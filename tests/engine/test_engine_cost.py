@@ -7,8 +7,15 @@ a layer must pass with probability > 0.4 for depth 1 to pay), on the same tiny r
   forests fail, the cost model switches drafting off, trying again now and then (after 1, 2, 4, ... idle steps);
   the engine's counts show depth 0 in most of the request-steps and few forests verified;
 * with the target as its own draft (every layer passes): it keeps drafting, at the full depth 3 in most steps;
+  its beam requests may draft N = 8 nodes per depth (``beam_nodes``, 4W): every N passes alike and flat passes make
+  every N cost alike, so the model keeps N = 8 (ties keep the larger N);
 * on both, plain greedy requests equal greedy decoding of the target (Hugging Face), and ``LLM.beam_search`` equals
   vLLM's own ``LLM.beam_search`` on a plain engine; the chosen depths reach ``vllm:dsbd_draft_depth``.
+
+A third engine, the self-draft with ``beam_nodes`` 8 and a table whose target passes grow 0.2 ms a token (draft
+passes 2 ms): at N = 8 no forest pays for the batch of 4 beam requests, at N = W = 2 it does (every N' starts at the
+prior's rate), and the 2-forests pass their layers, so the model drafts N = 2, deeper as their layers pass; its beams
+are still vLLM's, and the chosen N reach ``vllm:dsbd_beam_draft_nodes_chosen``.
 
 And the start-up probe of ``cost_model="auto"`` runs on the engine's runner: target and draft tables from one token
 on, positive times.
@@ -28,6 +35,8 @@ WIDTH, DEPTH, MAX_TOKENS = 2, 3, 32
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [250, 3, 77, 12, 9]]
 BEAM = BeamSearchParams(beam_width=WIDTH, max_tokens=16)
 TABLE = {"target_ms": {"1": 10, "256": 10}, "draft_ms": {"1": 4, "256": 4}}
+SLOPE = {"target_ms": {"1": 10, "256": 61}, "draft_ms": {"1": 2, "256": 2}}  # 0.2 ms a target token
+BEAM_NODES = 8  # N of the self-drafted engines' beam requests (4W)
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_target_passes", "vllm:dsbd_beam_draft_nodes",
         "vllm:dsbd_beam_layers_passed", "vllm:dsbd_beam_steps")
 
@@ -48,11 +57,17 @@ def _measure_costs(worker):
 def _phase(llm, fn):
     """``fn()``'s result, what it added to the counters ``SPEC`` and to the chosen depths {depth: request-steps}."""
     before = {k: metric(llm, k) or 0 for k in SPEC}
-    d0 = llm.collective_rpc("dsbd_load")[0]["depths"]
+    l0 = llm.collective_rpc("dsbd_load")[0]
     out = fn()
-    d1 = llm.collective_rpc("dsbd_load")[0]["depths"]
+    l1 = llm.collective_rpc("dsbd_load")[0]
     return {"out": out, **{k: (metric(llm, k) or 0) - before[k] for k in SPEC},
-            "depths": {d: n - d0.get(d, 0) for d, n in d1.items() if n - d0.get(d, 0)}}
+            **{key: {d: n - l0[key].get(d, 0) for d, n in l1[key].items() if n - l0[key].get(d, 0)}
+               for key in ("depths", "nodes")}}
+
+
+def _beams(llm):
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], BEAM)
+    return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
 
 
 def _requests(llm):
@@ -62,11 +77,7 @@ def _requests(llm):
                             use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def beams():
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], BEAM)
-        return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
-
-    return {"plain": _phase(llm, plain), "beams": _phase(llm, beams)}
+    return {"plain": _phase(llm, plain), "beams": _phase(llm, lambda: _beams(llm))}
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +94,10 @@ def vllm_beams(models):
         return [[(list(s.tokens), s.cum_logprob) for s in o.sequences] for o in outs]
 
 
-def _engine(target, draft):
+def _engine(target, draft, table=TABLE, beam_nodes=None):
     return dsbd_llm(target, max_num_seqs=8, speculative_config={
-        "method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH, "cost_model": TABLE})
+        "method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH, "cost_model": table,
+        "beam_nodes": beam_nodes})
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +115,29 @@ def bad(models, vllm_beams):  # vllm_beams first: one engine at a time
 @pytest.fixture(scope="module")
 def self_draft(models, bad):
     target, _ = models
-    with _engine(target, target) as llm:
+    with _engine(target, target, beam_nodes=BEAM_NODES) as llm:
         return _requests(llm)
 
 
-def test_outputs_equal_greedy_and_vllm_beams(bad, self_draft, greedy, vllm_beams):
+@pytest.fixture(scope="module")
+def slope(models, self_draft):
+    """The self-draft, ``beam_nodes`` 8, the sloped table: beam search only; and the N histogram."""
+    target, _ = models
+    with _engine(target, target, table=SLOPE, beam_nodes=BEAM_NODES) as llm:
+        out = _phase(llm, lambda: _beams(llm))
+        hist = metric(llm, "vllm:dsbd_beam_draft_nodes_chosen")
+        out["hist"] = ({float(le): n for le, n in hist.buckets.items()}, hist.count)
+        return out
+
+
+def test_outputs_equal_greedy_and_vllm_beams(bad, self_draft, slope, greedy, vllm_beams):
     for run in (bad, self_draft):
         assert run["plain"]["out"] == greedy
+    for beams in (bad["beams"], self_draft["beams"], slope):
         # vLLM's beams, token for token and in order; their scores up to float32 rounding (another batch shape)
-        assert [[t for t, _ in b] for b in run["beams"]["out"]] == [[t for t, _ in b] for b in vllm_beams]
-        assert [[s for _, s in b] for b in run["beams"]["out"]] == [pytest.approx([s for _, s in b], abs=1e-4)
-                                                                    for b in vllm_beams]
+        assert [[t for t, _ in b] for b in beams["out"]] == [[t for t, _ in b] for b in vllm_beams]
+        assert [[s for _, s in b] for b in beams["out"]] == [pytest.approx([s for _, s in b], abs=1e-4)
+                                                             for b in vllm_beams]
 
 
 def test_the_pinned_table_is_the_engines(bad):
@@ -157,3 +181,20 @@ def test_the_auto_probe_runs_on_the_engine(bad):
     for table in (target, draft):
         sizes = sorted(table)
         assert sizes[0] == 1 and sizes == [2 ** k for k in range(len(sizes))] and all(t > 0 for t in table.values())
+
+
+def test_ties_keep_the_requested_n(self_draft):
+    nodes = self_draft["beams"]["nodes"]
+    assert nodes == {BEAM_NODES: sum(nodes.values())} and sum(nodes.values()) >= 0.6 * self_draft["beams"][
+        "vllm:dsbd_beam_steps"] / (DEPTH + 1), self_draft["beams"]
+
+
+def test_a_smaller_n_where_the_full_n_does_not_pay(slope):
+    nodes, depths = slope["nodes"], slope["depths"]
+    print(f"N chosen {nodes}, depths {depths}, counters", {k: slope[k] for k in SPEC})
+    assert set(nodes) <= {2, 3, 4, 6, 8} and nodes.get(WIDTH, 0) >= 0.8 * sum(nodes.values()), nodes
+    assert depths.get(0, 0) <= 0.2 * sum(depths.values()), depths  # it drafts (at N = 8 nothing would pay)
+    assert slope["vllm:dsbd_beam_layers_passed"] > 0
+    assert slope["vllm:dsbd_beam_target_passes"] < 0.6 * slope["vllm:dsbd_beam_steps"], slope
+    buckets, count = slope["hist"]  # the engine's whole life: this phase only
+    assert count == sum(nodes.values()) and buckets[float(WIDTH)] == nodes[WIDTH] and buckets[8.0] == count

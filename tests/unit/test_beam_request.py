@@ -9,6 +9,7 @@ import torch
 
 from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest
 from vllm_dsbd.engine.beams.step import step_one
+from vllm_dsbd.engine.cost import Subforest, passed_by_width
 from vllm_dsbd.requests import BeamParams
 
 V, P = 8, 5
@@ -237,8 +238,14 @@ def test_over_drafted_forest_passes_where_the_draft_top_w_does_not():
     assert beam.tokens == [3, 5, 2, 6, 4, 5, 0, 0] and beam.parents == [-1, -1, 0, 1, 2, 3, 4, 5]
     assert out.moves == [(P + 3, P + 2), (P + 4, P + 3), (P + 5, P + 4), (P + 6, P + 5)]
     assert (out.row, out.next_drafts) == ([5, 2, 6, 4, 5, 0], [0])
+    # what the cost model reads of it (cost.Subforest): parents as forest indices, the target's beams per passed
+    # layer; its 2-subforest (the draft's 2 best pairs, both under node 0) passes no layer, the forest itself 2
+    assert out.sub == Subforest(width=2, nodes=3, layers=(1, 1, 1, 2, 2, 2), parents=(-1, -1, -1, 1, 2, 0),
+                                beams=((1, 2), (3, 4)))
+    assert passed_by_width(out.sub.layers, out.sub.parents, out.sub.beams, [2, 3]) == {2: 0, 3: 2}
     # the same forest cut to W = 2 nodes per depth (the draft's 2 best pairs): layer 1 fails
     cut = BeamForest(tokens=[1, 2, 4, 5], parents=[0, 0, 3, 3], depths=[2, 2, 3, 3], drafted=[True, True, False, False],
                      layers=[1, 1, 2, 2], slots=[0, 0, 1, 1])
     beam, out = _over_drafted_step(cut, [_row(), _row(t4=10.0), _row(), _row()])
     assert (out.draft_nodes, out.layers_passed, beam.steps) == (4, 0, 2)
+    assert out.sub.beams == () and out.sub.layers == (1, 1, 2, 2)

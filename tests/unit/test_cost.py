@@ -2,7 +2,10 @@
 
 At batch 1 the rule must be ``argmax_d E(d) / cost(d)`` (checked against a brute force over every depth); in a batch it
 must never do worse than drafting nothing or drafting everything (checked against both), draft nothing where the draft
-is bad or dear, and everything where the pass rate is high and passes are flat.
+is bad or dear, and everything where the pass rate is high and passes are flat. For T = 0 beam requests it also
+chooses N (nodes per depth): at batch 1 the argmax over every (N, depth) (brute force), a smaller N where the larger
+does not pay, the larger where it does, the larger on ties, never outside [W, the request's N]; the rate at each N
+is read from the subforests of verified forests (checked against drafting the smaller forests for real).
 """
 from __future__ import annotations
 
@@ -10,26 +13,40 @@ import itertools
 
 import pytest
 
-from vllm_dsbd.engine.cost import (MAX_WAIT, MEMORY, PRIOR_RATE, Acceptance, Candidate, CostTable, choose,
-                                   expected_tokens)
+from vllm_dsbd.engine.cost import (MAX_WAIT, MEMORY, PRIOR_RATE, Acceptance, Candidate, CostTable, Subforest,
+                                   choose, choose_shapes, expected_tokens, passed_by_width, width_grid)
 
 FLAT = CostTable.from_times({1: 0.010, 1024: 0.010}, {1: 0.001, 1024: 0.001})  # flat passes, a cheap draft
 CPU = CostTable.from_times({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024, 16: 0.040},  # a CPU: time grows with tokens
                            {1: 0.003, 2: 0.0035, 4: 0.0045, 8: 0.0065})
 
 
-def step_time(table: CostTable, cands, depths) -> float:
-    """The model's step time, written out pass by pass (the oracle the rule's incremental sums must agree with)."""
-    tokens = sum(c.leaves + c.width * d for c, d in zip(cands, depths))
+def step_time(table: CostTable, cands, depths, widths=None) -> float:
+    """The model's step time, written out pass by pass (the oracle the rule's incremental sums must agree with);
+    ``widths``: each request's nodes per depth (default its ``width``)."""
+    widths = widths or [c.width for c in cands]
+    tokens = sum(c.leaves + w * d for c, w, d in zip(cands, widths, depths))
     t = table.step + table.target_time(tokens)
     t += table.draft_time(sum(c.catch_up for c, d in zip(cands, depths) if d >= 1))  # pass 0: catch-up
     for k in range(1, max(depths, default=0)):  # pass k: the depth-k nodes of requests drafting deeper
-        t += table.draft_time(sum(c.width for c, d in zip(cands, depths) if d > k))
+        t += table.draft_time(sum(w for w, d in zip(widths, depths) if d > k))
     return t
 
 
 def rate_of(table, cands, depths) -> float:
     return sum(expected_tokens(c.rate, d) for c, d in zip(cands, depths)) / step_time(table, cands, depths)
+
+
+def shapes_rate(table, cands, shapes) -> float:
+    """Expected tokens per second of (nodes per depth, depth) shapes (a candidate's rate at N from its options)."""
+    rates = [dict(((c.width, c.rate),) + c.options) for c in cands]
+    exp = sum(expected_tokens(r[w], d) for r, (w, d) in zip(rates, shapes))
+    return exp / step_time(table, cands, [d for _, d in shapes], [w for w, _ in shapes])
+
+
+def all_shapes(c):
+    return [(c.width, 0)] + [(w, d) for w in sorted(dict(((c.width, c.rate),) + c.options)) for d in
+                             range(1, c.depth + 1)]
 
 
 def test_interpolation_and_extrapolation():
@@ -139,3 +156,201 @@ def test_the_probe_table_is_made_non_decreasing():
     # a size slowed by noise (1: 179 ms, 2: 225 ms) takes the least time of the larger sizes
     got = monotone({1: 0.179, 2: 0.225, 4: 0.191, 8: 0.197, 16: 0.295, 32: 0.653, 64: 0.780, 128: 0.687})
     assert got == {1: 0.179, 2: 0.191, 4: 0.191, 8: 0.197, 16: 0.295, 32: 0.653, 64: 0.687, 128: 0.687}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# N, the nodes per depth of a T = 0 beam request's forest
+
+def test_width_grid():
+    assert width_grid(4, 16) == [4, 6, 8, 11, 16] and width_grid(2, 4) == [2, 3, 4] and width_grid(4, 4) == [4]
+    assert width_grid(4, 5) == [4, 5] and width_grid(2, 8) == [2, 3, 4, 6, 8]
+
+
+def _beam_forest(draft, target, live, width, nodes, depth, vocab):
+    """A T = 0 beam forest drawn for real: the draft's ``nodes`` best children per depth (by ``draft(path)``, a
+    cumulative score) of the depth before (the live beams first), and the target's beam search of ``width`` beams over
+    the same paths. Returns (layers, parents, ranked paths per depth, target beams per layer as paths)."""
+    layers, parents, paths, by_depth = [], [], [], []
+    prev = [(p, -1) for p in live]
+    for d in range(1, depth + 1):
+        kids = sorted(((p + (t,), c) for p, c in prev for t in range(vocab)), key=lambda x: -draft(x[0]))[:nodes]
+        at = len(paths)
+        for j, (p, c) in enumerate(kids):
+            layers.append(d)
+            parents.append(c)
+            paths.append(p)
+        by_depth.append([p for p, _ in kids])
+        prev = [(p, at + j) for j, (p, _) in enumerate(kids)]
+    beams, cur = [], list(live)
+    for _ in range(depth + 1):
+        cur = sorted((p + (t,) for p in cur for t in range(vocab)), key=lambda x: -target(x))[:width]
+        beams.append(cur)
+    return layers, parents, paths, by_depth, beams
+
+
+def _passed(by_depth, beams) -> int:
+    """Layers a forest passes: while the target's new beams are all among its nodes of that depth."""
+    n = 0
+    for nodes, tgt in zip(by_depth, beams):
+        if not set(tgt) <= set(nodes):
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_subforest_counts_match_drafting_the_smaller_forest(seed):
+    """``passed_by_width`` against the smaller forests drafted for real (random draft and target scores that agree in
+    part): exact at depth 1, never above deeper, exact at the forest's own N."""
+    import random
+
+    rng = random.Random(seed)
+    vocab, W, N, G = 5, 2, 8, rng.choice([2, 3])
+    noise = rng.choice([0.3, 1.0, 3.0])
+    base: dict = {}
+
+    def score(path, salt):  # cumulative: each token adds a shared value and a model's own noise
+        tot = 0.0
+        for k in range(1, len(path) + 1):
+            key = path[:k]
+            base.setdefault(key, rng.gauss(0, 1))
+            tot += base[key] + noise * random.Random(hash((key, salt))).gauss(0, 1)
+        return tot
+
+    live = [(0,), (1,)]
+    layers, parents, paths, by_depth, beams = _beam_forest(lambda p: score(p, 1), lambda p: score(p, 2), live, W, N,
+                                                           G, vocab)
+    index = {p: c for c, p in enumerate(paths)}
+    passed = _passed(by_depth, beams)
+    trace = [[index[p] for p in beams[d]] for d in range(passed)]
+    widths = width_grid(W, N)
+    got = passed_by_width(layers, parents, trace, widths)
+    for w in widths:
+        *_, by_w, beams_w = _beam_forest(lambda p: score(p, 1), lambda p: score(p, 2), live, W, w, G, vocab)
+        true = _passed(by_w, beams_w)
+        assert got[w] <= true and min(got[w], 1) == min(true, 1), (w, got, true)
+    assert got[N] == passed
+
+
+def test_acceptance_per_width_from_subforests():
+    acc = Acceptance()
+    # no forest verified yet: every N' of the grid, at the prior
+    c = acc.candidate(4, 16, 3, low=4)
+    assert (c.width, c.rate, c.options) == (16, PRIOR_RATE, tuple((w, PRIOR_RATE) for w in (11, 8, 6, 4)))
+    # a 2-deep forest of N = 8, W = 2: layer 1 needs the 3 best depth-1 nodes (beams 0 and 2), layer 2 passes with them
+    sub = Subforest(width=2, nodes=8, layers=(1,) * 8 + (2,) * 8, parents=(-1,) * 8 + (0, 2, 1, 0, 2, 3, 4, 5),
+                    beams=((0, 2), (8, 9)))
+    assert passed_by_width(sub.layers, sub.parents, sub.beams, [2, 3, 4, 6]) == {2: 0, 3: 2, 4: 2, 6: 2}
+    acc.observe(2, 2, sub)
+    assert acc.by_width == {2: [0.0, 1.0], 3: [2.0, 2.0], 4: [2.0, 2.0], 6: [2.0, 2.0], 8: [2.0, 2.0]}
+    assert acc.width_rate(2) == pytest.approx(PRIOR_RATE * 2 / 3) and acc.width_rate(8) == pytest.approx(0.8)
+    c = acc.candidate(2, 8, 2, low=2)
+    assert c.width == 8 and c.rate == pytest.approx(0.8)
+    assert dict(c.options) == pytest.approx({2: 0.4, 3: 0.8, 4: 0.8, 6: 0.8})
+    # capped below the request's N (a budget level): the options stop there
+    c = acc.candidate(2, 4, 2, low=2)
+    assert c.width == 4 and dict(c.options) == pytest.approx({2: 0.4, 3: 0.8})
+    # the estimate is monotone in N: a width whose own count is lower takes the best below it; one without a count
+    # (above every forest drafted so far) is at the prior, or better
+    acc.by_width[6] = [0.0, 4.0]
+    assert acc.width_rate(6) == pytest.approx(0.8) and acc.width_rate(11) == pytest.approx(0.8)
+    acc.by_width = {2: [0.0, 4.0]}
+    assert acc.width_rate(3) == pytest.approx(PRIOR_RATE) and acc.width_rate(2) == pytest.approx(0.2)
+    # plain requests and T > 0 beams (no ``low``) and N = W: no options
+    assert acc.candidate(2, 8, 2).options == () and acc.candidate(2, 2, 2, low=2).options == ()
+    # after ``wait`` idle steps, a try: the full N only (its forest informs every smaller N), at least at the prior
+    acc.idle = acc.wait
+    c = acc.candidate(2, 8, 2, low=2)
+    assert c.options == () and c.width == 8 and c.rate == pytest.approx(PRIOR_RATE)
+
+
+SLOPE = CostTable.from_times({1: 0.010, 4: 0.010, 64: 0.016}, {1: 0.001, 64: 0.002})  # 0.1 ms a target token
+
+
+def test_a_smaller_n_where_the_larger_does_not_pay():
+    # W = 4 leaves; N = 16 passes a layer 50%, N = 8 45%, N = 4 10%: N = 8 and depth 1, 122 tokens/s, against N = 16's
+    # best (depth 1, 119) and no draft (100)
+    c = Candidate(leaves=4, width=16, depth=3, rate=0.5, catch_up=4, options=((4, 0.1), (8, 0.45)))
+    got = choose_shapes([c], SLOPE)
+    assert got == [(8, 1)] and shapes_rate(SLOPE, [c], got) == pytest.approx(122.387, rel=1e-4)
+    assert shapes_rate(SLOPE, [c], [(16, choose([Candidate(4, 16, 3, 0.5, 4)], SLOPE)[0])]) == pytest.approx(
+        118.599, rel=1e-4)
+    # N = 16 at a rate the histogram does not back any more (30%): drafting does not pay at 16, it does at 8
+    c = Candidate(leaves=4, width=16, depth=3, rate=0.3, catch_up=4, options=((4, 0.1), (8, 0.3)))
+    assert choose([Candidate(4, 16, 3, 0.3, 4)], SLOPE) == [1] and choose_shapes([c], SLOPE) == [(8, 1)]
+
+
+def test_a_larger_n_where_it_pays():
+    # flat passes: extra nodes cost nothing; N = 16 passes far more often
+    c = Candidate(leaves=4, width=16, depth=3, rate=0.9, catch_up=4, options=((4, 0.05), (8, 0.3)))
+    assert choose_shapes([c], FLAT) == [(16, 3)]
+    # target time growing with tokens, and only N = 16 passes layers: N = 16, where drafting pays at all
+    c2 = Candidate(leaves=4, width=16, depth=3, rate=0.9, catch_up=4, options=((4, 0.0), (8, 0.05)))
+    assert choose_shapes([c2], SLOPE) == [(16, 3)]
+    assert choose_shapes([c2], CPU) == [(16, 0)]  # 2 ms a target token: no forest pays
+
+
+def test_ties_keep_the_larger_n_and_depth_zero_reports_the_full_width():
+    c = Candidate(leaves=4, width=16, depth=3, rate=0.7, catch_up=4, options=((4, 0.7), (8, 0.7)))
+    assert choose_shapes([c], FLAT) == [(16, 3)]  # flat passes, equal rates: every N as fast
+    bad = Candidate(leaves=4, width=16, depth=3, rate=0.0, catch_up=4, options=((4, 0.0), (8, 0.0)))
+    assert choose_shapes([bad], CPU) == [(16, 0)]
+
+
+@pytest.mark.parametrize("table", [FLAT, CPU, SLOPE], ids=["flat", "cpu", "slope"])
+@pytest.mark.parametrize("rates", [(0.0, 0.1, 0.3), (0.2, 0.5, 0.6), (0.5, 0.5, 0.5), (0.05, 0.1, 0.9),
+                                   (0.6, 0.8, 0.95)])
+def test_batch_of_one_is_the_argmax_over_n_and_depth(table, rates):
+    c = Candidate(leaves=4, width=16, depth=3, rate=rates[2], catch_up=4, options=((4, rates[0]), (8, rates[1])))
+    got = choose_shapes([c], table)
+    rs = {s: shapes_rate(table, [c], [s]) for s in all_shapes(c)}
+    assert rs[got[0]] == pytest.approx(max(rs.values()), rel=1e-12)
+    assert got[0][0] in (4, 8, 16) and 0 <= got[0][1] <= 3
+
+
+@pytest.mark.parametrize("table", [FLAT, CPU, SLOPE], ids=["flat", "cpu", "slope"])
+def test_a_batch_with_n_choices_is_at_least_as_good_as_the_full_n_and_a_best_response(table):
+    import random
+
+    rng = random.Random(3)
+    for _ in range(30):
+        cands = []
+        for _ in range(rng.randrange(1, 5)):
+            r = sorted(rng.random() for _ in range(3))
+            cands.append(Candidate(leaves=4, width=16, depth=3, rate=r[2], catch_up=4,
+                                   options=((4, r[0]), (8, r[1]))))
+        cands.append(Candidate(leaves=1, width=2, depth=3, rate=rng.random()))  # a plain request: width 2 only
+        got = choose_shapes(cands, table)
+        full = [(c.width, d) for c, d in zip(cands, choose([Candidate(c.leaves, c.width, c.depth, c.rate,
+                                                                      c.catch_up) for c in cands], table))]
+        best = shapes_rate(table, cands, got)
+        assert best >= shapes_rate(table, cands, full) * (1 - 1e-12)
+        assert best >= shapes_rate(table, cands, [(c.width, 0) for c in cands]) * (1 - 1e-12)
+        assert got[-1][0] == 2  # the plain request keeps its width
+        for i, c in enumerate(cands[:-1]):  # no single request's other shape is faster (up to the rule's margin)
+            assert c.width >= got[i][0] >= 4
+            for s in all_shapes(c):
+                trial = got[:i] + [s] + got[i + 1:]
+                assert shapes_rate(table, cands, trial) <= best * (1 + 1e-9)
+
+
+def test_pinned_beam_requests_keep_their_shape():
+    c = Candidate(leaves=4, width=16, depth=2, rate=0.0, catch_up=4, pinned=True, options=((4, 0.9),))
+    assert choose_shapes([c], CPU) == [(16, 2)]
+
+
+def test_a_batch_drafts_a_smaller_n_together_where_no_lone_request_pays():
+    # 4 beam requests (W = 2, N = 8), every N' at the prior; draft passes of 2 ms whatever their tokens, the target
+    # 0.2 ms a token: at N = 8 nothing pays, nor does one request's forest alone (the draft passes are shared); all
+    # four at N' = 2, depth 1 do (427 expected beam steps a second against 351)
+    table = CostTable.from_times({1: 0.010, 256: 0.010 + 255 * 0.0002}, {1: 0.002, 256: 0.002})
+    cands = [Candidate(leaves=2, width=8, depth=3, rate=PRIOR_RATE, catch_up=2,
+                       options=tuple((w, PRIOR_RATE) for w in (6, 4, 3, 2)))] * 4
+    assert choose([Candidate(2, 8, 3, PRIOR_RATE, 2)] * 4, table) == [0] * 4
+    none = [(8, 0)] * 4
+    assert all(shapes_rate(table, cands, [x] + none[1:]) <= shapes_rate(table, cands, none) for x in
+               all_shapes(cands[0]))
+    got = choose_shapes(cands, table)
+    assert got == [(2, 1)] * 4
+    assert shapes_rate(table, cands, got) == pytest.approx(426.7, rel=1e-3)
+    assert shapes_rate(table, cands, none) == pytest.approx(350.9, rel=1e-3)

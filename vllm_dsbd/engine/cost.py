@@ -1,25 +1,30 @@
-"""The cost model: each step, the draft depth of every request that maximises expected tokens per second.
+"""The cost model: each step, the draft shape of every request that maximises expected tokens per second.
 
 From (a) a table of target and draft pass times by token count (:class:`CostTable`: measured at start-up by
 ``load_probe.py``, or pinned in the config) and (b) each request's per-layer pass rate estimated from its **earlier**
-steps (:class:`Acceptance`, a smoothed count with a prior), :func:`choose` picks the depths of a step's requests,
-down to 0 (no draft) where drafting does not pay. The choice is made before any coin of the step is drawn and
-depends only on the past, so every output law stays exact; every tensor-parallel rank computes the same choice (the
-table is rank 0's, the estimates come from verification results every rank has). Imports neither vLLM nor torch.
+steps (:class:`Acceptance`, a smoothed count with a prior), :func:`choose_shapes` picks the depths of a step's
+requests, down to 0 (no draft) where drafting does not pay, and for T = 0 beam requests also N, the nodes per depth
+(from W up to the request's N): the rate at every N' <= N is read from the N'-subforests of the forests the request
+verified (:func:`passed_by_width`). The choice is made before any coin of the step is drawn and depends only on the
+past, so every output law stays exact; every tensor-parallel rank computes the same choice (the table is rank 0's,
+the estimates come from verification results every rank has). Imports neither vLLM nor torch.
 The rule: docs/design.md §3.6; settings: docs/usage/configuration.md.
 """
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["Acceptance", "Candidate", "CostTable", "choose", "expected_tokens"]
+__all__ = ["Acceptance", "Candidate", "CostTable", "Subforest", "choose", "choose_shapes", "expected_tokens",
+           "passed_by_width", "width_grid"]
 
 PRIOR_RATE = 0.6  # a new request's per-layer pass rate, before it has verified any forest
 PRIOR_WEIGHT = 2.0  # how many layers' worth of evidence the prior counts for
 MEMORY = 16.0  # the most layers of evidence kept (older evidence is scaled down): the estimate follows the text
 MAX_WAIT = 32  # the most steps a switched-off request waits before it may try drafting again
+MAX_SWEEPS = 4  # the most rounds of the per-request refinement of nodes per depth (choose_shapes)
 
 
 def _interp(points: tuple[tuple[int, float], ...], n: int) -> float:
@@ -102,27 +107,115 @@ def expected_tokens(rate: float, depth: int) -> float:
     return sum(rate ** k for k in range(depth + 1))
 
 
+def width_grid(low: int, high: int) -> list[int]:
+    """The nodes per depth the model weighs for a T = 0 beam request of width ``low`` that may draft ``high``: from
+    ``low`` up by factors of about sqrt(2), and ``high`` (4, 6, 8, 11, 16 for W = 4, N = 16)."""
+    out, w = [], low
+    while w < high:
+        out.append(w)
+        w = max(w + 1, round(w * math.sqrt(2)))
+    return out + [high]
+
+
+@dataclass(frozen=True, slots=True)
+class Subforest:
+    """What a verified T = 0 beam forest says about smaller forests (:func:`passed_by_width`): the request's width
+    and the forest's nodes per depth, each scheduled node's forest depth and parent (its forest index; -1 for a
+    depth-1 node), nodes depth-major and each depth in the draft's rank order, and per passed layer the forest
+    indices of the target's new beams."""
+
+    width: int
+    nodes: int
+    layers: tuple[int, ...]
+    parents: tuple[int, ...]
+    beams: tuple[tuple[int, ...], ...]
+
+
+def passed_by_width(layers: Sequence[int], parents: Sequence[int], beams: Sequence[Sequence[int]],
+                    widths: Sequence[int]) -> dict[int, int]:
+    """Layers the w-subforest of a verified T = 0 beam forest passes, for every w in ``widths`` (at most the
+    forest's nodes per depth; arguments as :class:`Subforest`'s).
+
+    The w-subforest is the forest the draft would have drawn with w nodes per depth: its depth-d nodes are the draft's
+    w best children of its depth-(d - 1) nodes. The forest's depth-d nodes that are children of those hold every
+    child ranking above any of them, so they are the best such children and the w-subforest's depth-d nodes are their
+    first w; a layer passes when the target's new beams (the same whatever the forest: T = 0 beams are the target's)
+    are all among them. Where fewer than w such children were drafted the subforest's depth d is not fully known: the
+    layer counts only if the beams are among the known ones, and no deeper layer is read. So the count is exact at
+    depth 1 and never above what the w-subforest would pass deeper (up to exact ties of draft scores)."""
+    by_depth: dict[int, list[int]] = {}
+    for c, d in enumerate(layers):
+        by_depth.setdefault(d, []).append(c)
+    out = {}
+    for w in widths:
+        keep: set[int] | None = None  # the w-subforest's nodes one depth up (None: the live beams)
+        n = 0
+        for d, tgt in enumerate(beams, start=1):
+            kids = [c for c in by_depth.get(d, []) if keep is None or parents[c] in keep]
+            top = set(kids[:w])
+            if not top.issuperset(tgt):
+                break
+            n += 1
+            if len(kids) < w:
+                break
+            keep = top
+        out[w] = n
+    return out
+
+
+def _decay(pt: list[float]) -> None:
+    """Evidence beyond ``MEMORY`` layers tried is scaled down (``pt``: [passed, tried])."""
+    if pt[1] > MEMORY:
+        scale = MEMORY / pt[1]
+        pt[0], pt[1] = pt[0] * scale, MEMORY
+
+
+def _rate(passed: float, tried: float) -> float:
+    return (PRIOR_RATE * PRIOR_WEIGHT + passed) / (PRIOR_WEIGHT + tried)
+
+
 @dataclass
 class Acceptance:
     """One request's per-layer pass rate, from the forests it verified in earlier steps: ``(prior + passed) /
     (prior weight + tried)``, a layer tried when the layer before it passed. Evidence beyond ``MEMORY`` layers is
     scaled down. A request the model switched off may try again (at the prior's rate, if that is higher) after
     ``wait`` steps without a forest; ``wait`` doubles (to ``MAX_WAIT``) after such a try passes no layer and is 1 again
-    after any layer passes."""
+    after any layer passes. A T = 0 beam request also keeps the same count per nodes per depth N' (``by_width``), read
+    from the N'-subforests of its forests (:func:`passed_by_width`)."""
 
     passed: float = 0.0
     tried: float = 0.0
     idle: int = 0  # steps in a row the model chose no forest for this request
     wait: int = 1
     trying: bool = False  # its current forest is a try at the prior's rate
+    by_width: dict[int, list[float]] = field(default_factory=dict)  # N' -> [passed, tried] of its N'-subforests
 
     def rate(self) -> float:
-        return (PRIOR_RATE * PRIOR_WEIGHT + self.passed) / (PRIOR_WEIGHT + self.tried)
+        return _rate(self.passed, self.tried)
 
     def planning_rate(self) -> float:
         """The rate this step's choice uses: the estimate, or the prior's rate after ``wait`` idle steps."""
         r = self.rate()
         return max(r, PRIOR_RATE) if self.idle >= self.wait else r
+
+    def width_rate(self, width: int) -> float:
+        """The estimate at ``width`` nodes per depth: its own count's (the prior's rate without one), or a smaller
+        width's where that is higher (a larger forest holds a smaller one's nodes: it passes at least as often)."""
+        own = self.by_width.get(width, (0.0, 0.0))
+        return max([_rate(*own)] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
+
+    def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False,
+                  low: int | None = None) -> Candidate:
+        """This request as this step's choice sees it (:class:`Candidate`, ``catch_up`` = ``leaves``). ``low``: a
+        T = 0 beam request's width W, below which N never goes: the model may then choose any N' of
+        ``width_grid(low, width)``, each at :meth:`width_rate`; after ``wait`` idle steps (a try) only ``width``, at
+        least at the prior's rate."""
+        if low is None or low >= width:
+            return Candidate(leaves, width, depth, self.planning_rate(), leaves, pinned)
+        if self.idle >= self.wait:  # a try: the full width, whose forest informs every smaller one
+            return Candidate(leaves, width, depth, max(self.width_rate(width), PRIOR_RATE), leaves, pinned)
+        rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
+        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]))
 
     def chose(self, depth: int) -> None:
         """The model chose ``depth`` for this request this step."""
@@ -132,15 +225,24 @@ class Acceptance:
             self.trying = self.idle >= self.wait and self.rate() < PRIOR_RATE
             self.idle = 0
 
-    def observe(self, passed: int, depth: int) -> None:
-        """A verified forest of ``depth`` layers (the deepest scheduled node's) passed ``passed`` of them."""
+    def observe(self, passed: int, depth: int, sub: Subforest | None = None) -> None:
+        """A verified forest of ``depth`` layers (the deepest scheduled node's) passed ``passed`` of them; ``sub``
+        (T = 0 beam requests): what its subforests would have passed, counted per N' of ``width_grid(W, N)``."""
         if depth <= 0:
             return
         self.passed += passed
         self.tried += min(passed + 1, depth)
-        if self.tried > MEMORY:
-            scale = MEMORY / self.tried
-            self.passed, self.tried = self.passed * scale, MEMORY
+        pt = [self.passed, self.tried]
+        _decay(pt)
+        self.passed, self.tried = pt
+        if sub is not None and sub.width <= sub.nodes:
+            got = passed_by_width(sub.layers, sub.parents, sub.beams, width_grid(sub.width, sub.nodes)[:-1])
+            got[sub.nodes] = passed  # the forest itself
+            for w, n in got.items():
+                pt = self.by_width.setdefault(w, [0.0, 0.0])
+                pt[0] += n
+                pt[1] += min(n + 1, depth)
+                _decay(pt)
         if passed > 0:
             self.wait = 1
         elif self.trying:
@@ -153,7 +255,8 @@ class Candidate:
     """One decoding request of a step as the model sees it: ``leaves`` tokens besides its forest (1: a plain
     request's root; W: a beam request's live leaves), ``width`` forest nodes per depth, at most ``depth`` depths,
     per-layer pass rate ``rate``, ``catch_up`` tokens in the draft's first pass (its root or leaves). ``pinned``: it
-    drafts ``depth`` whatever the model says (a beam request that set its own depth)."""
+    drafts ``depth`` whatever the model says (a beam request that set its own depth). ``options``: other (nodes per
+    depth, rate) it may draft instead, each below ``width`` (a T = 0 beam request's N' from W up)."""
 
     leaves: int
     width: int
@@ -161,18 +264,11 @@ class Candidate:
     rate: float
     catch_up: int = 1
     pinned: bool = False
+    options: tuple[tuple[int, float], ...] = ()
 
 
-def choose(cands: Sequence[Candidate], table: CostTable) -> list[int]:
-    """The depth of every candidate (order of ``cands``) maximising the step's expected tokens per second.
-
-    Every (request, depth k) increment adds ``rate^k`` expected tokens and ``width`` target tokens, plus its nodes
-    in the draft pass that depth needs (pass 0 over the catch-up tokens for k = 1, pass k - 1 over the depth-(k - 1)
-    nodes otherwise). Increments are taken in order of ``rate^k / width`` (a request's come in depth order, so every
-    prefix is a set of depths); the prefix with the most tokens per second wins (the empty one: no draft anywhere).
-    At batch 1 this is ``argmax_d E(d) / cost(d)``."""
-    if not cands:
-        return []
+def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
+    """The depths at each candidate's ``width`` (see :func:`choose_shapes`)."""
     items = [(float("inf") if c.pinned else c.rate ** k / c.width, k, i)
              for i, c in enumerate(cands) if c.width > 0 for k in range(1, c.depth + 1)]
     items.sort(key=lambda it: (-it[0], it[1], it[2]))
@@ -199,3 +295,95 @@ def choose(cands: Sequence[Candidate], table: CostTable) -> list[int]:
     for _, k, i in items[:best]:
         out[i] = max(out[i], k)
     return out
+
+
+class _Step:
+    """A step's expected tokens and time for the candidates' current shapes, one request's shape changed at a time."""
+
+    def __init__(self, cands: Sequence[Candidate], shapes: list[tuple[int, int]], table: CostTable):
+        self.cands, self.table, self.shapes = cands, table, shapes
+        self.rates = [dict(((c.width, c.rate),) + c.options) for c in cands]
+        self.tokens = sum(c.leaves for c in cands)
+        self.passes = [0] * max([c.depth for c in cands] + [1])  # draft pass -> tokens
+        self.expect = [1.0] * len(cands)
+        for i, s in enumerate(shapes):
+            self._add(i, s, 1)
+
+    def _add(self, i: int, shape: tuple[int, int], sign: int) -> None:
+        w, d = shape
+        if d <= 0 or w <= 0:
+            self.expect[i] = 1.0
+            return
+        c = self.cands[i]
+        self.tokens += sign * w * d
+        self.passes[0] += sign * c.catch_up
+        for p in range(1, d):
+            self.passes[p] += sign * w
+        if sign > 0:
+            self.expect[i] = expected_tokens(self.rates[i][w], d)
+
+    def set(self, i: int, shape: tuple[int, int]) -> None:
+        self._add(i, self.shapes[i], -1)
+        self.shapes[i] = shape
+        self._add(i, shape, 1)
+
+    def ratio(self) -> float:
+        t = self.table
+        draft = sum(t.draft_time(n) for n in self.passes)
+        return math.fsum(self.expect) / (t.step + t.target_time(self.tokens) + draft)
+
+
+def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[int, int]]:
+    """The (nodes per depth, depth) of every candidate (order of ``cands``) maximising the step's expected tokens per
+    second (depth 0: no forest, reported at the candidate's ``width``).
+
+    First the depths at each candidate's ``width``: every (request, depth k) increment adds ``rate^k`` expected tokens
+    and ``width`` target tokens, plus its nodes in the draft pass that depth needs (pass 0 over the catch-up tokens for
+    k = 1, pass k - 1 over the depth-(k - 1) nodes otherwise). Increments are taken in order of ``rate^k / width`` (a
+    request's come in depth order, so every prefix is a set of depths); the prefix with the most tokens per second
+    wins (the empty one: no draft anywhere). At batch 1 this is ``argmax_d E(d) / cost(d)``. With ``options``: the
+    same with every such candidate at its j-th largest N' instead, for each j, where strictly faster (draft passes
+    are shared: a lone request may not pay for one where all together do); then, while any changes (at most
+    ``MAX_SWEEPS`` rounds), each candidate with ``options`` in turn takes the (N', depth) of all its own that makes
+    the step fastest with the others' shapes fixed, only where strictly faster (ties keep the shape; among new ones
+    the shallower, then the wider): at batch 1 the argmax over every (N', depth)."""
+    if not cands:
+        return []
+    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table))]
+    movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
+    if not movable:
+        return shapes
+    step = _Step(cands, shapes, table)
+    best_ratio = step.ratio()
+    for j in range(1, max(len(cands[i].options) for i in movable) + 1):  # every request at its j-th largest N'
+        alt = list(cands)
+        for i in movable:
+            w, r = sorted(cands[i].options, reverse=True)[min(j, len(cands[i].options)) - 1]
+            alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up)
+        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table))], table)
+        if (r := trial.ratio()) > best_ratio * (1 + 1e-9):
+            step, best_ratio = trial, r
+    for _ in range(MAX_SWEEPS):
+        changed = False
+        for i in movable:
+            c = cands[i]
+            cur = step.shapes[i]
+            best, best_ratio = cur, step.ratio()
+            widths = sorted(step.rates[i], reverse=True)
+            for d in range(c.depth + 1):
+                for w in widths if d else [c.width]:
+                    if (w, d) == cur:
+                        continue
+                    step.set(i, (w, d))
+                    if (r := step.ratio()) > best_ratio * (1 + 1e-9):
+                        best, best_ratio = (w, d), r
+            step.set(i, best)
+            changed |= best != cur
+        if not changed:
+            break
+    return step.shapes
+
+
+def choose(cands: Sequence[Candidate], table: CostTable) -> list[int]:
+    """The depth of every candidate (order of ``cands``): :func:`choose_shapes`'s depths."""
+    return [d for _, d in choose_shapes(cands, table)]

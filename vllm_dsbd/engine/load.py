@@ -1,5 +1,5 @@
 """Load-aware speculation: the most each request of a step may draft, from the batch alone (the cost model,
-``cost.py``, chooses each request's depth within it).
+``cost.py``, chooses each request's depth, and a T = 0 beam request's N, within it).
 
 Verifying costs the target almost nothing under the device's compute knee and real time past it, so a step has a
 verified-token budget and every request's draft shape shrinks, level by level (depth first), as the batch grows
@@ -35,10 +35,12 @@ class Shape:
 @dataclass(frozen=True, slots=True)
 class Level:
     """The draft limits of one request in one step: at most ``width`` nodes per depth, ``depth`` depths
-    (``Level(0, 0)``: no forest)."""
+    (``Level(0, 0)``: no forest); ``beam_nodes``: a T = 0 beam request's N for this step, chosen by the cost model
+    (None: its own)."""
 
     width: int
     depth: int
+    beam_nodes: int | None = None
 
     def nodes(self, shape: Shape) -> int:
         """Forest nodes ``shape`` may draft at this level."""

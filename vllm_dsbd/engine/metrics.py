@@ -1,5 +1,6 @@
 """DSBD statistics: layers passed per iteration, the width of each verified layer, beam requests' passes and steps, KV
-commits and the draft depth the cost model chose (or load-aware speculation allowed).
+commits, the draft depth the cost model chose (or load-aware speculation allowed) and the nodes per depth it chose for
+T = 0 beam requests.
 
 Per engine (worker) process :class:`DSBDStats` counts what verification did, logs a ``DSBD: ...`` summary at most every
 ``log_interval_s`` seconds and updates the ``vllm:dsbd_*`` Prometheus collectors (``prometheus.py`` carries them across
@@ -42,6 +43,7 @@ class DSBDStats:
         self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
         self.draft_depths = Counter()  # depth chosen by the cost model (or allowed by the budget) -> requests x steps
+        self.beam_nodes_chosen = Counter()  # N the cost model chose for a T = 0 beam forest -> requests x steps
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
         self.beam_passes = 0  # target passes over beam requests (one per request and pass)
         self.beam_steps = 0  # beam steps done (every live beam grew by one token)
@@ -69,6 +71,16 @@ class DSBDStats:
         if prom is not None:
             for d in depths:
                 prom["draft_depth"].observe(d)
+
+    def record_nodes(self, nodes: list[int]) -> None:
+        """The nodes per depth N the cost model chose for each T = 0 beam request it drafts for this step."""
+        if not nodes:
+            return
+        self.beam_nodes_chosen.update(nodes)
+        prom = self._prometheus()
+        if prom is not None:
+            for n in nodes:
+                prom["beam_nodes_chosen"].observe(n)
 
     def record_beam(self, step, blocks: int | None) -> None:
         """One target pass over a beam request (``step``: its ``beams.StepResult``: beam steps made, forest nodes

@@ -108,6 +108,9 @@ def _build_collectors() -> dict:
         "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
         "draft_depth": Histogram("vllm:dsbd_draft_depth", "DSBD draft depth per request per step: chosen by "
                                  "the cost model, or allowed by the verify budget", buckets=[float(b) for b in range(0, 65)], **kw),
+        "beam_nodes_chosen": Histogram("vllm:dsbd_beam_draft_nodes_chosen", "DSBD draft nodes per depth (N) of a "
+                                       "T = 0 beam request's forest per step, chosen by the cost model",
+                                       buckets=[float(b) for b in range(1, 65)] + [96.0, 128.0, 256.0], **kw),
         "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
         "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),
         "beam_requests": PCounter("vllm:dsbd_beam_requests", "beam requests finished", **kw),

@@ -97,8 +97,8 @@ class DSBDRunnerMixin(KVCommitMixin):
         logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
-                    "layers); depth 0 where drafting does not pay", origin, table.describe(), self.dsbd_cfg.depth,
-                    cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
+                    "layers; T = 0 beam requests: per N, from W up); depth 0 where drafting does not pay", origin,
+                    table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
 
     def _make_dsbd_drafter(self, vllm_config, device):
         if not self.dsbd_cfg.draft:
@@ -390,7 +390,7 @@ class DSBDRunnerMixin(KVCommitMixin):
     def _beam_result(self, i: int, row, out, blocks: int | None, moves: list) -> sampler.RowResult:
         self.dsbd_stats.record_beam(out, blocks)
         if out.draft_nodes:  # the cost model's estimate, for the next steps' choices
-            row.state.acceptance.observe(out.layers_passed, out.draft_layers)
+            row.state.acceptance.observe(out.layers_passed, out.draft_layers, out.sub)
         row.beam_result = out
         if out.moves:  # i: the request's batch row (plan order = batch order)
             moves.append((i, [s for s, _ in out.moves], [d for _, d in out.moves]))
@@ -467,8 +467,8 @@ class DSBDRunnerMixin(KVCommitMixin):
 
     def _load_levels(self, discard) -> list[load.Level]:
         """The draft limits of every request of the batch this step (``load.plan``: from the batch's shapes and the
-        budget; with the cost model, each request's depth within them, ``cost.choose``; never from a draw of this
-        step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
+        budget; with the cost model, each request's depth within them, ``cost.choose_shapes``; never from a draw of
+        this step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
         cfg, shapes, states = self.dsbd_cfg, [], []
         for req_id in self.input_batch.req_ids:
             st = self.dsbd_requests.get(req_id)
@@ -490,23 +490,25 @@ class DSBDRunnerMixin(KVCommitMixin):
         return levels
 
     def _choose_depths(self, levels, shapes, states, discard) -> list[load.Level]:
-        """The cost model's depth for every decoding request within its level (``cost.choose``), from the table and
-        each request's estimate of its earlier steps."""
-        rows, cands = [], []
+        """The cost model's depth for every decoding request within its level, and a T = 0 beam request's N from W up
+        (``cost.choose_shapes``; to ``vllm:dsbd_beam_draft_nodes_chosen``), from the table and each request's estimate
+        of its earlier steps."""
+        rows, cands, lows = [], [], []
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
             if st is None or discard[i]:
                 continue
-            a = st.acceptance.planning_rate()
+            w, b = min(lv.width, s.width), st.beam  # a T = 0 beam request's N may go down to W (cost.Acceptance)
+            lows.append(b.params.width if b is not None and b.temperature <= 0.0 and w >= b.params.width else None)
             rows.append(i)
-            cands.append(cost.Candidate(leaves=s.leaves, width=min(lv.width, s.width), depth=min(lv.depth, s.depth),
-                                        rate=a, catch_up=s.leaves, pinned=s.pinned))
-        depths = cost.choose(cands, self.dsbd_cost)
-        out = list(levels)
-        for i, c, d in zip(rows, cands, depths):
+            cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1]))
+        out, chosen = list(levels), []
+        for i, c, low, (w, d) in zip(rows, cands, lows, cost.choose_shapes(cands, self.dsbd_cost)):
             if not c.pinned:
                 if c.depth > 0 and c.width > 0:
                     states[i].acceptance.chose(d)
-                out[i] = load.Level(levels[i].width, d)
+                out[i] = load.Level(levels[i].width, d, w if low is not None else None)
+                chosen += [w] if low is not None and d > 0 else []
+        self.dsbd_stats.record_nodes(chosen)
         return out
 
     def _beam_draft_job(self, i: int, st, num_leaf_drafts: int, level: load.Level | None = None) -> BeamDraftJob | None:
@@ -531,15 +533,16 @@ class DSBDRunnerMixin(KVCommitMixin):
         end = beam.base + len(beam.tokens)  # first slot after the trie
         room = int(bt.num_blocks_per_row[i]) * bt.block_size - end
         max_nodes = min(self.dsbd_cfg.num_speculative_slots - num_leaf_drafts, room, self.max_model_len - 1 - end)
+        nodes = level.beam_nodes if level is not None and beam.params.depth is None else None  # the cost model's N
         if level is not None and beam.params.depth is None:
-            max_nodes = min(max_nodes, level.nodes(load.Shape(beam.params.width, beam.nodes, depth)))
+            max_nodes = min(max_nodes, level.nodes(load.Shape(beam.params.width, nodes or beam.nodes, depth)))
         if max_nodes <= 0:
             return None
         start = catch_up_start(st)
         P = beam.prompt_len  # the catch-up's linear tokens: the prompt's, then the beams' common prefix
         tail = self.input_batch.token_ids_cpu[i, start:P].tolist() if start < P else []
         tail += beam.prefix[max(0, start - P):]
-        return BeamDraftJob(state=st, row=i, prompt_tail=tail, start=start, depth=depth, max_nodes=max_nodes)
+        return BeamDraftJob(st, i, tail, start, depth, max_nodes, nodes)
 
 
 def _reports_metrics() -> bool:

@@ -104,7 +104,7 @@ def _verify_at_set_rate(logits, rows, cfg, **kw):
     return out
 
 
-def _beam_layers_at_set_rate(self, cands, forest, top, eos):
+def _beam_layers_at_set_rate(self, cands, forest, top, eos, trace=None):
     """``BeamRequest.verify_layers`` (T = 0) with layers passing at the set rate (see the module's docstring).
     ``top``: the forest rows' ``beams.TopRows`` (their best tokens, as the real method gets them)."""
     from vllm_dsbd.engine.beams.trie import LiveBeam
@@ -121,6 +121,8 @@ def _beam_layers_at_set_rate(self, cands, forest, top, eos):
         if len(picks) < len(cands):
             break
         nodes = [n0 + c for _, c in picks]
+        if trace is not None:
+            trace.append([c for _, c in picks])
         for nd, (_, _, _, v, _) in zip(nodes, cands):
             self.logprobs[nd] = v
         self.live = [LiveBeam(nd, self.live[b].score + v, ss) for nd, (b, _), (_, _, _, v, ss) in zip(nodes, picks, cands)]

@@ -1,7 +1,8 @@
 """Draft forests for beam requests: the draft beam-searches (T = 0) or beam-samples (T > 0) a few steps ahead of the W
 live beams of every beam request of the step, one draft pass per depth for all of them. Each depth has N >= W nodes
-(``BeamRequest.nodes``, over-drafting): at T = 0 the draft's N best (beam, token) pairs, at T > 0 N draws without
-replacement, and all N go on to the next depth.
+(``BeamRequest.nodes``, over-drafting; at T = 0 the cost model may choose fewer, never below W: ``BeamDraftJob.nodes``):
+at T = 0 the draft's N best (beam, token) pairs, at T > 0 N draws without replacement, and all N go on to the next
+depth.
 
 A catch-up pass computes the draft K/V still missing (linear context causally, trie nodes under their ancestor masks);
 each depth's pairs go after the trie (forest node c at slot ``base + len(trie) + c``) and become the request's draft
@@ -35,6 +36,13 @@ class BeamDraftJob:
     start: int  # first slot of the catch-up pass
     depth: int  # >= 1
     max_nodes: int  # forest nodes the scheduler can take after the leaves
+    # N, nodes per depth: the request's (None), or fewer chosen by the cost model (T = 0 only, >= W; engine/cost.py)
+    nodes: int | None = None
+
+    @property
+    def width(self) -> int:
+        """The nodes per depth this forest is drafted with."""
+        return self.state.beam.nodes if self.nodes is None else self.nodes
 
 
 def catch_up_start(st: RequestState) -> int:
@@ -135,6 +143,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     if forests is None:
         forests = _draft_loop(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
     for job, f in zip(jobs, forests):
+        f.nodes = job.width
         job.state.beam.forest = f if f.tokens else None
 
 
@@ -147,8 +156,7 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
     for d in range(1, max(j.depth for j in jobs) + 1):
         layer_of = {}
         go = [k for k, job in enumerate(jobs) if _goes(job, forests[k], beams_of[k], d)]
-        pairs_of = _depth_pairs([jobs[k].state.beam for k in go], [leaf_logits[k] for k in go],
-                                [beams_of[k] for k in go], d)
+        pairs_of = _depth_pairs([jobs[k] for k in go], [leaf_logits[k] for k in go], [beams_of[k] for k in go], d)
         for k, (pairs, q) in zip(go, pairs_of):
             beams_of[k], deeper = _grow(jobs[k], forests[k], beams_of[k], pairs, q, d)
             if deeper:
@@ -218,7 +226,7 @@ def _plan(job: BeamDraftJob) -> list[int]:
     left (``_grow``)."""
     out, left = [], job.max_nodes
     for _ in range(job.depth):
-        c = min(job.state.beam.nodes, left)
+        c = min(job.width, left)
         if c <= 0:
             break
         out.append(c)
@@ -247,7 +255,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
     beams = [j.state.beam for j in jobs]
     dev, V, R = leaf_logits[0].device, leaf_logits[0].shape[-1], len(jobs)
     plan = [_plan(j) for j in jobs]
-    G, W = max(len(p) for p in plan), max(b.nodes for b in beams)  # W: the most nodes per depth (N)
+    G, W = max(len(p) for p in plan), max(j.width for j in jobs)  # W: the most nodes per depth (N)
     offs = [np.concatenate([[0], np.cumsum(p)]).astype(np.int64) for p in plan]  # first node of each depth
     n_trie = [len(b.tokens) for b in beams]
     nmax = max(int(o[-1]) for o in offs)
@@ -255,7 +263,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
     samp = [k for k, b in enumerate(beams) if b.temperature > 0.0]
     det_t, samp_t = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (det, samp))
     params_s = beam_params([beams[k] for k in samp], dev, draws=True) if samp else None
-    width = torch.tensor([b.nodes for b in beams], dtype=torch.int64, device=dev)
+    width = torch.tensor([j.width for j in jobs], dtype=torch.int64, device=dev)
     eos_l = [-1 if b.params.ignore_eos or b.params.eos_token_id is None else b.params.eos_token_id for b in beams]
     eos = torch.tensor(eos_l, dtype=torch.int64, device=dev)
     cap = torch.tensor([[p[d] if d < len(p) else 0 for p in plan] for d in range(G)], dtype=torch.int64, device=dev)
@@ -282,7 +290,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
             if ban:
                 bt = torch.tensor(ban, dtype=torch.int64, device=dev)
                 joint[bt[:, 0], :, bt[:, 1]] = -torch.inf
-            kk = min(max(beams[k].nodes for k in det), S * V)
+            kk = min(max(jobs[k].width for k in det), S * V)
             vals, idx = torch.topk(joint.flatten(1), kk)
             parent[det_t, :kk], token[det_t, :kk], score[det_t, :kk] = idx // V, idx % V, vals
             valid[det_t, :kk] = torch.isfinite(vals) & (cols[:, :kk] < width[det_t][:, None])
@@ -362,11 +370,12 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
     return forests
 
 
-def _depth_pairs(beams: list, logits: list[torch.Tensor], beams_of: list[list[tuple[int, float, bool]]],
+def _depth_pairs(jobs: list[BeamDraftJob], logits: list[torch.Tensor], beams_of: list[list[tuple[int, float, bool]]],
                  d: int) -> list[tuple[list[tuple[int, int, float]], torch.Tensor | None]]:
-    """Depth d's draft beam step of the given requests (their current draft beams ``(node, score, continues)`` and
+    """Depth d's draft beam step of the given jobs (their current draft beams ``(node, score, continues)`` and
     those beams' draft logits rows): T = 0 requests together (``_top_pairs``), T > 0 requests together
     (``_sampled_pairs``). Per request: (its pairs in draw / rank order, its log Q [S * V] at T > 0, else None)."""
+    beams = [j.state.beam for j in jobs]
     out: list = [None] * len(beams)
     det = [i for i, b in enumerate(beams) if b.temperature <= 0.0]
     samp = [i for i, b in enumerate(beams) if b.temperature > 0.0]
@@ -374,7 +383,7 @@ def _depth_pairs(beams: list, logits: list[torch.Tensor], beams_of: list[list[tu
     if det:
         eos = [None if beams[i].params.ignore_eos else beams[i].params.eos_token_id for i in det]
         tops = _top_pairs([logits[i] for i in det], [scores[i] for i in det],
-                          [beams[i].nodes for i in det], eos)
+                          [jobs[i].width for i in det], eos)
         for i, pairs in zip(det, tops):
             out[i] = (pairs, None)
     if samp:

@@ -42,7 +42,8 @@ def step_beams(items: list[tuple[BeamRequest, int | None, Any]], static_layers: 
             st.cands = b.search(st.logits, st.eos)
             b.steps += 1
             if st.forest is not None:
-                st.cands, st.passed = b.verify_layers(st.cands, st.forest, st.flogits, st.eos)
+                st.n0 = len(b.tokens)  # the trie's length before the forest is grafted
+                st.cands, st.passed = b.verify_layers(st.cands, st.forest, st.flogits, st.eos, st.beams)
         elif st.forest is None:
             plain.append(st)
     yield from reads.gather(_sample_plain(plain) if plain else None,

@@ -13,6 +13,7 @@ from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
 from .. import reads
+from ..cost import Subforest
 from .sampling import TopRows, top_rows
 
 MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
@@ -40,6 +41,7 @@ class StepResult:
     layers_passed: int = 0  # forest layers whose target beams were all draft nodes (another beam step ran on them)
     draft_layers: int = 0  # layers of the forest this pass verified (its deepest verified node's)
     widths: list[int] = field(default_factory=list)  # T > 0: K of every verified layer that had drafts
+    sub: Subforest | None = None  # T = 0 with a forest: what its smaller subforests would have passed (cost.py)
     # a re-layout changed vLLM's token list of the request: its output tokens are now these (linear prefix, then the
     # trie up to leaf 0), and ``dropped`` dead slots are gone (see BeamRequest._relayout)
     tokens: list[int] | None = None
@@ -57,6 +59,7 @@ class BeamForest:
     drafted: list[bool]  # the draft model's K/V of the node are in its slot (the draft ran on it)
     layers: list[int] = field(default_factory=list)  # forest depth of the node (1 = child of a live beam)
     slots: list[int] = field(default_factory=list)  # the parent's index among the beams its depth was drawn from
+    nodes: int = 0  # N, the nodes per depth it was drafted with (0: the request's)
     # T > 0: per forest depth, log Q over (parent index, token) ([S * V] float32 on the draft logits' device, S = beams
     # drawn from, or more with -inf past them): the draft joint that depth's nodes were drawn from without
     # replacement, in node order (= draw order)
@@ -198,10 +201,19 @@ class BeamRequest:
             layers = max(st.forest.layers[:nodes], default=0)
             self._backoff = 0 if st.passed else min(max(2 * self._backoff, 1), MAX_BACKOFF)
             self.draft_skip = self._backoff
+        sub = self._subforest(st) if st.forest is not None and self.temperature <= 0.0 else None
         out = self._apply(st.cands)
         out.stepped, out.draft_nodes, out.layers_passed, out.widths = True, nodes, st.passed, st.widths
-        out.draft_layers = layers
+        out.draft_layers, out.sub = layers, sub
         return out
+
+    def _subforest(self, st: PendingStep) -> Subforest:
+        """T = 0: the verified forest's scheduled nodes (depths, parents as forest indices) and the target's beams of
+        every passed layer, for the cost model's rate at smaller N (``cost.passed_by_width``)."""
+        f, F, n0 = st.forest, len(st.flogits), st.n0
+        return Subforest(width=self.params.width, nodes=f.nodes or self.nodes, layers=tuple(f.layers[:F]),
+                         parents=tuple(p - n0 if d > 1 else -1 for p, d in zip(f.parents[:F], f.layers[:F])),
+                         beams=tuple(map(tuple, st.beams)))
 
     def graft(self, forest: BeamForest, F: int) -> int:
         """Adds the forest's first F nodes (the ones vLLM scheduled) to the node lists (node ``len(trie) + c`` at its
@@ -215,10 +227,10 @@ class BeamRequest:
         self.has_draft += forest.drafted[:F]
         return n0
 
-    def verify_layers(self, cands, forest: BeamForest, top: TopRows, eos: int | None):
+    def verify_layers(self, cands, forest: BeamForest, top: TopRows, eos: int | None, trace: list | None = None):
         """T = 0: while the target's W new beams are all nodes of the forest, they become the live beams (their
         logits' best tokens are known) and the target's next beam step runs on them. Returns the last candidates
-        and the layers passed."""
+        and the layers passed; ``trace`` gets the new beams' forest indices of every passed layer."""
         F = len(top)
         n0 = self.graft(forest, F)
         index = {(forest.parents[c], forest.tokens[c]): n0 + c for c in range(F)}
@@ -227,6 +239,8 @@ class BeamRequest:
             nodes = [index.get((self.live[b].node, t)) for b, t, *_ in cands]
             if None in nodes:
                 break
+            if trace is not None:
+                trace.append([nd - n0 for nd in nodes])
             for nd, (b, _, _, v, _) in zip(nodes, cands):
                 self.logprobs[nd] = v
                 self.top[nd] = self._row_top(b)
@@ -473,3 +487,4 @@ class PendingStep:
     rows: torch.Tensor | None = None
     drafts: list[int] = field(default_factory=list)
     n0: int = 0
+    beams: list[list[int]] = field(default_factory=list)  # T = 0: the new beams' forest indices per passed layer
