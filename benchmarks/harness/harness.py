@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pinned", action="store_true",
                     help="also run each DSBD mode-sample row with pinned shapes (cost model and budget off)")
     ap.add_argument("--configs", default=None, help="regex: run only the configurations whose name matches")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs of every engine (1: the requests run one at a time, batch 1)")
     ap.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs (the CPU profile is always eager)")
     ap.add_argument("--target", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     # piecewise graphs or eager and logs it), unless --eager
     engine_kw = dict(dtype="float32" if args.profile == "cpu" else "bfloat16",
                      enforce_eager=args.profile == "cpu" or args.eager, max_model_len=512, enable_prefix_caching=False)
+    if args.max_num_seqs:
+        engine_kw["max_num_seqs"] = args.max_num_seqs
     power = PowerSampler() if args.profile == "gpu" else None
 
     runs = []
