@@ -18,7 +18,9 @@ prior's rate), and the 2-forests pass their layers, so the model drafts N = 2, d
 are still vLLM's, and the chosen N reach ``vllm:dsbd_beam_draft_nodes_chosen``.
 
 And the start-up probe of ``cost_model="auto"`` runs on the engine's runner: target and draft tables from one token
-on, positive times.
+on, positive times. An engine with ``cost_model="auto"`` corrects its table with the steps it ran (``step_clock.py``):
+its clock measured decode steps, and its outputs are still greedy decoding's and vLLM's beams; a pinned table has no
+clock.
 """
 from __future__ import annotations
 
@@ -120,6 +122,16 @@ def self_draft(models, bad):
 
 
 @pytest.fixture(scope="module")
+def auto(models, slope):
+    """The self-draft with the table measured at start-up and corrected online."""
+    target, _ = models
+    with _engine(target, target, table="auto") as llm:
+        out = _requests(llm)
+        out["load"] = llm.collective_rpc("dsbd_load")[0]
+        return out
+
+
+@pytest.fixture(scope="module")
 def slope(models, self_draft):
     """The self-draft, ``beam_nodes`` 8, the sloped table: beam search only; and the N histogram."""
     target, _ = models
@@ -198,3 +210,14 @@ def test_a_smaller_n_where_the_full_n_does_not_pay(slope):
     assert slope["vllm:dsbd_beam_target_passes"] < 0.6 * slope["vllm:dsbd_beam_steps"], slope
     buckets, count = slope["hist"]  # the engine's whole life: this phase only
     assert count == sum(nodes.values()) and buckets[float(WIDTH)] == nodes[WIDTH] and buckets[8.0] == count
+
+
+def test_the_auto_table_is_corrected_by_measured_steps(auto, bad, greedy, vllm_beams):
+    assert auto["plain"]["out"] == greedy
+    assert [[t for t, _ in b] for b in auto["beams"]["out"]] == [[t for t, _ in b] for b in vllm_beams]
+    assert [[s for _, s in b] for b in auto["beams"]["out"]] == [pytest.approx([s for _, s in b], abs=1e-4)
+                                                                 for b in vllm_beams]
+    clock = auto["load"]["clock"]
+    assert clock is not None and clock["n_bare"] + clock["n_drafting"] >= 8, clock  # decode steps were measured
+    assert auto["load"]["cost"]["draft_step"] >= 0.0 and auto["load"]["cost"]["step"] >= 0.0
+    assert bad["load"]["clock"] is None  # a pinned table is not corrected

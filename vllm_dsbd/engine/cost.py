@@ -17,8 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Acceptance", "Candidate", "CostTable", "Subforest", "choose", "choose_shapes", "expected_tokens",
-           "passed_by_width", "width_grid"]
+__all__ = ["Acceptance", "Candidate", "CostTable", "Subforest", "choose", "choose_shapes", "draft_seconds",
+           "expected_tokens", "passed_by_width", "width_grid"]
 
 PRIOR_RATE = 0.6  # a new request's per-layer pass rate, before it has verified any forest
 PRIOR_WEIGHT = 2.0  # how many layers' worth of evidence the prior counts for
@@ -58,11 +58,13 @@ def _points(times: Mapping, what: str) -> tuple[tuple[int, float], ...]:
 class CostTable:
     """Seconds of one target pass and of one draft pass by the tokens they run (each with its LM head), and a fixed
     cost per step (``step``: what a step costs besides both, 0 when unknown, which only makes drafting look
-    dearer)."""
+    dearer), plus ``draft_step``: what a step in which any request drafts costs beyond its passes (the host work of
+    drafting and verifying forests; 0 unless measured while serving, ``step_clock.StepClock``)."""
 
     target: tuple[tuple[int, float], ...]
     draft: tuple[tuple[int, float], ...]
     step: float = 0.0
+    draft_step: float = 0.0
 
     @classmethod
     def from_times(cls, target: Mapping, draft: Mapping, step: float = 0.0) -> CostTable:
@@ -98,7 +100,8 @@ class CostTable:
             return "{" + ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in pts) + "}"
 
         return (f"target ms by tokens {fmt(self.target)}, draft ms by tokens {fmt(self.draft)}, "
-                f"step {1e3 * self.step:.2f} ms")
+                f"step {1e3 * self.step:.2f} ms" + (f", drafting step +{1e3 * self.draft_step:.2f} ms"
+                                                      if self.draft_step else ""))
 
 
 def expected_tokens(rate: float, depth: int) -> float:
@@ -289,7 +292,7 @@ def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
         old = passes.get(p, 0)
         draft += table.draft_time(old + x) - table.draft_time(old)
         passes[p] = old + x
-        ratio = expect / (table.step + table.target_time(tokens) + draft)
+        ratio = expect / (table.step + table.draft_step + table.target_time(tokens) + draft)
         if m >= forced and ratio > best_ratio * (1 + 1e-9):
             best, best_ratio = m, ratio
     for _, k, i in items[:best]:
@@ -327,10 +330,14 @@ class _Step:
         self.shapes[i] = shape
         self._add(i, shape, 1)
 
-    def ratio(self) -> float:
+    def draft_seconds(self) -> float:
+        """The step's draft passes, and its drafting-step cost if any request drafts."""
         t = self.table
         draft = sum(t.draft_time(n) for n in self.passes)
-        return math.fsum(self.expect) / (t.step + t.target_time(self.tokens) + draft)
+        return draft + (t.draft_step if any(w > 0 and d > 0 for w, d in self.shapes) else 0.0)
+
+    def ratio(self) -> float:
+        return math.fsum(self.expect) / (self.table.step + self.table.target_time(self.tokens) + self.draft_seconds())
 
 
 def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[int, int]]:
@@ -382,6 +389,11 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
         if not changed:
             break
     return step.shapes
+
+
+def draft_seconds(cands: Sequence[Candidate], shapes: Sequence[tuple[int, int]], table: CostTable) -> float:
+    """What the table expects the chosen ``shapes`` to cost in draft passes (and the drafting step), in seconds."""
+    return _Step(cands, list(shapes), table).draft_seconds() if cands else 0.0
 
 
 def choose(cands: Sequence[Candidate], table: CostTable) -> list[int]:

@@ -20,11 +20,11 @@ from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
 from . import attention, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
-from .beams.sampling import top_rows
-from .beams.step import step_beams
+from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
 from .kv_commit import KVCommitMixin
 from .metrics import DSBDStats
+from .step_clock import StepClock
 from .state import PendingForest, Requests
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
@@ -77,6 +77,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         # the cost model (cost.py): each request's depth this step; its table pinned here or measured by the worker
         # after vLLM's warm-up (load_probe.py, cost_model "auto"); None: off
         self.dsbd_cost: cost.CostTable | None = None
+        self._dsbd_clock, self._dsbd_cost_base = None, None  # the table's online correction (step_clock.py)
         if cfg.cost_aware and isinstance(cfg.cost_model, dict):
             self.set_cost_table(cost.CostTable.from_config(cfg.cost_model), "pinned")
         mode = vllm_config.model_config.logprobs_mode
@@ -92,8 +93,11 @@ class DSBDRunnerMixin(KVCommitMixin):
                     if self.drafter.static_drafting else "with one host read per depth")
 
     def set_cost_table(self, table: cost.CostTable, origin: str) -> None:
-        """Switches the cost model on with ``table`` (logged once with the rule)."""
-        self.dsbd_cost = table
+        """Switches the cost model on with ``table`` (logged once with the rule); a measured table is corrected by the
+        steps' own timings (``step_clock.py``) without tensor or pipeline parallelism."""
+        self.dsbd_cost = self._dsbd_cost_base = table
+        self._dsbd_clock = (StepClock() if origin.startswith("measured") and self.parallel_config.world_size == 1
+                            else None)
         logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
@@ -248,6 +252,9 @@ class DSBDRunnerMixin(KVCommitMixin):
             return super()._model_forward(*args, **kwargs)
 
     def execute_model(self, *args, **kwargs):
+        if self._dsbd_clock is not None:  # a step with a prefill is not measured
+            so = args[0] if args else kwargs["scheduler_output"]
+            self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens)
         try:
             return super().execute_model(*args, **kwargs)
         finally:
@@ -258,6 +265,8 @@ class DSBDRunnerMixin(KVCommitMixin):
         tokens (``dsbd_settled``: req id -> tokens) and re-layouts (``dsbd_relayout``) for the scheduler (patch
         ``beam_scheduler``)."""
         out = super().sample_tokens(*args, **kwargs)
+        if self._dsbd_clock is not None:
+            self.dsbd_cost = self._dsbd_clock.finish(self._dsbd_cost_base)
         relayout = self._relayout_requests()  # after vLLM's bookkeeping (which appends the step's rows)
         finished, self._dsbd_finished = self._dsbd_finished, {}
         settled, self._dsbd_settled = self._dsbd_settled, {}
@@ -360,13 +369,13 @@ class DSBDRunnerMixin(KVCommitMixin):
         """The step of beam requests ``ks`` (plan indices, all T = 0 or all T > 0), a reader: those with every leaf in
         step their beams together (``step_beams``), the others move on to their next leaves. Fills ``results`` (plan
         order) and the K/V ``moves``."""
-        beam_rows = yield from _beam_rows(logits, plan, ks)
+        rows_of = yield from beam_rows(logits, plan, ks)
         bt = self.input_batch.block_table[0]
         ready = []
         for i in ks:
             row = plan[i]
             beam = row.state.beam
-            rows, n = beam_rows[i], row.leaves
+            rows, n = rows_of[i], row.leaves
             beam.peak_blocks = max(beam.peak_blocks, int(bt.num_blocks_per_row[i]) // bt.blocks_per_kv_block)
             out = beam.partial(rows[:n])
             if out is None:
@@ -502,7 +511,10 @@ class DSBDRunnerMixin(KVCommitMixin):
             rows.append(i)
             cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1]))
         out, chosen = list(levels), []
-        for i, c, low, (w, d) in zip(rows, cands, lows, cost.choose_shapes(cands, self.dsbd_cost)):
+        shapes = cost.choose_shapes(cands, self.dsbd_cost)
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes))
+        for i, c, low, (w, d) in zip(rows, cands, lows, shapes):
             if not c.pinned:
                 if c.depth > 0 and c.width > 0:
                     states[i].acceptance.chose(d)
@@ -573,27 +585,3 @@ def gpu_runner_class() -> type:
         pass
 
     return DSBDGPUModelRunner
-
-
-def _beam_rows(logits: torch.Tensor, plan: list, ks: list[int]) -> reads.Reader[dict]:
-    """What the beam steps of beam requests ``ks`` (plan indices) read of their logits rows (leaves, then forest nodes),
-    a reader: T > 0 the float32 rows, left on the device; T = 0 their ``TopRows``, computed on the device and read in
-    one copy. No logits row leaves the device. Returns plan index -> its rows."""
-    if not ks:
-        return {}
-    spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]
-    idx = torch.tensor([a + j for a, m in spans for j in range(m)], dtype=torch.int64, device=logits.device)
-    rows = logits[idx].float()
-    out, at, det = {}, 0, []
-    for k, (_, m) in zip(ks, spans):
-        beam = plan[k].state.beam
-        if beam.temperature <= 0.0:
-            det.append((k, at, m, 2 * beam.params.width))
-        else:
-            out[k] = rows[at : at + m]
-        at += m
-    if det:
-        sel = torch.cat([torch.arange(a, a + m) for _, a, m, _ in det]).to(logits.device)
-        tops = yield from top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det])
-        out.update({k: t for (k, *_), t in zip(det, tops)})
-    return out

@@ -84,13 +84,17 @@ class _DecisionsMixin:
     def dsbd_load(self) -> dict:
         """This rank's load-aware speculation settings (``LLM.collective_rpc("dsbd_load")``): the budget (None:
         pinned or no cap), the knee probe's table {tokens: seconds} when measured, the cost model's table (``{"target":
-        {tokens: seconds}, "draft": {...}, "step": seconds}``, None: off), the depths allowed (with the cost model:
-        chosen) so far {depth: count} and the nodes per depth the cost model chose for T = 0 beam forests {N: count}."""
+        {tokens: seconds}, "draft": {...}, "step": seconds, "draft_step": seconds}``, None: off; with the online
+        correction, ``step_clock.py``), the correction's averages (``clock``, None: off), the depths allowed (with the
+        cost model: chosen) so far {depth: count} and the nodes per depth the cost model chose for T = 0 beam forests
+        {N: count}."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
                 "cost": None if table is None else {"target": dict(table.target), "draft": dict(table.draft),
-                                                    "step": table.step},
+                                                    "step": table.step, "draft_step": table.draft_step},
+                "clock": None if (c := runner._dsbd_clock) is None else {
+                    "bare": c.bare, "drafting": c.drafting, "n_bare": c.n_bare, "n_drafting": c.n_drafting},
                 "depths": dict(runner.dsbd_stats.draft_depths), "nodes": dict(runner.dsbd_stats.beam_nodes_chosen)}
 
     def dsbd_decisions(self) -> dict:

@@ -154,3 +154,27 @@ def _take(st: PendingStep, pairs: list, k: int, rows: bool = True) -> bool:
         st.rows = st.flogits[torch.tensor(st.drafts, device=st.flogits.device)]
     st.layer += 1
     return True
+
+
+def beam_rows(logits: torch.Tensor, plan: list, ks: list[int]) -> reads.Reader[dict]:
+    """What the beam steps of beam requests ``ks`` (plan indices) read of their logits rows (leaves, then forest nodes),
+    a reader: T > 0 the float32 rows, left on the device; T = 0 their ``TopRows``, computed on the device and read in
+    one copy. No logits row leaves the device. Returns plan index -> its rows."""
+    if not ks:
+        return {}
+    spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]
+    idx = torch.tensor([a + j for a, m in spans for j in range(m)], dtype=torch.int64, device=logits.device)
+    rows = logits[idx].float()
+    out, at, det = {}, 0, []
+    for k, (_, m) in zip(ks, spans):
+        beam = plan[k].state.beam
+        if beam.temperature <= 0.0:
+            det.append((k, at, m, 2 * beam.params.width))
+        else:
+            out[k] = rows[at : at + m]
+        at += m
+    if det:
+        sel = torch.cat([torch.arange(a, a + m) for _, a, m, _ in det]).to(logits.device)
+        tops = yield from beam_sampling.top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det])
+        out.update({k: t for (k, *_), t in zip(det, tops)})
+    return out
