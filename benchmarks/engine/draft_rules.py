@@ -129,7 +129,27 @@ def summarise(acc, se, positions, engine_draws):
     return rows
 
 
-def table(rows) -> str:
+def paired(acc, lens, base="wor") -> dict:
+    """Per rule and N: mean over positions of (rule - ``base``) acceptance, with a standard error clustered by prompt
+    (positions of one continuation are correlated): sd of the per-prompt mean differences / sqrt(prompts)."""
+    import statistics
+
+    out = {}
+    for rule, by_n in acc.items():
+        if rule == base or not by_n[1]:
+            continue
+        out[rule] = {}
+        for n in NS:
+            diff = [a - b for a, b in zip(by_n[n], acc[base][n])]
+            per, k = [], 0
+            for L in lens:
+                per.append(sum(diff[k:k + L]) / L)
+                k += L
+            out[rule][n] = (sum(diff) / len(diff), statistics.stdev(per) / len(per) ** 0.5)
+    return out
+
+
+def table(rows, diffs=None) -> str:
     head = "| rule | " + " | ".join(f"N = {n}" for n in NS) + " |"
     lines = [head, "|---" * (len(NS) + 1) + "|"]
     for rule, by_n in rows.items():
@@ -139,6 +159,11 @@ def table(rows) -> str:
               "|---" * (len(NS) + 1) + "|"]
     for rule, by_n in rows.items():
         lines.append(f"| {rule} | " + " | ".join(f"{v['tokens_depth3']:.3f}" for v in by_n.values()) + " |")
+    if diffs:
+        lines += ["", "Paired difference from wor (the engine's rule), ± standard error clustered by prompt:", "",
+                  head, "|---" * (len(NS) + 1) + "|"]
+        for rule, by_n in diffs.items():
+            lines.append(f"| {rule} - wor | " + " | ".join(f"{m:+.4f} ± {e:.4f}" for m, e in by_n.values()) + " |")
     return "\n".join(lines)
 
 
@@ -194,22 +219,26 @@ def main(argv=None) -> int:
     tok = models.load_tokenizer(target_dir)
     prompts, pdesc, _ = load_prompts(tok, args.num_prompts, 64, False)
     positions = sample_positions(target, list(drafts.values()), prompts, args.tokens, tok.eos_token_id, args.seed)
-    n_pos = sum(it["logp"].shape[0] for it in positions)
+    lens = [it["logp"].shape[0] for it in positions]
+    n_pos = sum(lens)
     print(f"{pdesc}; {n_pos} positions sampled at T = 1 ({time.time() - t0:.0f} s)", flush=True)
     results, report = {}, {}
     for which, name in enumerate(drafts):
         t1 = time.time()
         acc, se = measure(positions, which, args.draws, args.engine_draws, args.seed + 1 + which)
         rows = summarise(acc, se, positions, args.engine_draws)
+        diffs = paired(acc, lens)
         results[name] = rows
         report[name] = {"rows": {r: {str(n): v for n, v in by.items()} for r, by in rows.items()},
+                        "minus_wor": {r: {str(n): v for n, v in by.items()} for r, by in diffs.items()},
                         "per_position": {r: {str(n): a for n, a in by.items()} for r, by in acc.items() if by[1]},
                         "seconds": time.time() - t1}
-        print(f"\n{name} ({n_pos} positions, {time.time() - t1:.0f} s)\n{table(rows)}", flush=True)
+        print(f"\n{name} ({n_pos} positions, {time.time() - t1:.0f} s)\n{table(rows, diffs)}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"prompts": pdesc, "positions": n_pos, "tokens": args.tokens, "draws": args.draws,
-                "engine_draws": args.engine_draws, "seed": args.seed, "threads": args.threads,
+                "engine_draws": args.engine_draws, "seed": args.seed, "lengths": lens,
+                "sampled_tokens": [it["tokens"] for it in positions], "threads": args.threads,
                 "torch": torch.__version__, "seconds": time.time() - t0}
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "drafts": report}, indent=1))
         plot(results, args.out / "acceptance.png")
