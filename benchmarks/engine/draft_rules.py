@@ -231,7 +231,8 @@ def main(argv=None) -> int:
         results[name] = rows
         report[name] = {"rows": {r: {str(n): v for n, v in by.items()} for r, by in rows.items()},
                         "minus_wor": {r: {str(n): v for n, v in by.items()} for r, by in diffs.items()},
-                        "per_position": {r: {str(n): a for n, a in by.items()} for r, by in acc.items() if by[1]},
+                        "per_position": {r: {str(n): [round(x, 6) for x in a] for n, a in by.items()}
+                                         for r, by in acc.items() if by[1]},
                         "seconds": time.time() - t1}
         print(f"\n{name} ({n_pos} positions, {time.time() - t1:.0f} s)\n{table(rows, diffs)}", flush=True)
     if args.out:
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
                 "engine_draws": args.engine_draws, "seed": args.seed, "lengths": lens,
                 "sampled_tokens": [it["tokens"] for it in positions], "threads": args.threads,
                 "torch": torch.__version__, "seconds": time.time() - t0}
-        (args.out / "results.json").write_text(json.dumps({"meta": meta, "drafts": report}, indent=1))
+        (args.out / "results.json").write_text(json.dumps({"meta": meta, "drafts": report}, separators=(",", ":")))
         plot(results, args.out / "acceptance.png")
     return 0
 
