@@ -22,7 +22,7 @@ import pathlib
 import sys
 import time
 
-NS = (1, 2, 3, 4, 8)
+NS = (1, 2, 3, 4, 8)  # the drafts per layer measured (``--ns``)
 
 
 def sample_positions(target, draft_models, prompts, n_tokens, eos, seed):
@@ -71,7 +71,7 @@ def engine_acceptance(logp, logq, n, d, pos):
     return int((out[:, :1] == didx).any(1).sum())
 
 
-def measure(positions, which, draws, engine_draws, seed):
+def measure(positions, which, draws, engine_draws, seed, key_offset=0):
     """Per rule and N: per-position acceptance lists, and the wor Monte Carlo's per-position standard errors."""
     import torch
 
@@ -94,7 +94,7 @@ def measure(positions, which, draws, engine_draws, seed):
                     else:  # N = 1: wor is one draft from q, the same as iid
                         acc[rule][n].append(dr.exact_acceptance("iid" if rule == "wor" else rule, p, q, n))
                 if engine_draws:
-                    acc["engine"][n].append(engine_acceptance(lp, lq, n, engine_draws, pos) / engine_draws)
+                    acc["engine"][n].append(engine_acceptance(lp, lq, n, engine_draws, pos + key_offset) / engine_draws)
             pos += 1
     return acc, se
 
@@ -106,7 +106,7 @@ def summarise(acc, se, positions, engine_draws):
     lens = [it["logp"].shape[0] for it in positions]
     rows = {}
     for rule, by_n in acc.items():
-        if not by_n[1]:
+        if not by_n[NS[0]]:
             continue
         rows[rule] = {}
         for n, a in by_n.items():
@@ -136,7 +136,7 @@ def paired(acc, lens, base="wor") -> dict:
 
     out = {}
     for rule, by_n in acc.items():
-        if rule == base or not by_n[1]:
+        if rule == base or not by_n[NS[0]]:
             continue
         out[rule] = {}
         for n in NS:
@@ -198,11 +198,17 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-draws", type=int, default=64, help="engine layer runs per position (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--no-truncated", action="store_true", help="skip the untrained truncated 2-layer draft")
+    ap.add_argument("--drafts", choices=("both", "distilled", "truncated"), default="both",
+                    help="the committed draft (distilled if its artifact is there), the untrained truncated one, both")
+    ap.add_argument("--ns", default="1,2,3,4,8", help="drafts per layer N, comma-separated")
+    ap.add_argument("--engine-key-offset", type=int, default=0, help="added to the engine layers' keys (a rerun "
+                    "with other random numbers)")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="folder for results.json and acceptance.png")
     args = ap.parse_args(argv)
     import torch
 
+    global NS
+    NS = tuple(int(n) for n in args.ns.split(","))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm_dsbd.testing import models
     from vllm_dsbd.testing.drafts import draft_folder
@@ -213,8 +219,10 @@ def main(argv=None) -> int:
     target_dir = models.smollm2_dir()
     draft_dir, draft_desc = draft_folder(target_dir, 2, pathlib.Path(__file__).resolve().parents[2])
     target = models.load_hf(target_dir)
-    drafts = {f"draft: {draft_desc}": models.load_hf(draft_dir)}
-    if not args.no_truncated:
+    drafts = {}
+    if args.drafts != "truncated":
+        drafts[f"draft: {draft_desc}"] = models.load_hf(draft_dir)
+    if args.drafts != "distilled":
         drafts["draft: truncated_draft(target, 2), untrained"] = models.truncated_draft(target, 2)
     tok = models.load_tokenizer(target_dir)
     prompts, pdesc, _ = load_prompts(tok, args.num_prompts, 64, False)
@@ -225,20 +233,22 @@ def main(argv=None) -> int:
     results, report = {}, {}
     for which, name in enumerate(drafts):
         t1 = time.time()
-        acc, se = measure(positions, which, args.draws, args.engine_draws, args.seed + 1 + which)
+        acc, se = measure(positions, which, args.draws, args.engine_draws, args.seed + 1 + which,
+                          args.engine_key_offset)
         rows = summarise(acc, se, positions, args.engine_draws)
         diffs = paired(acc, lens)
         results[name] = rows
         report[name] = {"rows": {r: {str(n): v for n, v in by.items()} for r, by in rows.items()},
                         "minus_wor": {r: {str(n): v for n, v in by.items()} for r, by in diffs.items()},
                         "per_position": {r: {str(n): [round(x, 6) for x in a] for n, a in by.items()}
-                                         for r, by in acc.items() if by[1]},
+                                         for r, by in acc.items() if by[NS[0]]},
                         "seconds": time.time() - t1}
         print(f"\n{name} ({n_pos} positions, {time.time() - t1:.0f} s)\n{table(rows, diffs)}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"prompts": pdesc, "positions": n_pos, "tokens": args.tokens, "draws": args.draws,
-                "engine_draws": args.engine_draws, "seed": args.seed, "lengths": lens,
+                "engine_draws": args.engine_draws, "seed": args.seed, "ns": list(NS),
+                "engine_key_offset": args.engine_key_offset, "lengths": lens,
                 "sampled_tokens": [it["tokens"] for it in positions], "threads": args.threads,
                 "torch": torch.__version__, "seconds": time.time() - t0}
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "drafts": report}, separators=(",", ":")))
