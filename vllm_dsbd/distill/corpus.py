@@ -108,6 +108,18 @@ def check_meta(cache_dir: pathlib.Path, meta: dict) -> None:
     os.replace(tmp, path)
 
 
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, P], attention mask [B, P], prompt lengths [B]) of the prompts left-padded to the longest, P."""
+    plen = torch.tensor([len(p) for p in prompts])
+    P = int(plen.max())
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return ids, mask, plen
+
+
 @torch.no_grad()
 def generate_batch(model: Any, prompts: list[list[int]], *, seq_len: int, temperature: float, eos_id: int | None,
                    pad_id: int, generator: torch.Generator, device: torch.device) -> Shard:
@@ -115,13 +127,8 @@ def generate_batch(model: Any, prompts: list[list[int]], *, seq_len: int, temper
     from transformers import DynamicCache
 
     B = len(prompts)
-    plen = torch.tensor([len(p) for p in prompts])
-    P = int(plen.max())
-    ids = torch.full((B, P), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p)
-        mask[i, P - len(p):] = 1
+    ids, mask, plen = _left_padded(prompts, pad_id)
+    P = ids.shape[1]
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache()
@@ -176,13 +183,8 @@ def generate_beam_batch(model: Any, prompts: list[list[int]], *, seq_len: int, b
     prompt; its W final beams become W rows (prompt + beam, cut at the first EOS), and one forward pass over the rows
     gives the hidden states at every generated position (same layout as :func:`generate_batch`)."""
     B, W = len(prompts), beam_width
-    plen = torch.tensor([len(p) for p in prompts])
-    P = int(plen.max())
-    ids = torch.full((B, P), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p)
-        mask[i, P - len(p):] = 1
+    ids, mask, plen = _left_padded(prompts, pad_id)
+    P = ids.shape[1]
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), num_beams=W,
                          num_return_sequences=W, do_sample=False, max_new_tokens=int(seq_len - plen.min()),
                          eos_token_id=eos_id, pad_token_id=pad_id, length_penalty=1.0, early_stopping=True)
