@@ -1,5 +1,7 @@
 """Tests of vllm_dsbd.distill (draft distillation) on a tiny random Llama target: the loss, training (KL goes down),
-resume, the written folder, artifact export / assemble, the acceptance measurement helper and argument checks.
+resume, the written folder, artifact export / assemble, the acceptance measurement helper and argument checks; and the
+options for beam requests (``--beam-width``: the corpus rows are the target's own beams; ``--loss topk`` and its
+gradient; ``--init``), and the cached assembly of a replaced artifact.
 
 All runs use float32 training, no torch.compile and one torch thread (CPU shared with other jobs: a multi-threaded
 run can stall there), so each takes a second or two.
@@ -279,3 +281,137 @@ def test_generation_workers_give_the_same_corpus(tiny, tmp_path):
     # asking again generates nothing
     again, stats = corp.build_corpus(str(target_dir), pids, tmp_path / "two", workers=2, **kw)
     assert again == two and stats["generated_tokens_new"] == 0
+
+# ------------------------------------------------------------------------------ for beam requests (--beam-width ...)
+SMALL = dict(tokens=600, seq_len=28, gen_batch_size=4)  # the beam runs' corpus: W rows per prompt
+
+
+def _reference_beams(model, prompt, width, steps):
+    """Beam search by full recompute (no EOS): the W best sequences by cumulative log-probability."""
+    beams = [(list(prompt), 0.0)]
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.tensor([b[0] for b in beams])
+            lp = torch.log_softmax(model(input_ids=x).logits[:, -1].double(), -1)
+            joint = (lp + torch.tensor([b[1] for b in beams], dtype=torch.float64)[:, None]).flatten()
+            top = torch.topk(joint, width).indices.tolist()
+            V = lp.shape[1]
+            beams = [(beams[i // V][0] + [i % V], float(joint[i])) for i in top]
+    return beams
+
+
+def test_beam_corpus_rows_are_the_targets_beams(tiny):
+    root, target_dir, _ = tiny
+    tok = models.load_tokenizer(target_dir)
+    target = models.load_hf(target_dir)
+    ids = [data.encode_prompt(tok, p, 12) for p in PROMPTS[:3]]
+    W, steps = 3, 6
+    seq_len = max(len(p) for p in ids) + steps
+    shard = corp.generate_beam_batch(target, ids, seq_len=seq_len, beam_width=W, eos_id=None, pad_id=3,
+                                     device=torch.device("cpu"))
+    assert shard.ids.shape[0] == W * len(ids) and shard.hidden.shape == (shard.n_loss, target.config.hidden_size)
+    off = 0
+    for i, p in enumerate(ids):
+        # every prompt is searched for the batch's horizon (seq_len - its shortest prompt), its rows cut at seq_len
+        ref = [b[0][:seq_len] for b in _reference_beams(target, p, W, seq_len - min(map(len, ids)))]
+        rows = []
+        for r in range(i * W, (i + 1) * W):
+            n, pl = int(shard.lengths[r]), int(shard.prompt_lengths[r])
+            assert pl == len(p) and shard.ids[r, :pl].tolist() == p
+            rows.append(shard.ids[r, :n].tolist())
+            with torch.no_grad():
+                h = target.model(input_ids=shard.ids[r:r + 1, :n].long()).last_hidden_state[0, pl - 1: n - 1]
+            torch.testing.assert_close(shard.hidden[off: off + n - pl].float(), h, rtol=0, atol=2e-2)
+            off += n - pl
+        # the same W beams as an independent beam search (order: best first)
+        assert rows == ref, (rows, ref)
+
+
+def _reference_topk_loss(zq, zp, k, lam):
+    lq, lp = torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)
+    lqd = lq.detach()
+    out = []
+    for r in range(zq.shape[0]):
+        tp = sorted(range(zq.shape[1]), key=lambda j: -float(lp[r, j]))[:k]
+        tq = sorted(range(zq.shape[1]), key=lambda j: -float(lqd[r, j]))[:k]
+        floor = lp[r, tp[-1]]
+        rank = sum((lq[r, j] - lp[r, j]) ** 2 for j in tp)
+        rank = rank + sum(torch.relu(lq[r, j] - torch.maximum(lp[r, j], floor)) ** 2 for j in tq if j not in tp)
+        out.append((lp[r].exp() * (lp[r] - lq[r])).sum() + lam * rank / k)
+    return torch.stack(out)
+
+
+def test_topk_loss_and_gradient_match_autograd():
+    torch.manual_seed(1)
+    N, D, V, k, lam = 23, 12, 90, 5, 0.8
+    W = torch.randn(V, D)
+    h = torch.randn(N, D, requires_grad=True)
+    t = torch.randn(N, D) * 2
+    loss, kl, _ = fused_kl(h, t, W, 8, False, k, lam)
+    loss.backward()
+    h2 = h.detach().clone().requires_grad_(True)
+    ref = _reference_topk_loss(h2 @ W.T, t @ W.T, k, lam)
+    ref.mean().backward()
+    torch.testing.assert_close(loss, ref.mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-4, atol=1e-6)
+    # the per-position values stay the KL alone, and the loss adds a positive ranking term
+    torch.testing.assert_close(kl, fused_kl(h.detach(), t, W, 8)[1], rtol=1e-5, atol=1e-6)
+    assert float(loss) > float(kl.mean()) + 1e-3
+    assert float(fused_kl(t, t, W, 8, False, k, lam)[0]) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_beam_topk_run_from_an_initial_draft(tiny):
+    root, target_dir, prompts = tiny
+    first = distill(_cfg(root, target_dir, prompts, "init", **SMALL), log=lambda s: None)
+    logs = []
+    out = distill(_cfg(root, target_dir, prompts, "beam", beam_width=2, loss="topk", topk=4, init=str(first),
+                       lr=1e-3, **SMALL), log=logs.append)
+    assert any("starting from the layers of" in s for s in logs), logs
+    meta = json.loads((out / "distill.json").read_text())
+    assert "beam-searched itself (width 2" in meta["method"] and "top-4" in meta["method"]
+    assert meta["settings"]["beam_width"] == 2 and meta["settings"]["init"] == str(first)
+    cache = root / "beam.work" / "corpus"
+    assert json.loads((cache / "meta.json").read_text())["beam_width"] == 2
+    corpus = tr.Corpus(corp.corpus_paths(cache, 600)[0])
+    assert len(corpus) % 2 == 0 and corpus.n_loss_tokens >= 600
+    # trained on the beam corpus from the initial draft: the KL there falls below the initial draft's
+    before = tr.mean_kl(transformers.AutoModelForCausalLM.from_pretrained(str(first), local_files_only=True), corpus)
+    after = tr.mean_kl(transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True), corpus)
+    assert after["kl"] < before["kl"], (before, after)
+    # --init with another depth is refused
+    with pytest.raises(ValueError, match="layers"):
+        distill(_cfg(root, target_dir, prompts, "badinit", layers=2, init=str(first), **SMALL), log=lambda s: None)
+
+
+def test_bad_beam_arguments(tiny, tmp_path, capsys):
+    _, target_dir, _ = tiny
+    base = ["--target", str(target_dir), "--out", str(tmp_path / "o")]
+    for flag, what in ((["--beam-width", "1"], "--beam-width"), (["--loss", "topk", "--topk", "0"], "--topk")):
+        assert cli.main(base + flag) == 2
+        assert what in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's choices
+        cli.main(base + ["--loss", "mse"])
+    assert e.value.code == 2
+
+
+def test_cached_assembly_follows_a_replaced_artifact(tiny, tmp_path):
+    """draft_folder rebuilds its cached assembly when the committed artifact's layers change."""
+    from vllm_dsbd.testing.drafts import draft_folder
+
+    root, target_dir, prompts = tiny
+    repo = tmp_path / "repo"
+    a = distill(_cfg(root, target_dir, prompts, "a1", epochs=1, **SMALL), log=lambda s: None)
+    b = distill(_cfg(root, target_dir, prompts, "b1", epochs=1, lr=1e-2, **SMALL), log=lambda s: None)
+    export_artifact(a, repo / "drafts" / "smollm2-test")
+    target_copy = tmp_path / "models" / "target"
+    target_copy.parent.mkdir()
+    os.symlink(target_dir, target_copy)
+    out, desc = draft_folder(target_copy, 1, repo)
+    first = (out / "model.safetensors").read_bytes()
+    assert desc.startswith("distilled")
+    export_artifact(b, repo / "drafts" / "smollm2-test")
+    out2, _ = draft_folder(target_copy, 1, repo)
+    assert out2 == out and (out / "model.safetensors").read_bytes() != first
+    same = (out / "model.safetensors").read_bytes()
+    draft_folder(target_copy, 1, repo)  # unchanged artifact: not rebuilt
+    assert (out / "model.safetensors").read_bytes() == same
