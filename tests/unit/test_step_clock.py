@@ -64,6 +64,10 @@ def test_start_planned_finish_measure_one_step(monkeypatch):
     now = iter([10.0, 10.090])
     monkeypatch.setattr(step_clock.time, "perf_counter", lambda: next(now))
     c = StepClock()
+    for _ in range(step_clock.WARMUP):  # the first decode steps are not measured
+        c.start(4)
+        c.finish(TABLE)
+    assert c.n_drafting == c.n_bare == 0
     c.start(4)
     c.planned(0.017, True)
     c.finish(TABLE)

@@ -19,19 +19,22 @@ from .cost import CostTable
 
 ALPHA = 0.1  # weight of the newest step in the moving averages
 MIN_STEPS = 3  # steps of a kind measured before its average is used
+WARMUP = 8  # decode steps not measured after start-up (one-time costs: first allocations, first forests)
 
 
 @dataclass
 class StepClock:
     """Moving averages of measured minus predicted step seconds: ``bare`` over steps where no request drafted,
     ``drafting`` over steps where one did. The runner calls :meth:`start` as a step begins (its scheduled tokens;
-    None: a step with a prefill, not measured), :meth:`planned` when the cost model chose the next forests, and
-    :meth:`finish` once they are drafted, which returns the corrected table."""
+    None: a step with a prefill, not measured; the first ``warmup`` decode steps are not measured either),
+    :meth:`planned` when the cost model chose the next forests, and :meth:`finish` once they are drafted, which
+    returns the corrected table."""
 
     bare: float = 0.0
     drafting: float = 0.0
     n_bare: int = 0
     n_drafting: int = 0
+    warmup: int = WARMUP
     _t0: float | None = None
     _tokens: int = 0
     _draft: float = 0.0
@@ -47,6 +50,8 @@ class StepClock:
             self.bare = surplus if self.n_bare == 1 else self.bare + ALPHA * (surplus - self.bare)
 
     def start(self, tokens: int | None) -> None:
+        if tokens is not None and self.warmup > 0:
+            self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
         self._tokens, self._draft, self._drafted = tokens or 0, 0.0, False
 
