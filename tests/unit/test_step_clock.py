@@ -14,23 +14,29 @@ def _one(rate):
     return [cost.Candidate(leaves=1, width=2, depth=3, rate=rate, catch_up=1)]
 
 
-def test_averages_start_after_min_steps_and_never_go_below_zero():
+def test_draft_step_is_the_drafting_surplus_over_the_bare_one():
     c = StepClock()
     for _ in range(step_clock.MIN_STEPS - 1):
         c.observe(0.050, 0.040, drafted=True)
     assert c.corrected(TABLE) is TABLE  # too few drafting steps yet
     c.observe(0.050, 0.040, drafted=True)
-    assert c.corrected(TABLE).draft_step == pytest.approx(0.010) and c.corrected(TABLE).step == 0.0
+    t = c.corrected(TABLE)  # no bare step measured yet: the bare surplus counts as 0
+    assert t.draft_step == pytest.approx(0.010) and t.step == 0.0
     for _ in range(step_clock.MIN_STEPS):
-        c.observe(0.030, 0.040, drafted=False)  # steps faster than the table: no negative step cost
+        c.observe(0.030, 0.040, drafted=False)  # bare steps 10 ms under the table: drafting's extra is 20 ms
     t = c.corrected(TABLE)
-    assert t.step == 0.0 and t.draft_step == pytest.approx(0.010)
+    assert t.step == 0.0 and t.draft_step == pytest.approx(0.020)
     d = StepClock()
     for _ in range(5):
         d.observe(0.046, 0.040, drafted=False)
         d.observe(0.056, 0.040, drafted=True)
-    t = d.corrected(TABLE)  # every step 6 ms over the table, drafting ones 10 ms more
-    assert t.step == pytest.approx(0.006) and t.draft_step == pytest.approx(0.010)
+    t = d.corrected(TABLE)  # every step 6 ms over the table, drafting ones 10 ms more: only the 10 ms enter
+    assert t.step == 0.0 and t.draft_step == pytest.approx(0.010)
+    e = StepClock()
+    for _ in range(5):
+        e.observe(0.060, 0.040, drafted=False)
+        e.observe(0.050, 0.040, drafted=True)
+    assert e.corrected(TABLE) is TABLE  # drafting steps no dearer than bare ones: nothing to add
 
 
 def test_moving_average_follows_the_newest_steps():

@@ -4,7 +4,8 @@ The start-up table times the target and draft passes alone; a step that drafts a
 see (drafting and verifying forests, forest attention outside vLLM's kernels), so at batch 1 on a CPU the model drafted
 where drafting lost. Each step the runner reports its wall time (from ``execute_model`` to the end of drafting) with
 what the table predicted for it; :class:`StepClock` keeps moving averages of the surplus over steps without and with
-drafting, and :meth:`StepClock.corrected` adds them to the table (``step``, ``draft_step``). Only timings of past steps
+drafting, and :meth:`StepClock.corrected` adds their difference to the table as ``draft_step``, the extra cost of a
+step in which any request drafts. Only timings of past steps
 enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with a
 pinned table (the correction is off then) and only without tensor parallelism (ranks' clocks differ: off there too).
 Imports neither vLLM nor torch.
@@ -66,10 +67,11 @@ class StepClock:
         return self.corrected(table)
 
     def corrected(self, table: CostTable) -> CostTable:
-        """``table`` plus the measured surplus: every step's (``step``) and a drafting step's extra (``draft_step``).
-        An average is used once ``MIN_STEPS`` steps of its kind were measured; neither goes below 0."""
-        base = max(0.0, self.bare) if self.n_bare >= MIN_STEPS else 0.0
+        """``table`` with a drafting step's measured extra (``draft_step`` += drafting - bare surplus, not below 0; the
+        bare surplus counts as 0 until ``MIN_STEPS`` bare steps were measured, the drafting one is used from
+        ``MIN_STEPS`` drafting steps on). The surplus every step has is not added to ``step``: a fixed cost per step
+        spread over a forest's tokens would make drafting look cheaper, and as the table's own ``step`` of 0 the
+        correction errs only towards drafting less."""
+        base = self.bare if self.n_bare >= MIN_STEPS else 0.0
         extra = max(0.0, self.drafting - base) if self.n_drafting >= MIN_STEPS else 0.0
-        if not base and not extra:
-            return table
-        return dataclasses.replace(table, step=table.step + base, draft_step=table.draft_step + extra)
+        return dataclasses.replace(table, draft_step=table.draft_step + extra) if extra else table
