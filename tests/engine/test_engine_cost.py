@@ -142,10 +142,10 @@ def slope(models, self_draft):
         return out
 
 
-def test_outputs_equal_greedy_and_vllm_beams(bad, self_draft, slope, greedy, vllm_beams):
-    for run in (bad, self_draft):
+def test_outputs_equal_greedy_and_vllm_beams(bad, self_draft, slope, auto, greedy, vllm_beams):
+    for run in (bad, self_draft, auto):
         assert run["plain"]["out"] == greedy
-    for beams in (bad["beams"], self_draft["beams"], slope):
+    for beams in (bad["beams"], self_draft["beams"], slope, auto["beams"]):
         # vLLM's beams, token for token and in order; their scores up to float32 rounding (another batch shape)
         assert [[t for t, _ in b] for b in beams["out"]] == [[t for t, _ in b] for b in vllm_beams]
         assert [[s for _, s in b] for b in beams["out"]] == [pytest.approx([s for _, s in b], abs=1e-4)
@@ -212,11 +212,8 @@ def test_a_smaller_n_where_the_full_n_does_not_pay(slope):
     assert count == sum(nodes.values()) and buckets[float(WIDTH)] == nodes[WIDTH] and buckets[8.0] == count
 
 
-def test_the_auto_table_is_corrected_by_measured_steps(auto, bad, greedy, vllm_beams):
-    assert auto["plain"]["out"] == greedy
-    assert [[t for t, _ in b] for b in auto["beams"]["out"]] == [[t for t, _ in b] for b in vllm_beams]
-    assert [[s for _, s in b] for b in auto["beams"]["out"]] == [pytest.approx([s for _, s in b], abs=1e-4)
-                                                                 for b in vllm_beams]
+def test_the_auto_table_is_corrected_by_measured_steps(auto, bad):
+    # (its outputs: greedy decoding's and vLLM's beams, test_outputs_equal_greedy_and_vllm_beams)
     clock = auto["load"]["clock"]
     assert clock is not None and clock["n_bare"] + clock["n_drafting"] >= 8, clock  # decode steps were measured
     assert auto["load"]["cost"]["draft_step"] >= 0.0 and auto["load"]["cost"]["step"] >= 0.0

@@ -64,23 +64,21 @@ class DSBDStats:
 
     def record_levels(self, depths: list[int]) -> None:
         """The draft depth the cost model chose (or the budget allowed) each decoding request of a step."""
-        if not depths:
-            return
-        self.draft_depths.update(depths)
-        prom = self._prometheus()
-        if prom is not None:
-            for d in depths:
-                prom["draft_depth"].observe(d)
+        self._record(self.draft_depths, "draft_depth", depths)
 
     def record_nodes(self, nodes: list[int]) -> None:
         """The nodes per depth N the cost model chose for each T = 0 beam request it drafts for this step."""
-        if not nodes:
+        self._record(self.beam_nodes_chosen, "beam_nodes_chosen", nodes)
+
+    def _record(self, counts, histogram: str, values: list[int]) -> None:
+        """``values`` into a count and into the Prometheus histogram of that name (when this engine reports)."""
+        if not values:
             return
-        self.beam_nodes_chosen.update(nodes)
+        counts.update(values)
         prom = self._prometheus()
         if prom is not None:
-            for n in nodes:
-                prom["beam_nodes_chosen"].observe(n)
+            for v in values:
+                prom[histogram].observe(v)
 
     def record_beam(self, step, blocks: int | None) -> None:
         """One target pass over a beam request (``step``: its ``beams.StepResult``: beam steps made, forest nodes
