@@ -40,8 +40,10 @@ import chisq  # noqa: E402
 pytestmark = pytest.mark.gpu  # the point of this file is the GPU run (benchmarks/gpu/check.sh)
 
 CUDA = torch.cuda.is_available()
-# the user's default on a GPU: bfloat16 and vLLM's default compilation (enforce_eager False); float32 eager on CPU
-DEFAULT = dict(dtype="bfloat16", enforce_eager=False, max_num_seqs=64) if CUDA else dict(max_num_seqs=64)
+# the user's default on a GPU: bfloat16, vLLM's default compilation (enforce_eager False) and prefix caching (None:
+# vLLM's default, on); float32 eager on CPU
+DEFAULT = (dict(dtype="bfloat16", enforce_eager=False, enable_prefix_caching=None, max_num_seqs=64) if CUDA
+           else dict(max_num_seqs=64))
 TIE = 0.25 if CUDA else 0.0  # nats: the log-probability gap a bfloat16 rounding difference may swap
 WIDTH, DEPTH, TOKENS = 4, 2, 24
 PROMPTS = [[(13 * i + 7 * k) % 290 + 5 for k in range(4 + i % 5)] for i in range(12)]
