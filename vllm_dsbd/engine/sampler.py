@@ -100,7 +100,7 @@ def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> Ba
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
            forest_static: bool | None = None, fused: bool | None = None,
-           budget: int | None = None) -> Reader[list[RowResult]]:
+           budget: int | None = None, narrow_bare: bool = True) -> Reader[list[RowResult]]:
     """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
     (``engine/reads.py``). Runs on the logits' device, one host copy at the end of each chunk of requests (the general
     path also reads at the core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and
@@ -111,15 +111,21 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     out: list[RowResult] = []
     for a in range(0, len(rows), n):
         out += yield from _verify_chunk(logits, rows[a : a + n], cfg, chain_fast_path, chain_static, forest_static,
-                                        fused)
+                                        fused, narrow_bare)
     return out
 
 
 def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, chain_fast_path: bool,
                   chain_static: bool | None, forest_static: bool | None,
-                  fused: bool | None) -> Reader[list[RowResult]]:
-    """:func:`verify` of one chunk of requests."""
+                  fused: bool | None, narrow_bare: bool = True) -> Reader[list[RowResult]]:
+    """:func:`verify` of one chunk of requests (``narrow_bare`` False: a chunk without forests at the full shapes,
+    for the tests that compare the two)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
+    if narrow_bare and all(r.forest is None for r in rows):
+        # no forest in the chunk (the cost model drafted nothing): one parent slot and one layer. The layer's joint,
+        # and the noise of every draw from it, are indexed from the root slot's tokens (slot * V + token), so the
+        # narrow shapes give the same tokens as [G + 1, W, V] at a W (G + 1)-th of the work and memory
+        G, W = 1, 1
     V = logits.shape[-1]
     dev = logits.device
     forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V, dev) for row in rows]
