@@ -1,4 +1,5 @@
-"""A plain request on a DSBD engine is exact target sampling: its law equals plain vLLM's (docs/design.md §1, first row).
+"""A plain request on a DSBD engine is exact target sampling: its law equals plain vLLM's
+(docs/design/algorithm.md §1, first row).
 
 Real vLLM 0.26.0 on CPU, temperature 0.6 (peaky enough that 4-token sequences fill the bins), the engine's default mode ("sample": each verified layer checks the up to W
 drafts of a multi-draft forest and emits one token). The oracle is plain vLLM sampling on the same float32 weights,

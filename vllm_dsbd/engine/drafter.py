@@ -4,7 +4,7 @@
 group, dummy runs) and replaces the proposal (:meth:`DSBDDrafter.propose_forests`): a catch-up pass, then one draft pass
 per depth under forest attention. Forest nodes are written at the slots where the target will write them, so one commit
 after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
-drafting loops (general, chain, static with its bet): docs/design.md §3.4.
+drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   context; the target's logits of every forest row; verification on them; the next forests drafted while these are
   still held), so the peak vLLM sizes the KV cache from covers the step.
 
-Beam requests' device work (``beams/``) is not chunked and not in the dummy step (docs/design.md §3.8).
+Beam requests' device work (``beams/``) is not chunked and not in the dummy step (docs/design/memory.md §3.8).
 """
 from __future__ import annotations
 

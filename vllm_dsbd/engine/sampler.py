@@ -4,7 +4,7 @@ One call per step over the target's logits rows (per request: the root's row, th
 in compact depth-major order) verifies every forest exactly (``core.verify_forest``, or its chain and static forms,
 which make the same decisions) and returns the emitted tokens in vLLM's sampled-token format. vLLM's linear rollback is
 right once the runner has moved the accepted path's K/V into the first slots after the context (``kv.commit`` with
-:attr:`RowResult.path`). Rows, paths and output format: docs/design.md §3.1.
+:attr:`RowResult.path`). Rows, paths and output format: docs/design/step.md §3.1.
 """
 from __future__ import annotations
 

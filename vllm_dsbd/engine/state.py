@@ -1,6 +1,6 @@
 """What the DSBD engine remembers about each request between engine steps: its seed and sampling settings (fixed when it
 registers, new or resumed), the forest drafted last step (vLLM's "draft tokens" for it) and how far the draft model's KV
-cache is valid. Seeds and why draft K/V are recomputed: docs/design.md §3.4.
+cache is valid. Seeds and why draft K/V are recomputed: docs/design/forests.md §3.4.
 """
 from __future__ import annotations
 
