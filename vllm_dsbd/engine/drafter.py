@@ -30,8 +30,7 @@ from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scop
 from .kv import batch_slots
 from .penalties import DraftPenalties
 from .reads import Reader
-from .sampler import _params
-from .state import PendingForest, RequestState
+from .state import PendingForest, RequestState, batch_params
 
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
@@ -177,7 +176,7 @@ class DSBDDrafter(DraftModelProposer):
         owned = np.asarray(owned)[rows_np].astype(np.int64)
         block_rows = table[torch.from_numpy(rows_np)]
         brow_np = block_rows.numpy()
-        params = _params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
+        params = batch_params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
         if any(j.width is not None for j in jobs):  # load-aware: fewer draws per depth than the request's width
             w = torch.tensor([j.state.width if j.width is None else j.width for j in jobs], dtype=torch.int64)
             params = params.with_(width=w, min_width=torch.minimum(params.min_width, w))
