@@ -1,6 +1,6 @@
 """``sampler.verify`` on a step in which no request has a forest (the cost model drafted nothing): the narrow shapes
-(one parent slot, one layer; what the engine runs) against the engine's full [G + 1, W, V] shapes, general and static
-paths, ms per call. Both get the same inputs and the script checks their tokens are equal before timing (least of
+(one parent slot, one layer, which takes the width-1 chain path; what the engine runs) against the engine's full
+[G + 1, W, V] shapes, general and static paths, ms per call. Both get the same inputs and the script checks their tokens are equal before timing (least of
 ``--reps`` interleaved calls each; the machine may be shared: compare the columns of one run).
 
     python benchmarks/kernels/verify_bare.py [--width 4] [--depth 3] [--cases 1x128256 32x32000] [--reps 5]
@@ -46,7 +46,8 @@ def main(argv=None) -> int:
         logits, plans, cfg = bare_step(R, V, args.width, args.depth)
         for static in (False, True):
             def call(narrow):
-                return reads.run(sampler.verify(logits, plans, cfg, forest_static=static, narrow_bare=narrow))
+                return reads.run(sampler.verify(logits, plans, cfg, forest_static=static, chain_static=static,
+                                                 narrow_bare=narrow))
             a, b = call(True), call(False)
             if [r.tokens for r in a] != [r.tokens for r in b]:
                 print("the two shapes disagree", file=sys.stderr)
