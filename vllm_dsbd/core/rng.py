@@ -101,7 +101,11 @@ def _bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def uniform(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), float64, 53 bits: (2 * (bits >> 12) + 1) * 2**-53 (module docstring); key int64 [R, 1] or
     [R], index int64 broadcastable. Never 0 or 1; the smallest is 2**-53, the largest 1 - 2**-53."""
-    h = _bits(key, index)
+    return uniform_of_(_bits(key, index))
+
+
+def uniform_of_(h: torch.Tensor) -> torch.Tensor:
+    """The uniforms of hash bits ``h`` (int64, overwritten: the result is a float64 view of its memory)."""
     # 1 + n * 2**-52 by its bits (n = bits >> 12 < 2**52), then exact float steps: (2n + 1) * 2**-53, all in place
     h >>= 12
     h &= _M52
