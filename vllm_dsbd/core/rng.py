@@ -71,8 +71,7 @@ def key_base(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """The (seed, position) part of a key, shared by its streams: ``request_key(s, p, stream) ==
     stream_key(key_base(s, p), stream)``. seed, position: int64 (all 64 bits used). Returns int64 (uint64 bits)."""
     h = _fmix64_(seed.to(torch.int64) ^ _i64(SEED_SALT))
-    h ^= position.to(torch.int64)
-    return _fmix64_(h)
+    return _fmix64_(h ^ position.to(torch.int64))  # broadcast (seed [R, 1] against positions [R, L])
 
 
 def stream_key(base: torch.Tensor, stream: int) -> torch.Tensor:

@@ -40,17 +40,37 @@ PROFILE_CPU = False
 LAYER_BLOCKS = 26
 
 
-def verify_blocks(depth: int) -> int:
-    """The W * V float32 blocks one request holds in verification at depth G (see :data:`LAYER_BLOCKS`)."""
+# VERIFY_BUDGET on a device: this share of its free memory after the weights (before the KV cache), within
+# [MIN_VERIFY_BUDGET, MAX_VERIFY_BUDGET] elements (an 80 GB GPU with 60 GB free: 2 ** 28.2, capped at 2 ** 28)
+FREE_FRACTION = 0.02
+MIN_VERIFY_BUDGET = 1 << 24
+MAX_VERIFY_BUDGET = 1 << 28
+
+
+def verify_budget(device) -> int:
+    """The float32 elements one chunk of verification may hold on ``device``: :data:`VERIFY_BUDGET` on the CPU; on a
+    GPU :data:`FREE_FRACTION` of its free memory now, within [:data:`MIN_VERIFY_BUDGET`, :data:`MAX_VERIFY_BUDGET`]
+    (the runner's ``profile_run`` asks once, after the weights are loaded)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return VERIFY_BUDGET
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(min(MAX_VERIFY_BUDGET, max(MIN_VERIFY_BUDGET, free * FREE_FRACTION // 4)))
+
+
+def verify_blocks(depth: int, penalties: bool = False) -> int:
+    """The W * V float32 blocks one request holds in verification at depth G (see :data:`LAYER_BLOCKS`); with
+    ``penalties`` the chunk's penalized copy of its logits rows too (at most 1 + G * W rows: G + 1 blocks; the sparse
+    counts are bounded apart, ``penalties.PENALTY_BUDGET``)."""
     G = max(depth, 1)
-    return (G + 1) + G + LAYER_BLOCKS
+    return (G + 1) + G + LAYER_BLOCKS + ((G + 1) if penalties else 0)
 
 
-def verify_chunk(depth: int, width: int, vocab: int, budget: int | None = None) -> int:
+def verify_chunk(depth: int, width: int, vocab: int, budget: int | None = None, penalties: bool = False) -> int:
     """The most plain requests one verification chunk takes (>= 1): ``budget`` (default :data:`VERIFY_BUDGET`)
-    float32 elements over each request's ``verify_blocks(depth) * width * vocab``."""
+    float32 elements over each request's ``verify_blocks(depth, penalties) * width * vocab``."""
     budget = VERIFY_BUDGET if budget is None else budget
-    return max(1, budget // (verify_blocks(depth) * max(width, 1) * max(vocab, 1)))
+    return max(1, budget // (verify_blocks(depth, penalties) * max(width, 1) * max(vocab, 1)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,11 +101,23 @@ def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
 
 
 def _states(num: int, width: int):
-    """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths)."""
+    """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths),
+    all three penalties (the penalized copy of verification's rows)."""
+    from .penalties import RequestPenalties
     from .state import RequestState
 
     return [RequestState(req_id=f"dsbd-profile-{i}", seed=i, width=width, temperature=1.0, top_k=50, top_p=0.9,
-                         eos=-1, max_tokens=None) for i in range(num)]
+                         eos=-1, max_tokens=None, penalties=RequestPenalties(0.5, 0.5, 1.2)) for i in range(num)]
+
+
+def _penalized(plan: list, vocab: int, max_len: int) -> list:
+    """The penalties' view of the dummy plan: each request's history as long and as varied as it can be (min(V,
+    max_model_len) distinct tokens), the widest sparse gather."""
+    from .penalties import TargetRows
+
+    hist = list(range(min(vocab, max_len)))
+    return [TargetRows(r.first_row, r.forest.tokens if r.forest else [], r.forest.parents if r.forest else [],
+                       hist[:1], hist[1:], r.state.penalties) for r in plan]
 
 
 def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
@@ -176,7 +208,8 @@ def profile_step(runner, target_pass) -> None:
     logits = runner.model.compute_logits(hidden)
     del hidden
     reads.run(sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
-                             fused=runner.dsbd_fused))
+                             fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements,
+                             penalized=_penalized(plan, vocab, runner.model_config.max_model_len)))
     # the next step's forests while this step's (and, conservatively, its logits) are still held
     for st in states:
         st.draft_len = 0

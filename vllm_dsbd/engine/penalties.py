@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["DraftPenalties", "RequestPenalties", "TargetRows", "apply", "node_paths", "penalize_target"]
+__all__ = ["DraftPenalties", "RequestPenalties", "TargetRows", "apply", "node_paths", "penalize_rows_", "penalize_target"]
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,66 @@ class TargetRows:
     penalties: RequestPenalties
 
 
+# entries (rows x gathered columns) one batch of :func:`penalize_rows_` holds: its int64 columns and counts, float32
+# values, bool masks, ~26 bytes an entry (2 ** 22: ~100 MiB)
+PENALTY_BUDGET = 1 << 22
+
+
+def penalize_rows_(logits: torch.Tensor, requests: list[TargetRows], budget: int | None = None) -> torch.Tensor:
+    """:func:`penalize_target` in place on ``logits`` (float32 [N, V]) and sparse: a request's rows are changed only
+    at the C tokens of its prompt, output and forest, so only those columns are gathered (``[rows, C]``), penalized by
+    vLLM's own element-wise operations (:func:`apply`, the same values as on a dense row) and scattered back, in
+    batches of requests of at most ``budget`` (default :data:`PENALTY_BUDGET`) entries. Returns ``logits``."""
+    budget = PENALTY_BUDGET if budget is None else budget
+    V = logits.shape[1]
+    batch: list[tuple[TargetRows, list[int]]] = []
+    rows = width = 0
+    for r in requests:
+        cols = sorted({t for t in (*r.prompt, *r.output, *r.tokens) if 0 <= t < V})
+        if not cols:
+            continue
+        n = 1 + len(r.tokens)
+        if batch and (rows + n) * max(width, len(cols)) > budget:
+            _penalize_batch_(logits, batch)
+            batch, rows, width = [], 0, 0
+        batch.append((r, cols))
+        rows, width = rows + n, max(width, len(cols))
+    if batch:
+        _penalize_batch_(logits, batch)
+    return logits
+
+
+def _penalize_batch_(logits: torch.Tensor, batch: list[tuple[TargetRows, list[int]]]) -> None:
+    """One batch of :func:`penalize_rows_`: request k's C_k columns (padded to C by repeating its first column, whose
+    padded copies get the same value: the scatter writes it twice), counts in column-position space."""
+    dev = logits.device
+    C = max(len(cols) for _, cols in batch)
+    colidx, srcpos, prompt_pos, output_pos, path_pos, owner, rows = [], [], [], [], [], [], []
+    for k, (r, cols) in enumerate(batch):
+        at = {t: i for i, t in enumerate(cols)}
+        pad = C - len(cols)
+        colidx.append(cols + [cols[0]] * pad)
+        srcpos.append(list(range(len(cols))) + [0] * pad)
+        prompt_pos.append([at.get(t, C) for t in r.prompt])
+        output_pos.append([at.get(t, C) for t in r.output])
+        path_pos += [[]] + [[at.get(t, C) for t in p] for p in node_paths(r.tokens, r.parents)]
+        owner += [k] * (1 + len(r.tokens))
+        rows += range(r.first_row, r.first_row + 1 + len(r.tokens))
+    own = torch.tensor(owner, dtype=torch.int64).to(dev)  # [M] the request of each row
+    src = torch.tensor(srcpos, dtype=torch.int64).to(dev)  # [K, C] the column position each column copies
+    prompt_mask = (_bins(_padded(prompt_pos, C, dev), C) > 0).gather(1, src)[own]  # [M, C]
+    counts = (_bins(_padded(output_pos, C, dev), C)[own] + _bins(_padded(path_pos, C, dev), C)).gather(1, src[own])
+    s = _settings([r.penalties for r, _ in batch], dev)[:, own]
+    ri = torch.tensor(rows, dtype=torch.int64).to(dev)[:, None]
+    ci = torch.tensor(colidx, dtype=torch.int64).to(dev)[own]
+    vals = logits[ri, ci]  # [M, C] a contiguous copy
+    logits[ri, ci] = apply(vals, prompt_mask, counts, s[0], s[1], s[2])
+
+
 def penalize_target(logits: torch.Tensor, requests: list[TargetRows]) -> torch.Tensor:
     """The target's logits [N, V] (float32, a copy) with each listed request's rows penalized by their own histories:
-    the root's row by prompt + output, node c's row by prompt + output + :func:`node_paths`' path of c."""
+    the root's row by prompt + output, node c's row by prompt + output + :func:`node_paths`' path of c. Dense over all
+    rows (the reference :func:`penalize_rows_` equals; the engine penalizes chunk by chunk in ``sampler.verify``)."""
     out = logits.to(torch.float32, copy=True)
     if not requests:
         return out
