@@ -16,7 +16,11 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   context; the target's logits of every forest row; verification on them; the next forests drafted while these are
   still held), so the peak vLLM sizes the KV cache from covers the step.
 
-Beam requests' device work (``beams/``) is not chunked and not in the dummy step (docs/design.md §3.8).
+Penalized requests' target rows are copied and penalized chunk by chunk (``sampler.penalized_chunk``, sparse counts:
+``penalties.penalize_rows_``), the copy counted in :func:`verify_blocks`; the dummy step's requests carry penalties and
+the longest histories. Beam requests' T = 0 top-N runs in chunks of requests under the same budget
+(``beams.drafter.top_n``), which the dummy step reserves while it drafts; the rest of beam requests' device work is not
+in the dummy step (docs/design.md §3.8). On a GPU the budget follows the free memory (:func:`verify_budget`).
 """
 from __future__ import annotations
 
@@ -213,6 +217,8 @@ def profile_step(runner, target_pass) -> None:
     # the next step's forests while this step's (and, conservatively, its logits) are still held
     for st in states:
         st.draft_len = 0
+    # beam requests' T = 0 top-N chunk (``beams.drafter.top_n``: at most the budget) is drafted with them
+    top_n_chunk = torch.empty(runner.dsbd_verify_elements, dtype=torch.float32, device=dev)
     nxt = _forests(runner, states, vocab, gen)
-    del nxt, logits, plan, pending
+    del nxt, logits, plan, pending, top_n_chunk
     return out

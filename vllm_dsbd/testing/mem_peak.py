@@ -3,7 +3,8 @@
 ``torch.profiler.profile(profile_memory=True)`` makes torch's CPU allocator report every allocation and free made while
 the profiler is on, each with its size and the running total of the bytes those allocations still hold
 (``c10::ProfiledCPUMemoryReporter``: blocks allocated before the profiler started are not counted, nor their frees).
-:func:`peak_bytes` returns the largest such total: the most bytes the function's own tensors held at once. It counts
+:func:`peak_bytes` returns the largest such total less the total before the function's first allocation: the most
+bytes the function's own tensors held at once. It counts
 every tensor torch allocates on the CPU in this process (the engine core runs in process in the engine tests), not
 only DSBD's.
 """
@@ -36,6 +37,11 @@ def peak_bytes(fn, *args, **kwargs):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = fn(*args, **kwargs)
     events = _allocations(prof)
-    # the reporter's running total, not a re-summation of the records: records with the same start time can come
-    # out of the event tree in either order, which may put a free before the allocation next to it
-    return out, max((t for *_, t in events), default=0)
+    if not events:
+        return out, 0
+    # the reporter's running total (after each record) less what it held before the first record: the total counts
+    # every block allocated under any profiler and still held (an earlier measurement's result, say); records with the
+    # same start time can come out of the event tree in either order, so no re-summation of the sizes
+    t0 = events[0][0]
+    base = min(total - size for t, size, total in events if t == t0)
+    return out, max(total for *_, total in events) - base
