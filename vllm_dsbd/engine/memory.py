@@ -217,8 +217,11 @@ def profile_step(runner, target_pass) -> None:
     # the next step's forests while this step's (and, conservatively, its logits) are still held
     for st in states:
         st.draft_len = 0
-    # beam requests' T = 0 top-N chunk (``beams.drafter.top_n``: at most the budget) is drafted with them
-    top_n_chunk = torch.empty(runner.dsbd_verify_elements, dtype=torch.float32, device=dev)
+    # beam requests' T = 0 top-N chunk (``beams.drafter.top_n``: at most the budget, and 4 elements a (beam, token)
+    # pair of R requests' N beams) is drafted with them
+    nodes = cfg.max_beam_nodes
+    top_n_chunk = torch.empty(min(runner.dsbd_verify_elements, 4 * R * nodes * vocab), dtype=torch.float32,
+                              device=dev)
     nxt = _forests(runner, states, vocab, gen)
     del nxt, logits, plan, pending, top_n_chunk
     return out
