@@ -118,7 +118,7 @@ def gumbel_of_(u: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().log_().neg_().to(torch.float32)
 
 
-# entries of the int64 / float64 temporaries of one piece of a CPU gumbel call (in cache: ~3x faster than one whole pass)
+# entries of the int64 / float64 temporaries of one piece of a CPU gumbel call (in cache: ~3x faster than one pass)
 _CPU_PIECE = 1 << 18
 
 

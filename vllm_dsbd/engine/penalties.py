@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["DraftPenalties", "RequestPenalties", "TargetRows", "apply", "node_paths", "penalize_rows_", "penalize_target"]
+__all__ = ["DraftPenalties", "RequestPenalties", "TargetRows", "apply", "node_paths", "penalize_rows_",
+           "penalize_target"]
 
 
 @dataclass(frozen=True)
