@@ -4,6 +4,8 @@ Measures torch's CPU allocator peak (``vllm_dsbd.testing.mem_peak``) of:
   * penalties: ``penalties.penalize_target`` over every row of a step (unchunked, the engine until 2026-11-27) against
     ``sampler.penalized_chunk`` chunk by chunk (the chunk's rows copied, sparse counts), at R plain requests of depth
     G = 3, width W = 4 (13 rows each), with histories of H tokens;
+  * the draft's penalties at one depth: ``DraftPenalties.apply_dense`` (``[R, W, V]`` counts) against ``apply``
+    (sparse; both return a new ``[R, W, V]`` copy of the draft rows, which the drafter's step needs);
   * over-drafted beams: the T = 0 top-N as three float64 [R, N, V] at once against ``beams.drafter.top_n``.
 Sizes are the issue's divided by ``--scale`` in V and the budget (so the chunk sizes are the full-size ones); memory
 scales with V, so the last column multiplies back. Prints a markdown table.
@@ -58,6 +60,20 @@ def penalties_row(R: int, V: int, H: int, budget: int) -> tuple[int, int, int]:
     return whole, part, n
 
 
+def draft_row(R: int, V: int, H: int) -> tuple[int, int]:
+    """(dense peak, sparse peak) of one draft beam step's penalties at depth G over R penalized requests."""
+    rnd = random.Random(R)
+    pen = penalties.DraftPenalties(list(range(R)), [[rnd.randrange(V) for _ in range(H // 2)] for _ in range(R)],
+                                   [[rnd.randrange(V) for _ in range(H - H // 2)] for _ in range(R)],
+                                   [penalties.RequestPenalties(0.5, 0.5, 1.2)] * R, W, V, "cpu")
+    for _ in range(G - 1):
+        pen.advance(torch.randint(0, W, (R, W)), torch.randint(0, V, (R, W)))
+    full = torch.randn(R, W, V)
+    _, dense = peak_bytes(pen.apply_dense, full)
+    _, sparse = peak_bytes(pen.apply, full)
+    return dense, sparse
+
+
 def beams_row(R: int, N: int, V: int, budget: int) -> tuple[int, int, int]:
     rows = torch.randn(R, N, V)
     sc = torch.zeros(R, N, dtype=torch.float64)
@@ -91,6 +107,11 @@ def main() -> None:
         w, c, n = penalties_row(R, V, a.history, budget)
         print(f"| penalties | R = {R}, V = {V}, 13 rows, H = {a.history} | {w / mib:.1f} | {c / mib:.1f} | {n} "
               f"requests | {w * s / 2**30:.2f} GiB -> {c * s / mib:.0f} MiB |")
+    for R in (64, 256):
+        V = 152064 // s
+        w, c = draft_row(R, V, a.history)
+        print(f"| draft penalties (one depth) | R = {R}, W = {W}, V = {V}, H = {a.history} | {w / mib:.1f} | "
+              f"{c / mib:.1f} | - | {w * s / 2**30:.2f} GiB -> {c * s / mib:.0f} MiB |")
     for R in (64,):
         N, V = 16, 128000 // s
         w, c, n = beams_row(R, N, V, budget)

@@ -17,8 +17,9 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   still held), so the peak vLLM sizes the KV cache from covers the step.
 
 Penalized requests' target rows are copied and penalized chunk by chunk (``sampler.penalized_chunk``, sparse counts:
-``penalties.penalize_rows_``), the copy counted in :func:`verify_blocks`; the dummy step's requests carry penalties and
-the longest histories. Beam requests' T = 0 top-N runs in chunks of requests under the same budget
+``penalties.penalize_rows_``), the copy counted in :func:`verify_blocks`; the draft's rows are penalized sparsely too
+(``penalties.DraftPenalties``); the dummy step's requests carry penalties and the longest histories, in drafting and
+in verification. Beam requests' T = 0 top-N runs in chunks of requests under the same budget
 (``beams.drafter.top_n``), which the dummy step reserves while it drafts; the rest of beam requests' device work is not
 in the dummy step (docs/design.md §3.8). On a GPU the budget follows the free memory (:func:`verify_budget`).
 """
@@ -106,7 +107,7 @@ def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
 
 def _states(num: int, width: int):
     """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths),
-    all three penalties (the penalized copy of verification's rows)."""
+    all three penalties (the draft's penalized rows, verification's penalized copy)."""
     from .penalties import RequestPenalties
     from .state import RequestState
 
@@ -114,12 +115,17 @@ def _states(num: int, width: int):
                          eos=-1, max_tokens=None, penalties=RequestPenalties(0.5, 0.5, 1.2)) for i in range(num)]
 
 
+def _history(vocab: int, max_len: int) -> list[int]:
+    """A request's prompt + output as long and as varied as they can be: min(V, max_model_len) distinct tokens."""
+    return list(range(min(vocab, max_len)))
+
+
 def _penalized(plan: list, vocab: int, max_len: int) -> list:
-    """The penalties' view of the dummy plan: each request's history as long and as varied as it can be (min(V,
-    max_model_len) distinct tokens), the widest sparse gather."""
+    """The penalties' view of the dummy plan, each request with the longest history (:func:`_history`): the widest
+    sparse gather."""
     from .penalties import TargetRows
 
-    hist = list(range(min(vocab, max_len)))
+    hist = _history(vocab, max_len)
     return [TargetRows(r.first_row, r.forest.tokens if r.forest else [], r.forest.parents if r.forest else [],
                        hist[:1], hist[1:], r.state.penalties) for r in plan]
 
@@ -129,7 +135,10 @@ def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
     from .drafter import DraftJob
 
     cfg = runner.dsbd_cfg
-    jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth) for i, st in enumerate(states)]
+    hist = _history(vocab, runner.model_config.max_model_len)  # the draft's penalties over the longest histories
+    jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth,
+                     history=(hist[:1], hist[1:]) if st.penalties is not None else None)
+            for i, st in enumerate(states)]
     with _dummy_draft_passes(runner.drafter, len(states), vocab, gen):
         return reads.run(runner.drafter.propose_forests(jobs))
 

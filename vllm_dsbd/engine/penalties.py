@@ -182,27 +182,77 @@ def penalize_target(logits: torch.Tensor, requests: list[TargetRows]) -> torch.T
 class DraftPenalties:
     """The draft's side for one drafting call: the beam slots' histories over the depths, applied to the draft's
     logits [R, W, V] at the live beams before each beam step (:meth:`apply`), advanced with the step's draws
-    (:meth:`advance`). Stays on the device (no host read): the static loops keep their one read."""
+    (:meth:`advance`). Stays on the device (no host read): the static loops keep their one read. Sparse: a slot's row
+    changes only at its request's prompt and output tokens (C columns, from the host) and its path's d tokens, so
+    only those C + d columns are gathered, penalized and scattered back (:meth:`apply_dense` is the dense reference)."""
 
     def __init__(self, sel: list[int], prompts: list[list[int]], outputs: list[list[int]],
                  pens: list[RequestPenalties], width: int, vocab: int, device):
         self.sel = torch.tensor(sel, dtype=torch.int64).to(device)  # [Rp] the calls' requests with penalties
         self.vocab, self.width = vocab, width
-        self.prompt_mask = _bins(_padded(prompts, vocab, device), vocab) > 0  # [Rp, V]
-        self.counts = _bins(_padded(outputs, vocab, device), vocab)  # [Rp, V]
+        self.history = (prompts, outputs)  # host lists (the dense reference)
         self.settings = _settings(pens, device)  # [3, Rp]
         self.path = torch.full((len(sel), width, 0), vocab, dtype=torch.int64, device=device)  # [Rp, W, d] tokens
+        # each request's C distinct prompt / output tokens (padded by repeating the first, or token 0 when none),
+        # whether each is in the prompt, and its count in the output
+        cols = [sorted({t for t in (*p, *o) if 0 <= t < vocab}) for p, o in zip(prompts, outputs)]
+        C = max([len(c) for c in cols] + [1])
+        col, pm, oc = [], [], []
+        for c, p, o in zip(cols, prompts, outputs):
+            c = c + [c[0] if c else 0] * (C - len(c))
+            ps, n = set(p), {}
+            for t in o:
+                n[t] = n.get(t, 0) + 1
+            col.append(c)
+            pm.append([t in ps for t in c])
+            oc.append([n.get(t, 0) for t in c])
+        self.cols = torch.tensor(col, dtype=torch.int64).reshape(len(sel), C).to(device)  # [Rp, C]
+        self.col_prompt = torch.tensor(pm, dtype=torch.bool).reshape(len(sel), C).to(device)  # [Rp, C]
+        self.col_output = torch.tensor(oc, dtype=torch.int64).reshape(len(sel), C).to(device)  # [Rp, C]
+        real = [[j < len(c) for j in range(C)] for c in cols]  # not padding (a path token matches one real column)
+        self.col_real = torch.tensor(real, dtype=torch.bool).reshape(len(sel), C).to(device)  # [Rp, C]
 
-    def apply(self, full: torch.Tensor) -> torch.Tensor:
-        """``full`` [R, W, V] (float32) with the penalized requests' slots penalized by prompt + output + the slot's
-        path (a new tensor: the caller's stays as it was)."""
-        Rp, W, V = len(self.sel), full.shape[1], full.shape[2]
+    def _check(self, V: int) -> None:
         if V != self.vocab:
             raise ValueError(f"DSBD penalties: draft logits have {V} columns, the histories were counted over "
                              f"{self.vocab}")
+
+    def apply(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` [R, W, V] (float32) with the penalized requests' slots penalized by prompt + output + the slot's
+        path (a new tensor: the caller's stays as it was). Every gathered column's values are a function of its token
+        alone, so a token gathered twice (padding, a path token also in the prompt) is written twice alike."""
+        Rp, W, V = len(self.sel), full.shape[1], full.shape[2]
+        self._check(V)
+        C = self.cols.shape[1]
+        path = self.path  # [Rp, W, d], V on padding slots
+        tok = torch.where(path < V, path, 0)  # padding gathers token 0, penalized as token 0
+        hit = (tok[..., None] == self.cols[:, None, None, :]) & self.col_real[:, None, None, :]  # [Rp, W, d, C]
+        cols = torch.cat([self.cols[:, None, :].expand(Rp, W, C), tok], 2)  # [Rp, W, C + d]
+        prompt_mask = torch.cat([self.col_prompt[:, None, :].expand(Rp, W, C),
+                                 (hit & self.col_prompt[:, None, None, :]).any(-1)], 2)
+        out_count = torch.cat([self.col_output[:, None, :].expand(Rp, W, C),
+                               (hit * self.col_output[:, None, None, :]).sum(-1)], 2)
+        counts = out_count + (cols[..., None] == path[:, :, None, :]).sum(-1)  # + the path's count of the token
+        K = C + path.shape[2]
+        s = self.settings[:, :, None].expand(3, Rp, W).reshape(3, Rp * W)
+        ri = self.sel[:, None, None].expand(Rp, W, K)
+        wi = torch.arange(W, device=full.device)[None, :, None].expand(Rp, W, K)
+        vals = full[ri, wi, cols].reshape(Rp * W, K)  # a contiguous copy
+        vals = apply(vals, prompt_mask.reshape(Rp * W, K), counts.reshape(Rp * W, K), s[0], s[1], s[2])
+        out = full.clone()
+        out[ri, wi, cols] = vals.reshape(Rp, W, K)
+        return out
+
+    def apply_dense(self, full: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` over whole rows (``[Rp, W, V]`` counts and masks; the reference its tests compare with)."""
+        Rp, W, V = len(self.sel), full.shape[1], full.shape[2]
+        self._check(V)
+        dev = full.device
+        prompt_mask = _bins(_padded(self.history[0], V, dev), V) > 0  # [Rp, V]
         path = self.path.reshape(Rp * W, -1)
-        counts = (self.counts[:, None] + _bins(path, V).reshape(Rp, W, V)).reshape(Rp * W, V)
-        mask = self.prompt_mask[:, None].expand(Rp, W, V).reshape(Rp * W, V)
+        counts = (_bins(_padded(self.history[1], V, dev), V)[:, None] + _bins(path, V).reshape(Rp, W, V))
+        counts = counts.reshape(Rp * W, V)
+        mask = prompt_mask[:, None].expand(Rp, W, V).reshape(Rp * W, V)
         s = self.settings[:, :, None].expand(3, Rp, W).reshape(3, Rp * W)
         rows = full[self.sel].reshape(Rp * W, V).contiguous()
         return full.index_put((self.sel,), apply(rows, mask, counts, s[0], s[1], s[2]).reshape(Rp, W, V))
