@@ -6,7 +6,8 @@ One engine (tiny random Llama pair, W = 4, G = 3, pinned speculation, ``max_num_
 tokens for all of them at full forests). On a GPU the runner's ``profile_run`` is vLLM's profiling run inside DSBD's
 dummy step (``memory.profile_step``), and vLLM sizes the KV cache from its peak; on the CPU it is vLLM's alone unless
 ``memory.PROFILE_CPU``, which the test sets to measure the device's profile here. Then 24 requests at once (T = 1 with
-top-k and top-p, seeded: the widest joints; full forests every step) run under the same measurement. Asserted:
+top-k and top-p, all three penalties, seeded: the widest joints, the penalized copy of their rows; full forests every
+step) run under the same measurement. Asserted:
 
 * the whole run's peak (the target passes, verification, drafting, the forests held between steps) <= the profile's;
 * the bound has power: vLLM's profiling run alone (what was reserved before) peaks below the run;
@@ -46,7 +47,8 @@ def measured(tiny_pair):
             memory.PROFILE_CPU = False
             runner.dsbd_env = env
         params = [vllm.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=k, max_tokens=MAX_TOKENS,
-                                      ignore_eos=True) for k in range(R)]
+                                      ignore_eos=True, repetition_penalty=1.2, presence_penalty=0.3,
+                                      frequency_penalty=0.2) for k in range(R)]
         prompts = [{"prompt_token_ids": [5 + k, 17, 3 * k + 1]} for k in range(R)]
         outs, step = peak_bytes(llm.generate, prompts, params, use_tqdm=False)
         counts = {k: metric(llm, f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens", "accepted_tokens")}

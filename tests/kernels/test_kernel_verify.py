@@ -21,10 +21,11 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
 
 import dsbd_kernels.verify as kv  # noqa: E402
 from dsbd_kernels.verify import fused_verify_layer, verify_layer_ref  # noqa: E402
-from dsbd_kernels.verify.kernel import _fmix32, _request_base, _uniform  # noqa: E402
+from dsbd_kernels.verify.kernel import _key_base, _stream_key, _uniform  # noqa: E402
 from vllm_dsbd.core import rng  # noqa: E402
 from vllm_dsbd.core.joint import joint_logprobs  # noqa: E402
 from vllm_dsbd.core.params import BatchParams  # noqa: E402
@@ -278,32 +279,43 @@ def test_matrix_reaches_every_branch():
 # ---- the in-kernel randomness is the core's, bit for bit ------------------------------------------------------------
 
 @triton.jit
-def _rng_probe_kernel(seed_ptr, position_ptr, index_ptr, key_ptr, u_ptr, N, SALT: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _rng_probe_kernel(seed_ptr, position_ptr, index_ptr, key_ptr, u_ptr, g_ptr, N, STREAM: tl.constexpr,
+                      BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
     o = tl.arange(0, BLOCK)
     m = o < N
     seed = tl.load(seed_ptr + o, mask=m, other=0)
     position = tl.load(position_ptr + o, mask=m, other=0)
-    key = _fmix32(_request_base(seed, position) ^ tl.full([], SALT, tl.uint32))
+    key = _stream_key(_key_base(seed, position), STREAM)
     u = _uniform(key, tl.load(index_ptr + o, mask=m, other=0))
-    tl.store(key_ptr + o, key.to(tl.int64), mask=m)
+    g = (-(libdevice.log(-libdevice.log(u)) if ACCURATE else tl.log(-tl.log(u)))).to(tl.float32)  # the kernel's
+    tl.store(key_ptr + o, key.to(tl.int64, bitcast=True), mask=m)
     tl.store(u_ptr + o, u, mask=m)
+    tl.store(g_ptr + o, g, mask=m)
 
 
+@pytest.mark.parametrize("n", [1, 37, 1000], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("stream", [rng.Stream.ACCEPT, rng.Stream.RESIDUAL, rng.Stream.DIRECT], ids=lambda s: s.name)
-def test_kernel_rng_is_the_core_rng(stream):
-    g = torch.Generator().manual_seed(int(stream))
-    n = 64
-    seed = torch.cat([torch.randint(0, 2**63 - 1, (n - 4,), generator=g),
-                      torch.tensor([0, 1, 2**63 - 1, -(2**62)])]).to(DEVICE)
-    position = torch.randint(0, 2**40, (n,), generator=g).to(DEVICE)
-    index = torch.randint(0, 2**35, (n,), generator=g).to(DEVICE)
+def test_kernel_rng_is_the_core_rng(stream, n):
+    """Keys (64 bits) and 53-bit uniforms bit for bit, Gumbel noise (float32) equal, over seeds, positions and indices
+    at the edges of 64 bits and random ones (awkward sizes: one lane, a ragged block)."""
+    g = torch.Generator().manual_seed(int(stream) * 100 + n)
+    edge_seed = torch.tensor([0, 1, 2**63 - 1, -(2**62), -1])
+    edge_pos = torch.tensor([0, 2**32 - 1, 2**32, 2**63 - 1, 5])
+    edge_idx = torch.tensor([0, 2**31, 2**32 + 5, 2**62 + 3, -7])
+    seed = torch.cat([edge_seed, torch.randint(-(2**63), 2**63 - 1, (max(n - 5, 0),), generator=g)])[:n].to(DEVICE)
+    position = torch.cat([edge_pos, torch.randint(0, 2**40, (max(n - 5, 0),), generator=g)])[:n].to(DEVICE)
+    index = torch.cat([edge_idx, torch.randint(0, 2**35, (max(n - 5, 0),), generator=g)])[:n].to(DEVICE)
     key = torch.empty(n, dtype=torch.int64, device=DEVICE)
-    u = torch.empty(n, dtype=torch.float32, device=DEVICE)
-    _rng_probe_kernel[(1,)](seed, position, index, key, u, n, SALT=kv._salt(stream), BLOCK=64)
+    u = torch.empty(n, dtype=torch.float64, device=DEVICE)
+    noise = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    block = max(2, triton.next_power_of_2(n))
+    _rng_probe_kernel[(1,)](seed, position, index, key, u, noise, n, STREAM=int(stream), BLOCK=block,
+                            ACCURATE=ON_GPU)
     want_key = rng.request_key(seed, position, stream)
-    assert torch.equal(key & 0xFFFFFFFF, want_key)
-    assert torch.equal(u.view(torch.int32), rng.uniform(want_key, index).view(torch.int32))
+    assert torch.equal(key, want_key)
+    want_u = rng.uniform(want_key, index)
+    assert torch.equal(u.view(torch.int64), want_u.view(torch.int64))
+    assert torch.equal(noise, rng.gumbel_of_(want_u.clone()))
 
 
 # ---- the wrapper's contract --------------------------------------------------------------------------------------
@@ -359,7 +371,6 @@ _COMPILE_PROBE = r"""
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dsbd_kernels.verify import _salt
 from dsbd_kernels.verify.kernel import verify_layer_kernel
 from vllm_dsbd.core.rng import Stream
 sig = dict(out_idx_ptr="*i64", out_valid_ptr="*i1", logits_ptr="*bf16", scores_ptr="*fp32", live_ptr="*i1",
@@ -367,7 +378,7 @@ sig = dict(out_idx_ptr="*i64", out_valid_ptr="*i1", logits_ptr="*bf16", scores_p
            k_ptr="*i64", draft_idx_ptr="*i64", draft_valid_ptr="*i1", logq_ptr="*fp32", S="i32", V="i32", M="i32",
            KOUT="i32", stride_lr="i32", stride_ls="i32", stride_sr="i32", stride_lvr="i32", stride_dr="i32",
            stride_dvr="i32", stride_qr="i32", stride_or="i32", stride_ovr="i32")
-const = dict(SALT_ACCEPT=_salt(Stream.ACCEPT), SALT_RESIDUAL=_salt(Stream.RESIDUAL), SALT_DIRECT=_salt(Stream.DIRECT),
+const = dict(STREAM_ACCEPT=int(Stream.ACCEPT), STREAM_RESIDUAL=int(Stream.RESIDUAL), STREAM_DIRECT=int(Stream.DIRECT),
              BLOCK_V=1024, BLOCK_S=8, BLOCK_M=8, BLOCK_K=8, NUM_PIVOTS=16, ACCURATE=True)
 sig.update({name: "constexpr" for name in const})
 c = triton.compile(ASTSource(fn=verify_layer_kernel, signature=sig, constexprs=const),

@@ -110,3 +110,26 @@ def test_draft_slots_equal_vllm_per_history():
         paths = [[paths[i][p] + [t] for p, t in zip(st.parent[i].tolist(), st.token[i].tolist())] for i in range(R)]
         scores, live = st.score, st.valid
     assert any(len(set(map(tuple, p))) > 1 for p in paths)  # the slots' histories differ
+
+
+def test_draft_sparse_equals_dense():
+    """``DraftPenalties.apply`` (sparse: the prompt / output columns and the path's tokens) equals ``apply_dense``
+    bit for bit over three depths, at a vocabulary larger than the histories, with padding slots (fewer draws than
+    slots), path tokens repeated and inside the prompt, and a placeholder (-1) in an output."""
+    gen = torch.Generator().manual_seed(4)
+    Vb, R, W = 300, 5, 4
+    sel = [0, 1, 3, 4]
+    rnd = random.Random(4)
+    prompts = [[rnd.randrange(40) for _ in range(12)], [7, 7, 8], [5], [rnd.randrange(Vb) for _ in range(30)]]
+    outputs = [[rnd.randrange(40) for _ in range(9)], [], [-1], [1, 1, 2]]  # -1: vLLM's async placeholder
+    pens = [PENS[0], PENS[1], PENS[2], PENS[0]]
+    pen = DraftPenalties(sel, prompts, outputs, pens, W, Vb, "cpu")
+    for d in range(3):
+        full = torch.randn(R, W, Vb, generator=gen) * 3
+        got, want = pen.apply(full), pen.apply_dense(full)
+        assert torch.equal(got, want), d
+        assert not torch.equal(got, full)
+        ws = [4, 2, 3][d]  # draws this depth: slots past ws are padding
+        parent = torch.randint(0, W, (R, ws), generator=gen)
+        token = torch.randint(0, 40, (R, ws), generator=gen)  # small ids: repeats and prompt tokens
+        pen.advance(parent, token)

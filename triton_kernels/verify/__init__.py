@@ -26,10 +26,6 @@ _MAX_BLOCK_V = 1024  # vocab entries per chunk of a pass
 _NUM_PIVOTS = 16  # thresholds tried per pass of the top-k / top-p search (a power of two)
 
 
-def _salt(stream: Stream) -> int:
-    return (int(stream) * 0x27D4EB2F) & 0xFFFFFFFF  # the stream term of rng.request_key
-
-
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     require(t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}")
     require(tuple(t.shape) == shape, f"{name} must have shape {shape}, got {tuple(t.shape)}")
@@ -143,9 +139,9 @@ def fused_verify_layer(
         S, V, M, max_outputs,
         logits.stride(0), logits.stride(1), scores.stride(0), live.stride(0), draft_idx.stride(0),
         draft_valid.stride(0), logq.stride(0), out_idx.stride(0), out_valid.stride(0),
-        SALT_ACCEPT=_salt(Stream.ACCEPT),
-        SALT_RESIDUAL=_salt(Stream.RESIDUAL),
-        SALT_DIRECT=_salt(Stream.DIRECT),
+        STREAM_ACCEPT=int(Stream.ACCEPT),
+        STREAM_RESIDUAL=int(Stream.RESIDUAL),
+        STREAM_DIRECT=int(Stream.DIRECT),
         BLOCK_V=max(2, min(_MAX_BLOCK_V, triton.next_power_of_2(V))),
         BLOCK_S=max(2, triton.next_power_of_2(S)),
         BLOCK_M=max(2, triton.next_power_of_2(M)),

@@ -13,7 +13,8 @@ math and the exactness argument):
      since the last accept, op for op as vllm_dsbd/core/verify.py computes it;
   7. drafts exhausted: one pass for the Gumbel-max draw from T (and its fallback), then one pass per Gumbel-top draw
      from P minus the emitted pairs.
-Random numbers are the core's counter-based hash (vllm_dsbd/core/rng.py) in uint32, so they are bit-identical.
+Random numbers are the core's counter-based hash (vllm_dsbd/core/rng.py) in uint64, so they are bit-identical:
+53-bit float64 uniforms, Gumbel noise computed in float64 and rounded once to float32, as the core does.
 Naming (FLA): ``i_`` program indices, ``o_`` aranges, ``m_`` masks, ``p_`` pointers, ``b_`` register tiles.
 Small helpers are inlined by hand where they sit in per-chunk code: Triton's interpreter re-patches the language
 on every nested @jit call (~0.15 ms each), which would dominate the CPU tests.
@@ -37,48 +38,53 @@ NO_INDEX: tl.constexpr = tl.constexpr(2**62)  # larger than any joint index
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# randomness: vllm_dsbd.core.rng in uint32 arithmetic
+# randomness: vllm_dsbd.core.rng in uint64 arithmetic, its constants written out (bit identity: the kernel tests)
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fmix32(h):
-    h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
-    h = h ^ (h >> 13)
-    h = h * 0xC2B2AE35
-    return h ^ (h >> 16)
+def _fmix64(h):
+    h = h ^ (h >> 33)
+    h = h * 0xFF51AFD7ED558CCD
+    h = h ^ (h >> 33)
+    h = h * 0xC4CEB9FE1A85EC53
+    return h ^ (h >> 33)
 
 
 @triton.jit
-def _request_base(seed, position):
-    """rng.request_key up to the stream term: seed, position int64 scalars -> uint32."""
-    h = _fmix32(seed.to(tl.uint32) ^ 0x9E3779B9)
-    h = _fmix32(h ^ (seed >> 32).to(tl.uint32))
-    return _fmix32(h ^ position.to(tl.uint32))
+def _key_base(seed, position):
+    """rng.key_base: seed, position int64 scalars -> uint64."""
+    h = _fmix64(seed.to(tl.uint64, bitcast=True) ^ 0x9E3779B97F4A7C15)
+    return _fmix64(h ^ position.to(tl.uint64, bitcast=True))
+
+
+@triton.jit
+def _stream_key(base, STREAM: tl.constexpr):
+    """rng.stream_key: the uint64 key of stream STREAM (an int) at a key base."""
+    return _fmix64(base ^ (tl.full([], STREAM, tl.uint64) * 0xD6E8FEB86659FD93))
 
 
 @triton.jit
 def _uniform(key, index):
-    """rng.uniform: key uint32 scalar, index int64 (any shape) -> fp32 in (0, 1), 23 bits. (fmix32 inlined.)
-    fmix32(fmix32(key ^ 0x3C6EF372) ^ fmix32(index * 0x01000193 + 0x6A09E667)), as rng._bits."""
-    k = key ^ 0x3C6EF372
-    k = k ^ (k >> 16)
-    k = k * 0x85EBCA6B
-    k = k ^ (k >> 13)
-    k = k * 0xC2B2AE35
-    k = k ^ (k >> 16)
-    h = index.to(tl.uint32) * 0x01000193 + 0x6A09E667
-    h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
-    h = h ^ (h >> 13)
-    h = h * 0xC2B2AE35
-    h = h ^ (h >> 16)
+    """rng.uniform: key uint64 scalar, index int64 (any shape) -> fp64 in (0, 1), 53 bits: (2n + 1) * 2**-53 with
+    n = bits >> 12, bits = fmix64(fmix64(key ^ KEY_SALT) ^ fmix64(index * INDEX_MUL + INDEX_ADD)). (fmix64 inlined.)"""
+    k = key ^ 0x3C6EF372FE94F82B
+    k = k ^ (k >> 33)
+    k = k * 0xFF51AFD7ED558CCD
+    k = k ^ (k >> 33)
+    k = k * 0xC4CEB9FE1A85EC53
+    k = k ^ (k >> 33)
+    h = index.to(tl.uint64, bitcast=True) * 0x9FB21C651E98DF25 + 0x6A09E667F3BCC909
+    h = h ^ (h >> 33)
+    h = h * 0xFF51AFD7ED558CCD
+    h = h ^ (h >> 33)
+    h = h * 0xC4CEB9FE1A85EC53
+    h = h ^ (h >> 33)
     h = h ^ k
-    h = h ^ (h >> 16)
-    h = h * 0x85EBCA6B
-    h = h ^ (h >> 13)
-    h = h * 0xC2B2AE35
-    h = h ^ (h >> 16)
-    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+    h = h ^ (h >> 33)
+    h = h * 0xFF51AFD7ED558CCD
+    h = h ^ (h >> 33)
+    h = h * 0xC4CEB9FE1A85EC53
+    h = h ^ (h >> 33)
+    return ((h >> 12).to(tl.float64) * 2.0 + 1.0) * 1.1102230246251565e-16
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,7 +264,7 @@ def _residual_draw(p_row0, p_qrow, stride_ls, V, S, temperature, live_s, m_vec, 
                 pm = tl.where(emitted, 0.0, p)
                 s += tl.sum(t, axis=0).to(tl.float64)
                 u = _uniform(key, idx)
-                g = -(libdevice.log(-libdevice.log(u)) if ACCURATE else tl.log(-tl.log(u)))
+                g = (-(libdevice.log(-libdevice.log(u)) if ACCURATE else tl.log(-tl.log(u)))).to(tl.float32)
                 kt = tl.where(m_o, (libdevice.log(t) if ACCURATE else tl.log(t)) + g, NEG_INF)
                 kp = tl.where(m_o, (libdevice.log(pm) if ACCURATE else tl.log(pm)) + g, NEG_INF)
                 bt = tl.max(kt, axis=0)
@@ -294,7 +300,7 @@ def _direct_draw(p_row0, stride_ls, V, S, temperature, live_s, m_vec, ls_vec, sh
                 lp = tl.where(lp >= thr, lp - norm, NEG_INF)
                 rank, emitted = _marks(idx, z_vec, zval_vec, acc_vec, o_m, BLOCK_M)
                 u = _uniform(key, idx)
-                g = -(libdevice.log(-libdevice.log(u)) if ACCURATE else tl.log(-tl.log(u)))
+                g = (-(libdevice.log(-libdevice.log(u)) if ACCURATE else tl.log(-tl.log(u)))).to(tl.float32)
                 kd = tl.where(emitted | (idx == y_res), NEG_INF, lp) + g
                 ok = m_o & ((kd < prev_val) | ((kd == prev_val) & (idx > prev_idx)))
                 kd = tl.where(ok, kd, NEG_INF)
@@ -335,9 +341,9 @@ def verify_layer_kernel(
     stride_qr,
     stride_or,
     stride_ovr,
-    SALT_ACCEPT: tl.constexpr,
-    SALT_RESIDUAL: tl.constexpr,
-    SALT_DIRECT: tl.constexpr,
+    STREAM_ACCEPT: tl.constexpr,  # rng.Stream values
+    STREAM_RESIDUAL: tl.constexpr,
+    STREAM_DIRECT: tl.constexpr,
     BLOCK_V: tl.constexpr,  # vocab chunk
     BLOCK_S: tl.constexpr,  # >= S
     BLOCK_M: tl.constexpr,  # >= M
@@ -449,8 +455,8 @@ def verify_layer_kernel(
             qz_vec = libdevice.exp(z_lq) if ACCURATE else tl.exp(z_lq)  # [BLOCK_M] Q at the drafts
 
             # ---- pass 6: the recursive rejection chain ---------------------------------------------------------------
-            key_base = _request_base(tl.load(seed_ptr + i_r), tl.load(position_ptr + i_r))
-            key_acc = _fmix32(key_base ^ tl.full([], SALT_ACCEPT, tl.uint32))  # rng.request_key(.., ACCEPT)
+            key_base = _key_base(tl.load(seed_ptr + i_r), tl.load(position_ptr + i_r))
+            key_acc = _stream_key(key_base, STREAM_ACCEPT)
             acc_vec = o_m < 0  # [BLOCK_M] accepted drafts
             n_out = tl.zeros([], tl.int64)
             q_cum = tl.zeros([], tl.float64)  # mass of Q drawn so far (verify.py keeps it in float64)
@@ -499,13 +505,13 @@ def verify_layer_kernel(
             # ---- pass 7: drafts exhausted: one draw from T, then Gumbel-top draws from P minus the emitted ----------
             y_res = tl.full([], -1, tl.int64)
             if n_out < k:
-                key_res = _fmix32(key_base ^ tl.full([], SALT_RESIDUAL, tl.uint32))
+                key_res = _stream_key(key_base, STREAM_RESIDUAL)
                 y_res = _residual_draw(p_row0, p_qrow, stride_ls, V, S, temperature, live_s, m_vec, ls_vec, sh_vec,
                                        o_s, o_v, thr, norm, z_vec, zval_vec, acc_vec, o_m, after_accept, dpm, rej_vec,
                                        den_vec, tot_vec, epoch, M, key_res, BLOCK_V, BLOCK_M, ACCURATE)
                 b_out = tl.where(o_k == n_out, y_res, b_out)
                 n_out += 1
-            key_dir = _fmix32(key_base ^ tl.full([], SALT_DIRECT, tl.uint32))
+            key_dir = _stream_key(key_base, STREAM_DIRECT)
             prev_val = tl.full([], POS_INF, tl.float32)
             prev_idx = tl.full([], -1, tl.int64)
             for _i in range(0, KOUT):

@@ -246,12 +246,9 @@ def _draw(ts: list[torch.Tensor], keys: torch.Tensor) -> list[torch.Tensor]:
     """``sampling.categorical(log T, key)`` of each group of rows in ``ts`` ([m_i, V]; ``keys`` [sum m_i], in the same
     order): the integer noise of all groups at once, its logs and the argmax group by group (the shapes
     ``verify_layer`` uses)."""
-    V = ts[0].shape[1]
-    # rng.gumbel before its logs: exact per entry
-    u = rng.uniform(keys[:, None], torch.arange(V, device=keys.device)[None, :])
+    g = rng.gumbel(keys, ts[0].shape[1])  # row by row the noise categorical draws
     out, a = [], 0
     for t in ts:
-        g = u[a : a + t.shape[0]].log_().neg_().log_().neg_()
-        out.append(torch.argmax(torch.log(t) + g, dim=-1))
+        out.append(torch.argmax(torch.log(t) + g[a : a + t.shape[0]], dim=-1))
         a += t.shape[0]
     return out

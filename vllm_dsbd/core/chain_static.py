@@ -54,7 +54,6 @@ def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.T
     dev = logits.device
     c = _Setup.of(params, token, valid, context_len, L)
     residual_key = rng.stream_key(c.base, rng.Stream.RESIDUAL)
-    cols = torch.arange(V, device=dev)[None, :]
     st = _Progress.start(R, dev)
     declined = torch.zeros(R, dtype=torch.bool, device=dev)
     for d in range(L):
@@ -77,8 +76,7 @@ def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.T
         samp = rows & c.sampling
         declined |= samp & ~acc & torch.isnan(tn).any(1)  # the chain core's decline: a row that draws, NaN in T
         tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, p)  # no mass left: P
-        g = rng.uniform(residual_key[:, d, None], cols).log_().neg_().log_().neg_()  # rng.gumbel's steps
-        y = torch.argmax(torch.log(tn) + g, dim=-1)
+        y = torch.argmax(torch.log(tn) + rng.gumbel(residual_key[:, d], V), dim=-1)
         out = torch.where(acc, z, y)
         passes = acc | (y == z)
         if c.greedy:

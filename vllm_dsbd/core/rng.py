@@ -1,14 +1,21 @@
-"""Counter-based randomness keyed by (seed, position, stream, index).
+"""Counter-based randomness keyed by (seed, position, stream, index): 64-bit keys, 53-bit uniforms.
 
 Every random number DSBD uses is a pure function of the request's seed, the sequence position being decided, a stream
 tag naming the decision (draft draw, acceptance coin, residual draw, ...) and an index inside that decision. Nothing is
 stateful, so a replayed request repeats exactly and every tensor-parallel rank builds the same forest without a
-broadcast. The hash is murmur3's 32-bit finaliser over uint32 words held in int64 tensors (the same arithmetic a
-Triton kernel can do in uint32).
+broadcast. The hash is murmur3's 64-bit finaliser ``fmix64`` over uint64 words held in int64 tensors (wrapping
+multiplies, logical shifts by masking): the same arithmetic a Triton kernel does in uint64
+(``dsbd_kernels/verify/kernel.py``, tested bit for bit).
 
-The number at (key, index) is fmix32(fmix32(key ^ 0x3C6EF372) ^ fmix32(index * 0x01000193 + 0x6A09E667)): the index is
-mixed before it meets the key. (Until 2026-11-25 it was fmix32((key ^ index) * 0x01000193), so keys k and k ^ d gave the
-same numbers at indices i and i ^ d: for d below the index range, one array was the other's permutation.)
+    key      = fmix64(fmix64(fmix64(seed ^ SEED_SALT) ^ position) ^ stream * STREAM_MUL)   (64 bits)
+    bits     = fmix64(fmix64(key ^ KEY_SALT) ^ fmix64(index * INDEX_MUL + INDEX_ADD))    (64 bits)
+    uniform  = (2 * (bits >> 12) + 1) * 2**-53    float64, the 2**52 odd multiples of 2**-53 in (0, 1)
+    gumbel   = float32(-log(-log(uniform)))       computed in float64, rounded once
+
+A uniform is never 0 or 1 and comes within 2**-53 of either end, so Gumbel noise reaches 36.7 (23-bit uniforms, used
+until 2026-11-27, stopped at 16.6 and drew tokens of probability ~5e-8 17-20% too rarely: docs/deviations.md D21).
+64-bit keys: two decisions of one request share a key with probability ~2**-64 per pair (32-bit keys: ~1% for a
+2,048-token request's ~10^4 decisions).
 
 Why keying by position is exact: a decision at position p uses only numbers keyed by p, and whether a later iteration
 starts at p' is decided by numbers keyed by positions < p'; so every decision sees numbers independent of everything
@@ -20,7 +27,18 @@ import enum
 
 import torch
 
-_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_M31 = (1 << 31) - 1
+_M52 = (1 << 52) - 1
+_ONE = 0x3FF0000000000000  # the float64 bits of 1.0
+
+SEED_SALT = 0x9E3779B97F4A7C15
+STREAM_MUL = 0xD6E8FEB86659FD93
+KEY_SALT = 0x3C6EF372FE94F82B
+INDEX_MUL = 0x9FB21C651E98DF25
+INDEX_ADD = 0x6A09E667F3BCC909
+FMIX_C1 = 0xFF51AFD7ED558CCD
+FMIX_C2 = 0xC4CEB9FE1A85EC53
 
 
 class Stream(enum.IntEnum):
@@ -33,85 +51,91 @@ class Stream(enum.IntEnum):
     DIRECT = 5  # the remaining draws of a layer, straight from the target joint
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    # murmur3 finaliser; h holds uint32 values in int64, products wrap mod 2**64 and are masked back to 32 bits.
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
+def _i64(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    c &= _M64
+    return c - (1 << 64) if c >= (1 << 63) else c
 
 
-def request_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
-    """One 32-bit key per request for (seed, position, stream). seed, position: int64 [R]. Returns int64 [R]."""
-    return stream_key(key_base(seed, position), stream)
-
-
-def key_base(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """The (seed, position) part of :func:`request_key`, shared by its streams: ``request_key(s, p, stream) ==
-    stream_key(key_base(s, p), stream)`` (computed once when one decision uses several streams)."""
-    seed = seed.to(torch.int64)
-    h = _fmix32((seed & _M32) ^ 0x9E3779B9)
-    h = _fmix32(h ^ ((seed >> 32) & _M32))
-    return _fmix32(h ^ (position.to(torch.int64) & _M32))
-
-
-def stream_key(base: torch.Tensor, stream: int) -> torch.Tensor:
-    return _fmix32(base ^ (int(stream) * 0x27D4EB2F & _M32))
-
-
-def _i32(c: int) -> int:
-    """A uint32 constant as the int32 with the same bits."""
-    return c - (1 << 32) if c >= (1 << 31) else c
-
-
-def _fmix32_i32_(h: torch.Tensor) -> torch.Tensor:
-    # the same finaliser in place on int32 (wrapping multiply; logical shifts by masking): bit-identical to _fmix32,
-    # with a quarter of the memory traffic of the int64 form (this runs on every entry of the joint)
-    h ^= (h >> 16) & 0xFFFF
-    h *= _i32(0x85EBCA6B)
-    h ^= (h >> 13) & 0x7FFFF
-    h *= _i32(0xC2B2AE35)
-    h ^= (h >> 16) & 0xFFFF
+def _fmix64_(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix64 in place on int64 (uint64 bits): wrapping multiplies, logical shifts by masking."""
+    h ^= (h >> 33) & _M31
+    h *= _i64(FMIX_C1)
+    h ^= (h >> 33) & _M31
+    h *= _i64(FMIX_C2)
+    h ^= (h >> 33) & _M31
     return h
 
 
-_KEY_SALT = 0x3C6EF372
-_INDEX_MUL = 0x01000193
-_INDEX_ADD = 0x6A09E667
+def key_base(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The (seed, position) part of a key, shared by its streams: ``request_key(s, p, stream) ==
+    stream_key(key_base(s, p), stream)``. seed, position: int64 (all 64 bits used). Returns int64 (uint64 bits)."""
+    h = _fmix64_(seed.to(torch.int64) ^ _i64(SEED_SALT))
+    return _fmix64_(h ^ position.to(torch.int64))  # broadcast (seed [R, 1] against positions [R, L])
+
+
+def stream_key(base: torch.Tensor, stream: int) -> torch.Tensor:
+    return _fmix64_(base ^ _i64(int(stream) * STREAM_MUL))
+
+
+def request_key(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """One 64-bit key per request for (seed, position, stream). seed, position: int64 [R]. Returns int64 [R]."""
+    return stream_key(key_base(seed, position), stream)
 
 
 def _bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """fmix32(fmix32(key ^ 0x3C6EF372) ^ fmix32(index * 0x01000193 + 0x6A09E667)) as int32; key: uint32 values in
-    int64, index: int64 (low 32 bits used). Each mix runs on its own operand's shape (key [R, 1] against index [1, N]
-    mixes R keys and N indices once; only the last fmix32 runs on the broadcast [R, N]).
+    """fmix64(fmix64(key ^ KEY_SALT) ^ fmix64(index * INDEX_MUL + INDEX_ADD)), int64 (uint64 bits). Each inner mix runs
+    on its own operand's shape (key [R, 1] against index [1, N] mixes R keys and N indices once; only the last fmix64
+    runs on the broadcast [R, N]).
 
-    Why distinct keys give unrelated arrays: with K = fmix32(key ^ c) and g(i) = fmix32(i * m + a) (g a bijection of
-    uint32 that scrambles [0, N)), keys k != k' give the same number at i and j only where g(i) ^ g(j) == K ^ K', about
-    N**2 / 2**32 pairs of a window [0, N), as for independent functions; the old hash matched i with i ^ d for every i.
-    K spreads keys that differ in a few bits (the XOR of two K is a random-looking word, not a weak one for fmix32)."""
-    k = _fmix32((key.to(torch.int64) & _M32) ^ _KEY_SALT)
-    k = torch.where(k >= 2**31, k - 2**32, k).to(torch.int32)
-    i = index.to(torch.int64) & _M32
-    g = torch.where(i >= 2**31, i - 2**32, i).to(torch.int32)  # a fresh tensor: the mixes below run in place
-    g *= _i32(_INDEX_MUL)
-    g += _INDEX_ADD
-    h = _fmix32_i32_(g) ^ k
-    return _fmix32_i32_(h)
+    Why distinct keys give unrelated arrays: with K = fmix64(key ^ c) and g(i) = fmix64(i * m + a) (a bijection of
+    uint64 that scrambles [0, N)), keys k != k' give the same number at i and j only where g(i) ^ g(j) == K ^ K',
+    about N**2 / 2**64 pairs of a window [0, N)."""
+    k = _fmix64_(key.to(torch.int64) ^ _i64(KEY_SALT))
+    g = index.to(torch.int64) * _i64(INDEX_MUL)  # a fresh tensor: the mixes below run in place
+    g += _i64(INDEX_ADD)
+    return _fmix64_(_fmix64_(g) ^ k)
 
 
 def uniform(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), float32, 23 bits: key int64 [R, 1] or [R], index int64 broadcastable. Never 0 or 1.
+    """Uniforms in (0, 1), float64, 53 bits: (2 * (bits >> 12) + 1) * 2**-53 (module docstring); key int64 [R, 1] or
+    [R], index int64 broadcastable. Never 0 or 1; the smallest is 2**-53, the largest 1 - 2**-53."""
+    return uniform_of_(_bits(key, index))
 
-    u = ((_bits(key, index) >> 9) + 0.5) * 2**-23 (the bits as uint32)."""
-    h = _bits(key, index.to(torch.int64))
-    return ((h >> 9) & 0x7FFFFF).to(torch.float32).add_(0.5).mul_(2.0**-23)
+
+def uniform_of_(h: torch.Tensor) -> torch.Tensor:
+    """The uniforms of hash bits ``h`` (int64, overwritten: the result is a float64 view of its memory)."""
+    # 1 + n * 2**-52 by its bits (n = bits >> 12 < 2**52), then exact float steps: (2n + 1) * 2**-53, all in place
+    h >>= 12
+    h &= _M52
+    h |= _ONE
+    return h.view(torch.float64).sub_(1.0).add_(2.0**-53)
+
+
+def gumbel_of_(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise float32 = -log(-log(u)) from float64 uniforms ``u`` (overwritten): float64 logs, one
+    rounding to float32. Every sampler's noise goes through here (the kernel does the same steps)."""
+    return u.log_().neg_().log_().neg_().to(torch.float32)
+
+
+# entries of the int64 / float64 temporaries of one piece of a CPU gumbel call (in cache: ~3x faster than one pass)
+_CPU_PIECE = 1 << 18
 
 
 def gumbel(key: torch.Tensor, shape_last: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [R, shape_last] = -log(-log(u)) for per-request keys [R], indexed 0..shape_last-1."""
-    idx = torch.arange(shape_last, dtype=torch.int64, device=key.device)
-    return uniform(key[:, None], idx[None, :]).log_().neg_().log_().neg_()
+    """Gumbel(0, 1) noise float32 [R, shape_last] for per-request keys [R], indexed 0..shape_last-1. On the CPU in
+    pieces of about :data:`_CPU_PIECE` entries (the same numbers; temporaries bounded by a piece)."""
+    R, N, dev = key.shape[0], shape_last, key.device
+    idx = torch.arange(N, dtype=torch.int64, device=dev)
+    if dev.type != "cpu" or R * N <= _CPU_PIECE:
+        return gumbel_of_(uniform(key[:, None], idx[None, :]))
+    out = torch.empty(R, N, dtype=torch.float32, device=dev)
+    cols = min(N, _CPU_PIECE)
+    rows = max(1, _CPU_PIECE // cols)
+    for a in range(0, R, rows):
+        for b in range(0, N, cols):
+            out[a : a + rows, b : b + cols] = gumbel_of_(uniform(key[a : a + rows, None], idx[None, b : b + cols]))
+    return out
 
 
 def derive_seed(seed: int, index: int) -> int:

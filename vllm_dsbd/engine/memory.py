@@ -17,8 +17,13 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   still held), so the peak vLLM sizes the KV cache from covers the step.
 
 This module is the account; ``chunks.py`` the bound (a leaf: the sampler imports it, and this module imports the
-sampler and the drafter). Beam requests' device work (``beams/``) is not chunked and not in the dummy step
-(docs/design/memory.md §3.8).
+sampler and the drafter). Penalized requests' target rows are copied and penalized chunk by chunk
+(``sampler.penalized_chunk``, sparse counts: ``penalties.penalize_rows_``), the copy counted in
+``chunks.verify_blocks``; the draft's rows are penalized sparsely too (``penalties.DraftPenalties``); the dummy step's
+requests carry penalties and the longest histories, in drafting and in verification. Beam requests' T = 0 top-N runs in
+chunks of requests under the same budget (``beams.drafter.top_n``), which the dummy step reserves while it drafts; the
+rest of beam requests' device work is not in the dummy step (docs/design/memory.md §3.8). On a GPU the budget follows
+the free memory (``chunks.verify_budget``).
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ logger = logging.getLogger("vllm.vllm_dsbd.engine")
 # the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
 # profile)
 PROFILE_CPU = False
+# the bound lives in chunks.py (a leaf); its names here too, for the account's readers
+from .chunks import (FREE_FRACTION, LAYER_BLOCKS, MAX_VERIFY_BUDGET, MIN_VERIFY_BUDGET, VERIFY_BUDGET,  # noqa: E402,F401
+                     verify_blocks, verify_budget, verify_chunk)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -63,11 +71,28 @@ def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
 
 
 def _states(num: int, width: int):
-    """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths)."""
+    """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths),
+    all three penalties (the draft's penalized rows, verification's penalized copy)."""
+    from .penalties import RequestPenalties
     from .state import RequestState
 
     return [RequestState(req_id=f"dsbd-profile-{i}", seed=i, width=width, temperature=1.0, top_k=50, top_p=0.9,
-                         eos=-1, max_tokens=None) for i in range(num)]
+                         eos=-1, max_tokens=None, penalties=RequestPenalties(0.5, 0.5, 1.2)) for i in range(num)]
+
+
+def _history(vocab: int, max_len: int) -> list[int]:
+    """A request's prompt + output as long and as varied as they can be: min(V, max_model_len) distinct tokens."""
+    return list(range(min(vocab, max_len)))
+
+
+def _penalized(plan: list, vocab: int, max_len: int) -> list:
+    """The penalties' view of the dummy plan, each request with the longest history (:func:`_history`): the widest
+    sparse gather."""
+    from .penalties import TargetRows
+
+    hist = _history(vocab, max_len)
+    return [TargetRows(r.first_row, r.forest.tokens if r.forest else [], r.forest.parents if r.forest else [],
+                       hist[:1], hist[1:], r.state.penalties) for r in plan]
 
 
 def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
@@ -75,7 +100,10 @@ def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
     from .drafter import DraftJob
 
     cfg = runner.dsbd_cfg
-    jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth) for i, st in enumerate(states)]
+    hist = _history(vocab, runner.model_config.max_model_len)  # the draft's penalties over the longest histories
+    jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth,
+                     history=(hist[:1], hist[1:]) if st.penalties is not None else None)
+            for i, st in enumerate(states)]
     with _dummy_draft_passes(runner.drafter, len(states), vocab, gen):
         return reads.run(runner.drafter.propose_forests(jobs))
 
@@ -158,10 +186,16 @@ def profile_step(runner, target_pass) -> None:
     logits = runner.model.compute_logits(hidden)
     del hidden
     reads.run(sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
-                             fused=runner.dsbd_fused))
+                             fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements,
+                             penalized=_penalized(plan, vocab, runner.model_config.max_model_len)))
     # the next step's forests while this step's (and, conservatively, its logits) are still held
     for st in states:
         st.draft_len = 0
+    # beam requests' T = 0 top-N chunk (``beams.drafter.top_n``: at most the budget, and 4 elements a (beam, token)
+    # pair of R requests' N beams) is drafted with them
+    nodes = cfg.max_beam_nodes
+    top_n_chunk = torch.empty(min(runner.dsbd_verify_elements, 4 * R * nodes * vocab), dtype=torch.float32,
+                              device=dev)
     nxt = _forests(runner, states, vocab, gen)
-    del nxt, logits, plan, pending
+    del nxt, logits, plan, pending, top_n_chunk
     return out

@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, cost, load, memory, penalties, reads, sampler
+from . import attention, chunks, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
@@ -52,6 +52,9 @@ class DSBDRunnerMixin(KVCommitMixin):
         # default; on the CPU, where a read costs nothing, one read per layer, stopping at the first that fails
         # (cheaper there); tests switch it on a running engine
         self.dsbd_static_layers = self.dsbd_static
+        # float32 elements a chunk of verification (or of beam drafting's top-N) may hold; rescaled to the device's
+        # free memory by ``profile_run`` (``chunks.verify_budget``)
+        self.dsbd_verify_elements = chunks.VERIFY_BUDGET
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
@@ -127,6 +130,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         the peak vLLM sizes the KV cache from covers DSBD's per-step working memory. On the CPU vLLM does not size the
         KV cache from the profile (``VLLM_CPU_KVCACHE_SPACE``): vLLM's alone (``memory.PROFILE_CPU``: tests), as with
         ``VLLM_DSBD_PROFILE_STEP=0`` anywhere (the dummy step has not run on a GPU yet: its fallback)."""
+        self.dsbd_verify_elements = chunks.verify_budget(self.device)  # weights loaded, KV cache not yet
         if not self.dsbd_env.profile_step or (torch.device(self.device).type == "cpu" and not memory.PROFILE_CPU):
             return super().profile_run()
         return memory.profile_step(self, super().profile_run)
@@ -331,16 +335,17 @@ class DSBDRunnerMixin(KVCommitMixin):
                 results[k] = sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
             else:
                 kinds[row.state.beam.temperature > 0.0].append(k)
-        # plain requests with penalties verify their rows penalized by each row's history (raw rows stay for logprobs)
+        # plain requests with penalties verify their rows penalized by each row's history, chunk by chunk on a copy
+        # (raw rows stay for logprobs)
         pen = [penalties.TargetRows(plan[k].first_row, plan[k].forest.tokens if plan[k].forest else [],
                                     plan[k].forest.parents if plan[k].forest else [], *self._history(k),
-                                    plan[k].state.penalties)
-               for k in spec if plan[k].state.penalties is not None]
-        vlogits = penalties.penalize_target(logits, pen) if pen else logits
+                                    plan[k].state.penalties) if plan[k].state.penalties is not None else None
+               for k in spec]
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, _, _ = reads.run(reads.gather(
-            sampler.verify(vlogits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
-                           forest_static=self.dsbd_static, fused=self.dsbd_fused) if spec else None,
+            sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
+                           forest_static=self.dsbd_static, fused=self.dsbd_fused, budget=self.dsbd_verify_elements,
+                           penalized=pen if any(p is not None for p in pen) else None) if spec else None,
             *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))
         if spec:
             for k, res in zip(spec, verified):

@@ -8,7 +8,9 @@ right once the runner has moved the accepted path's K/V into the first slots aft
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -23,6 +25,7 @@ from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
+from . import penalties
 from .fused import fused_default, fused_layer
 from .beams.trie import StepResult
 from .chunks import verify_chunk
@@ -92,19 +95,42 @@ def truncate(forest: Forest, context_len: int, n: int) -> Forest:
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
            forest_static: bool | None = None, fused: bool | None = None,
-           budget: int | None = None, narrow_bare: bool = True) -> Reader[list[RowResult]]:
+           budget: int | None = None,
+           penalized: Sequence[penalties.TargetRows | None] | None = None,
+           narrow_bare: bool = True) -> Reader[list[RowResult]]:
     """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
     (``engine/reads.py``). Runs on the logits' device, one host copy at the end of each chunk of requests (the general
     path also reads at the core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and
     with ``chain_static`` / ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel
     when ``fused``. Requests go in chunks of ``chunks.verify_chunk`` (``budget`` float32 elements, default
-    ``chunks.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk."""
-    n = verify_chunk(cfg.depth, cfg.width, logits.shape[-1], budget)
+    ``chunks.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk. ``penalized``
+    (aligned with ``rows``): the requests whose target rows are penalized by their histories (``engine/penalties.py``),
+    chunk by chunk on a copy of the chunk's rows (:func:`penalized_chunk`); ``logits`` stays as it is.
+    ``narrow_bare`` False: a chunk without forests at the full shapes (the tests that compare the two)."""
+    n = verify_chunk(cfg.depth, cfg.width, logits.shape[-1], budget, penalties=penalized is not None)
     out: list[RowResult] = []
     for a in range(0, len(rows), n):
-        out += yield from _verify_chunk(logits, rows[a : a + n], cfg, chain_fast_path, chain_static, forest_static,
-                                        fused, narrow_bare)
+        chunk, lg = rows[a : a + n], logits
+        if penalized is not None and any(p is not None for p in penalized[a : a + n]):
+            lg, chunk = penalized_chunk(logits, chunk, penalized[a : a + n])
+        out += yield from _verify_chunk(lg, chunk, cfg, chain_fast_path, chain_static, forest_static, fused,
+                                        narrow_bare)
     return out
+
+
+def penalized_chunk(logits: torch.Tensor, rows: list[RowPlan],
+                    targets: Sequence[penalties.TargetRows | None]) -> tuple[torch.Tensor, list[RowPlan]]:
+    """A chunk's logits rows (float32, a copy of each request's root and scheduled node rows) with the ``targets``'
+    rows penalized (sparse: ``penalties.penalize_rows_``), and the chunk's plans with ``first_row`` on the copy."""
+    src, new_rows, moved = [], [], []
+    for row, t in zip(rows, targets):
+        n = 1 + max(row.num_nodes, len(t.tokens) if t is not None else 0)
+        new_rows.append(dataclasses.replace(row, first_row=len(src)))
+        if t is not None:
+            moved.append(dataclasses.replace(t, first_row=len(src)))
+        src += range(row.first_row, row.first_row + n)
+    lg = logits[torch.tensor(src, dtype=torch.int64, device=logits.device)].float()  # [n rows, V] a copy
+    return penalties.penalize_rows_(lg, moved), new_rows
 
 
 def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, chain_fast_path: bool,

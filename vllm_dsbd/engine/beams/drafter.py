@@ -12,6 +12,7 @@ docs/design/beams.md §3.3 ("Beam drafting").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from vllm_dsbd.core.sampling import beam_step
 from .. import reads
 from ..attention import ForestBatch, ForestEntry
 from ..kv import slots_of
+from ..chunks import VERIFY_BUDGET
 from ..state import RequestState
 from . import sampling as beam_sampling
 from .trie import BeamForest, beam_params
@@ -67,18 +69,46 @@ def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[fl
     return [[(p.beam, p.token, p.score) for p in ps] for ps in pairs], joint
 
 
+def _budget(drafter) -> int:
+    """The float32 elements one chunk of the T = 0 top-N may hold (the runner's verification budget)."""
+    return getattr(getattr(drafter, "runner", None), "dsbd_verify_elements", VERIFY_BUDGET)
+
+
+def top_n(rows_of, sc: torch.Tensor, eos: list[int], k: int, V: int,
+          budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The T = 0 draft step's k best (beam, token) pairs of each request: ``topk(log_softmax(rows) + sc, k)`` over its
+    flattened ``[S, V]`` joint in float64, EOS (``eos[r]`` >= 0) excluded. ``rows_of(a, b)``: requests a..b-1's rows
+    ``[b - a, S, V]``; sc: ``[R, S]`` float64. Requests go in chunks whose float64 temporaries (rows, log-softmax:
+    4 float32 elements a pair) stay under ``budget`` float32 elements: row-wise work, the same values as one batch.
+    Returns (values [R, k] float64, joint indices [R, k] int64)."""
+    R, S = sc.shape
+    n = max(1, budget // (4 * max(S, 1) * V))
+    vals, idx = [], []
+    for a in range(0, R, n):
+        b = min(R, a + n)
+        joint = torch.log_softmax(rows_of(a, b).double(), dim=-1).add_(sc[a:b, :, None])  # missing rows: -inf
+        ban = [(r - a, eos[r]) for r in range(a, b) if eos[r] >= 0]
+        if ban:
+            bt = torch.tensor(ban, dtype=torch.int64, device=joint.device)
+            joint[bt[:, 0], :, bt[:, 1]] = -torch.inf
+        v, i = torch.topk(joint.flatten(1), k)
+        del joint
+        vals.append(v)
+        idx.append(i)
+    return (vals[0], idx[0]) if len(vals) == 1 else (torch.cat(vals), torch.cat(idx))
+
+
 def _top_pairs(logits: list[torch.Tensor], scores: list[list[float]], widths: list[int],
-               eos: list[int | None]) -> list[list[tuple[int, int, float]]]:
+               eos: list[int | None], budget: int = VERIFY_BUDGET) -> list[list[tuple[int, int, float]]]:
     """The draft's beam step at temperature 0 of several beam requests at once: each request's ``widths`` (its N)
     best (beam, token) pairs by cumulative score (float64, as the target's beam search sums them), EOS excluded, on the
-    logits' device, read in one copy. Returns per request [(beam, token, score)]."""
+    logits' device (:func:`top_n`, chunked by ``budget``), read in one copy. Returns per request [(beam, token,
+    score)]."""
     V = logits[0].shape[-1]
-    rows, sc = beam_sampling.joint_rows(logits, scores, torch.float64)
-    joint = torch.log_softmax(rows, dim=-1) + sc[:, :, None]  # missing rows: -inf
-    ban = torch.tensor([[r, e] for r, e in enumerate(eos) if e is not None], dtype=torch.int64, device=rows.device)
-    if ban.numel():
-        joint[ban[:, 0], :, ban[:, 1]] = -torch.inf
-    vals, idx = torch.topk(joint.flatten(1), min(max(widths), joint.shape[1] * V))
+    S = max(lg.shape[0] for lg in logits)
+    sc = torch.tensor([s + [-math.inf] * (S - len(s)) for s in scores], dtype=torch.float64, device=logits[0].device)
+    vals, idx = top_n(lambda a, b: beam_sampling.joint_rows(logits[a:b], scores[a:b], torch.float64, slots=S)[0], sc,
+                      [-1 if e is None else e for e in eos], min(max(widths), S * V), V, budget)
     vals_l, idx_l = torch.stack([vals, idx.double()]).tolist()  # one copy (ids are exact in float64)
     return [[(int(i) // V, int(i) % V, v) for i, v in zip(idx_l[r][:w], vals_l[r][:w]) if v > -torch.inf]
             for r, w in enumerate(widths)]
@@ -156,7 +186,8 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
     for d in range(1, max(j.depth for j in jobs) + 1):
         layer_of = {}
         go = [k for k, job in enumerate(jobs) if _goes(job, forests[k], beams_of[k], d)]
-        pairs_of = _depth_pairs([jobs[k] for k in go], [leaf_logits[k] for k in go], [beams_of[k] for k in go], d)
+        pairs_of = _depth_pairs([jobs[k] for k in go], [leaf_logits[k] for k in go], [beams_of[k] for k in go], d,
+                                _budget(drafter))
         for k, (pairs, q) in zip(go, pairs_of):
             beams_of[k], deeper = _grow(jobs[k], forests[k], beams_of[k], pairs, q, d)
             if deeper:
@@ -285,13 +316,9 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
         score = torch.full((R, W), -torch.inf, dtype=torch.float64, device=dev)
         valid = torch.zeros(R, W, dtype=torch.bool, device=dev)
         if det:  # ``_top_pairs`` on every T = 0 request
-            joint = torch.log_softmax(rows[det_t].double(), dim=-1) + sc[det_t][:, :, None]
-            ban = [(r, eos_l[k]) for r, k in enumerate(det) if eos_l[k] >= 0]
-            if ban:
-                bt = torch.tensor(ban, dtype=torch.int64, device=dev)
-                joint[bt[:, 0], :, bt[:, 1]] = -torch.inf
             kk = min(max(jobs[k].width for k in det), S * V)
-            vals, idx = torch.topk(joint.flatten(1), kk)
+            vals, idx = top_n(lambda a, b: rows[det_t[a:b]], sc[det_t], [eos_l[k] for k in det], kk, V,
+                              _budget(drafter))
             parent[det_t, :kk], token[det_t, :kk], score[det_t, :kk] = idx // V, idx % V, vals
             valid[det_t, :kk] = torch.isfinite(vals) & (cols[:, :kk] < width[det_t][:, None])
         if samp:  # ``_sampled_pairs`` on every T > 0 request
@@ -371,7 +398,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
 
 
 def _depth_pairs(jobs: list[BeamDraftJob], logits: list[torch.Tensor], beams_of: list[list[tuple[int, float, bool]]],
-                 d: int) -> list[tuple[list[tuple[int, int, float]], torch.Tensor | None]]:
+                 d: int, budget: int = VERIFY_BUDGET) -> list[tuple[list[tuple[int, int, float]], torch.Tensor | None]]:
     """Depth d's draft beam step of the given jobs (their current draft beams ``(node, score, continues)`` and
     those beams' draft logits rows): T = 0 requests together (``_top_pairs``), T > 0 requests together
     (``_sampled_pairs``). Per request: (its pairs in draw / rank order, its log Q [S * V] at T > 0, else None)."""
@@ -383,7 +410,7 @@ def _depth_pairs(jobs: list[BeamDraftJob], logits: list[torch.Tensor], beams_of:
     if det:
         eos = [None if beams[i].params.ignore_eos else beams[i].params.eos_token_id for i in det]
         tops = _top_pairs([logits[i] for i in det], [scores[i] for i in det],
-                          [jobs[i].width for i in det], eos)
+                          [jobs[i].width for i in det], eos, budget)
         for i, pairs in zip(det, tops):
             out[i] = (pairs, None)
     if samp:

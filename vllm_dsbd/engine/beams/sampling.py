@@ -67,11 +67,13 @@ def top_rows(logits: torch.Tensor, ks: list[int], counts: list[int]) -> reads.Re
 
 
 
-def joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def joint_rows(logits: list[torch.Tensor], scores: list[list[float]], dtype,
+               slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The requests' beam rows side by side: ``[R, S, V]`` (a request's missing rows are zero logits) and their
-    scores ``[R, S]`` (-inf on the missing rows), on the logits' device. ``logits[r]``: ``[len(scores[r]), V]``."""
+    scores ``[R, S]`` (-inf on the missing rows), on the logits' device. ``logits[r]``: ``[len(scores[r]), V]``;
+    S = ``slots``, default the most rows of a request."""
     dev, V = logits[0].device, logits[0].shape[-1]
-    S = max(lg.shape[0] for lg in logits)
+    S = max(lg.shape[0] for lg in logits) if slots is None else slots
     at = torch.tensor([r * S + b for r, sc in enumerate(scores) for b in range(len(sc))], dtype=torch.int64,
                       device=dev)
     rows = torch.zeros(len(logits) * S, V, dtype=dtype, device=dev).index_copy_(0, at, torch.cat(logits).to(dtype))
