@@ -3,10 +3,11 @@
 From (a) a table of target and draft pass times by token count (:class:`CostTable`: measured at start-up by
 ``load_probe.py``, or pinned in the config) and (b) each request's per-layer pass rate estimated from its **earlier**
 steps (:class:`Acceptance`, a smoothed count with a prior), :func:`choose_shapes` picks the depths of a step's
-requests, down to 0 (no draft) where drafting does not pay, and for T = 0 beam requests also N, the nodes per depth
-(from W up to the request's N): the rate at every N' <= N is read from the N'-subforests of the forests the request
-verified (:func:`passed_by_width`). The choice is made before any coin of the step is drawn and depends only on the
-past, so every output law stays exact; every tensor-parallel rank computes the same choice (the table is rank 0's,
+requests, down to 0 (no draft) where drafting does not pay, and also N, the nodes per depth (a plain request's from 1,
+a beam request's from W, up to its own): for a T = 0 beam request the rate at every N' <= N is read from the
+N'-subforests of the forests it verified (:func:`passed_by_width`), for the others from its forests at each N'; a
+request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`). The
+choice is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every tensor-parallel rank computes the same choice (the table is rank 0's,
 the estimates come from verification results every rank has). Imports neither vLLM nor torch.
 The rule: docs/design.md §3.6; settings: docs/usage/configuration.md.
 """
@@ -114,8 +115,9 @@ def expected_tokens(rate: float, depth: int) -> float:
 
 
 def width_grid(low: int, high: int) -> list[int]:
-    """The nodes per depth the model weighs for a T = 0 beam request of width ``low`` that may draft ``high``: from
-    ``low`` up by factors of about sqrt(2), and ``high`` (4, 6, 8, 11, 16 for W = 4, N = 16)."""
+    """The nodes per depth the model weighs for a request that may draft from ``low`` (a beam request's W, a plain
+    request's 1) to ``high``: from ``low`` up by factors of about sqrt(2), and ``high`` (4, 6, 8, 11, 16 for W = 4,
+    N = 16)."""
     out, w = [], low
     while w < high:
         out.append(w)
@@ -269,7 +271,8 @@ class Acceptance:
         if low is None or low >= width:
             return Candidate(leaves, width, depth, self.planning_rate(pool), leaves, pinned)
         if self.idle >= self.wait:  # a try: the full width, whose forest informs the smaller ones
-            rate = max(self.try_rate(*self.by_width.get(width, (self.passed, self.tried)), pool), self.width_rate(width))
+            own = self.by_width.get(width, (self.passed, self.tried))
+            rate = max(self.try_rate(*own, pool), self.width_rate(width))
             return Candidate(leaves, width, depth, rate, leaves, pinned)
         rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
         return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]))
@@ -317,7 +320,8 @@ class Candidate:
     request's root; W: a beam request's live leaves), ``width`` forest nodes per depth, at most ``depth`` depths,
     per-layer pass rate ``rate``, ``catch_up`` tokens in the draft's first pass (its root or leaves). ``pinned``: it
     drafts ``depth`` whatever the model says (a beam request that set its own depth). ``options``: other (nodes per
-    depth, rate) it may draft instead, each below ``width`` (a T = 0 beam request's N' from W up)."""
+    depth, rate) it may draft instead, each below ``width`` (a beam request's N' from W up, a plain request's from
+    1)."""
 
     leaves: int
     width: int

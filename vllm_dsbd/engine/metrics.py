@@ -1,6 +1,6 @@
 """DSBD statistics: layers passed per iteration, the width of each verified layer, beam requests' passes and steps, KV
-commits, the draft depth the cost model chose (or load-aware speculation allowed) and the nodes per depth it chose for
-T = 0 beam requests.
+commits, the draft depth the cost model chose (or load-aware speculation allowed), the nodes per depth it chose for
+beam requests, and every forest source's layers passed and tried by kind of request and nodes per depth.
 
 Per engine (worker) process :class:`DSBDStats` counts what verification did, logs a ``DSBD: ...`` summary at most every
 ``log_interval_s`` seconds and updates the ``vllm:dsbd_*`` Prometheus collectors (``prometheus.py`` carries them across
@@ -43,7 +43,7 @@ class DSBDStats:
         self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
         self.draft_depths = Counter()  # depth chosen by the cost model (or allowed by the budget) -> requests x steps
-        self.beam_nodes_chosen = Counter()  # N the cost model chose for a T = 0 beam forest -> requests x steps
+        self.beam_nodes_chosen = Counter()  # N the cost model chose for a beam forest -> requests x steps
         # (source, kind, N) -> [layers passed, layers tried] of the verified forests (the cost model's pass rates)
         self.pass_rates: dict[tuple[str, str, int], list[int]] = {}
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
@@ -69,7 +69,7 @@ class DSBDStats:
         self._record(self.draft_depths, "draft_depth", depths)
 
     def record_nodes(self, nodes: list[int]) -> None:
-        """The nodes per depth N the cost model chose for each T = 0 beam request it drafts for this step."""
+        """The nodes per depth N the cost model chose for each beam request it drafts for this step."""
         self._record(self.beam_nodes_chosen, "beam_nodes_chosen", nodes)
 
     def record_pass_rate(self, source: str, kind: str, nodes: int, passed: int, tried: int) -> None:

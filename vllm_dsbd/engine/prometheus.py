@@ -140,7 +140,7 @@ def _build_collectors() -> dict:
                                 "passed one), by forest source, kind of request and draft nodes per depth",
                                 ["source", "kind", "nodes"], **kw),
         "beam_nodes_chosen": Histogram("vllm:dsbd_beam_draft_nodes_chosen", "DSBD draft nodes per depth (N) of a "
-                                       "T = 0 beam request's forest per step, chosen by the cost model",
+                                       "beam request's forest per step, chosen by the cost model",
                                        buckets=[float(b) for b in range(1, 65)] + [96.0, 128.0, 256.0], **kw),
         "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
         "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),

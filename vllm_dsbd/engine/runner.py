@@ -400,7 +400,7 @@ class DSBDRunnerMixin(KVCommitMixin):
     def _beam_result(self, i: int, row, out, blocks: int | None, moves: list) -> sampler.RowResult:
         self.dsbd_stats.record_beam(out, blocks)
         if out.draft_nodes:  # the cost model's estimates, for the next steps' choices
-            nodes = out.sub.nodes if out.sub is not None else row.state.beam.nodes
+            nodes = out.sub.nodes if out.sub is not None else row.state.forest_nodes or row.state.beam.nodes
             self._observe(row.state, "beam", out.layers_passed, out.draft_layers, nodes, out.sub)
         row.beam_result = out
         if out.moves:  # i: the request's batch row (plan order = batch order)
@@ -408,9 +408,8 @@ class DSBDRunnerMixin(KVCommitMixin):
         return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
 
     def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
-        """A verified forest of ``nodes`` per depth and ``depth`` layers that passed ``passed`` of them: into the
-        request's estimate (``cost.Acceptance``; ``sub``: a T = 0 beam forest's subforests), the engine-wide rates
-        (``cost.PassRates``) and the metrics (``vllm:dsbd_draft_layers_{passed,tried}``), under the draft's source."""
+        """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
+        a T = 0 beam forest's subforests), the engine-wide rates and the metrics, under the draft's source."""
         st.acceptance.observe(passed, depth, sub, None if sub is not None else nodes)
         self.dsbd_pass_rates.observe((cost.DRAFT, kind), nodes, passed, depth)
         self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
@@ -481,6 +480,7 @@ class DSBDRunnerMixin(KVCommitMixin):
             job.state.forest_nodes = job.width or job.state.width
             out[job.row] = list(pf.tokens) if pf is not None else []
         for job in beam_jobs:
+            job.state.forest_nodes = job.width
             if job.state.beam.forest is not None:
                 out[job.row] += job.state.beam.forest.tokens
         return out
@@ -511,19 +511,16 @@ class DSBDRunnerMixin(KVCommitMixin):
 
     def _choose_depths(self, levels, shapes, states, discard) -> list[load.Level]:
         """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
-        request's from 1 up, a T = 0 beam request's from W up (``cost.choose_shapes``; to
+        request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
         engine-wide rates (a try's floor)."""
-        rows, cands, lows, beam0 = [], [], [], []
+        rows, cands, lows = [], [], []
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
             if st is None or discard[i]:
                 continue
             w, b = min(lv.width, s.width), st.beam
-            # the fewest nodes per depth: a plain request's 1, a T = 0 beam request's W (its N may go down to W);
-            # a T > 0 beam request's N stays as requested (its draft draws the request's N)
-            beam0.append(b is not None and b.temperature <= 0.0)
-            lows.append(None if b is not None and not beam0[-1] else b.params.width if b is not None else 1)
-            lows[-1] = lows[-1] if lows[-1] is not None and w >= lows[-1] else None
+            low = b.params.width if b is not None else 1  # the fewest nodes per depth: a beam request's W, else 1
+            lows.append(low if w >= low else None)
             rows.append(i)
             pool = self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w)
             cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool))
@@ -531,15 +528,14 @@ class DSBDRunnerMixin(KVCommitMixin):
         shapes = cost.choose_shapes(cands, self.dsbd_cost)
         if self._dsbd_clock is not None:
             self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes))
-        for i, c, low, b0, (w, d) in zip(rows, cands, lows, beam0, shapes):
+        for i, c, low, (w, d) in zip(rows, cands, lows, shapes):
             if not c.pinned:
                 if c.depth > 0 and c.width > 0:
                     states[i].acceptance.chose(d)
-                if states[i].beam is None:  # a plain request drafts w nodes per depth
-                    out[i] = load.Level(w if low is not None and d > 0 else levels[i].width, d)
-                else:
-                    out[i] = load.Level(levels[i].width, d, w if low is not None else None)
-                chosen += [w] if b0 and low is not None and d > 0 else []
+                n = w if low is not None and d > 0 else None  # w nodes per depth: a plain request's width, a beam's N
+                beam = states[i].beam is not None
+                out[i] = load.Level(levels[i].width if beam or n is None else n, d, n if beam else None)
+                chosen += [n] if beam and n is not None else []
         self.dsbd_stats.record_nodes(chosen)
         return out
 

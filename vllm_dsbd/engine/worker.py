@@ -86,7 +86,7 @@ class _DecisionsMixin:
         pinned or no cap), the knee probe's table {tokens: seconds} when measured, the cost model's table (``{"target":
         {tokens: seconds}, "draft": {...}, "step": seconds, "draft_step": seconds}``, None: off; with the online
         correction, ``step_clock.py``), the correction's averages (``clock``, None: off), the depths allowed (with the
-        cost model: chosen) so far {depth: count} and the nodes per depth the cost model chose for T = 0 beam forests
+        cost model: chosen) so far {depth: count} and the nodes per depth the cost model chose for beam forests
         {N: count}."""
         runner = self.model_runner
         table = runner.dsbd_cost
