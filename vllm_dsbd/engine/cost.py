@@ -254,12 +254,18 @@ class Acceptance:
     def width_rate(self, width: int) -> float:
         """The estimate at ``width`` nodes per depth: its own count's, or a smaller width's where that is higher (a
         larger forest holds a smaller one's nodes: it passes at least as often). A width without a count takes the
-        rate of the nearest larger width with one (a smaller forest passes at most as often), else the prior's."""
+        rate of the nearest larger width with one (a smaller forest passes at most as often); above every width with
+        one, the prior's or the upper bound of the largest one's count (:func:`upper_rate`: it may pass more), so a
+        width never drafted is tried where it could pay."""
         own = self.by_width.get(width)
-        if own is None:
-            larger = [w for w in self.by_width if w > width]
-            own = self.by_width[min(larger)] if larger else (0.0, 0.0)
-        return max([_rate(*own)] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
+        if own is not None:
+            rate = _rate(*own)
+        elif larger := [w for w in self.by_width if w > width]:
+            rate = _rate(*self.by_width[min(larger)])
+        else:
+            smaller = [w for w in self.by_width if w < width]
+            rate = max(PRIOR_RATE, upper_rate(*self.by_width[max(smaller)])) if smaller else PRIOR_RATE
+        return max([rate] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
 
     def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False, low: int | None = None,
                   pool: float | None = None) -> Candidate:
