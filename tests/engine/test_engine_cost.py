@@ -47,7 +47,7 @@ TABLE = {"target_ms": {"1": 10, "256": 10}, "draft_ms": {"1": 4, "256": 4}}
 SLOPE = {"target_ms": {"1": 10, "256": 61}, "draft_ms": {"1": 2, "256": 2}}  # 0.2 ms a target token
 BEAM_NODES = 8  # N of the self-drafted engines' beam requests (4W)
 SLOW_TARGET = 0.02  # seconds added to every target pass of the auto engine (its table measures them)
-DELAY = 0.02  # seconds of host work injected into every drafting call of the auto engine's last phase
+DELAY = 0.05  # seconds of host work injected into every drafting call of the auto engine's last phase
 DELAY_TOKENS = 200  # tokens per request in that phase: enough drafting windows for the clock's medians to see it
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_target_passes", "vllm:dsbd_beam_draft_nodes",
         "vllm:dsbd_beam_layers_passed", "vllm:dsbd_beam_steps")

@@ -253,9 +253,9 @@ def test_acceptance_per_width_from_subforests():
     c = acc.candidate(2, 4, 2, low=2)
     assert c.width == 4 and dict(c.options) == pytest.approx({2: 0.4, 3: 0.8})
     # the estimate is monotone in N: a width whose own count is lower takes the best below it; one without a count
-    # (above every forest drafted so far) is at the prior or the upper bound of the largest count, or better
+    # (above every forest drafted so far) is at the prior, or better (a T = 0 beam request's tries draft the full N)
     acc.by_width[6] = [0.0, 4.0]
-    assert acc.width_rate(6) == pytest.approx(0.8) and acc.width_rate(11) == pytest.approx(upper_rate(2.0, 2.0))
+    assert acc.width_rate(6) == pytest.approx(0.8) and acc.width_rate(11) == pytest.approx(0.8)
     acc.by_width = {2: [0.0, 4.0]}
     assert acc.width_rate(3) == pytest.approx(PRIOR_RATE) and acc.width_rate(2) == pytest.approx(0.2)
     # plain requests and T > 0 beams (no ``low``) and N = W: no options
@@ -442,3 +442,8 @@ def test_a_plain_request_chooses_its_width_from_one_up():
     acc.observe(passed=0, depth=3, nodes=1)
     acc.observe(passed=0, depth=3, nodes=1)
     assert acc.width_rate(1) < acc.width_rate(2) == acc.width_rate(4)
+    # a width above every one drafted: the upper bound of the largest one's count (its forests tell nothing wider)
+    acc = Acceptance()
+    acc.observe(passed=2, depth=3, nodes=1)
+    up = upper_rate(*acc.by_width[1])
+    assert acc.width_rate(2) == pytest.approx(up) and up > acc.width_rate(1)

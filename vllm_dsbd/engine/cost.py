@@ -235,6 +235,7 @@ class Acceptance:
     wait: int = 1
     trying: bool = False  # its current forest is a try at an optimistic rate
     by_width: dict[int, list[float]] = field(default_factory=dict)  # N' -> [passed, tried] of its N'-forests
+    subforests: bool = False  # its counts per N' are read off subforests (a T = 0 beam request)
 
     def rate(self) -> float:
         return _rate(self.passed, self.tried)
@@ -255,8 +256,9 @@ class Acceptance:
         """The estimate at ``width`` nodes per depth: its own count's, or a smaller width's where that is higher (a
         larger forest holds a smaller one's nodes: it passes at least as often). A width without a count takes the
         rate of the nearest larger width with one (a smaller forest passes at most as often); above every width with
-        one, the prior's or the upper bound of the largest one's count (:func:`upper_rate`: it may pass more), so a
-        width never drafted is tried where it could pay."""
+        one, the prior's, or for a request whose forests tell only their own width (not a T = 0 beam request's, whose
+        tries draft the full N) the upper bound of the largest one's count if higher (:func:`upper_rate`: it may pass
+        more), so a width never drafted is tried where it could pay."""
         own = self.by_width.get(width)
         if own is not None:
             rate = _rate(*own)
@@ -264,7 +266,9 @@ class Acceptance:
             rate = _rate(*self.by_width[min(larger)])
         else:
             smaller = [w for w in self.by_width if w < width]
-            rate = max(PRIOR_RATE, upper_rate(*self.by_width[max(smaller)])) if smaller else PRIOR_RATE
+            rate = PRIOR_RATE
+            if smaller and not self.subforests:
+                rate = max(rate, upper_rate(*self.by_width[max(smaller)]))
         return max([rate] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
 
     def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False, low: int | None = None,
@@ -304,6 +308,7 @@ class Acceptance:
         self.passed, self.tried = pt
         got = {}
         if sub is not None and sub.width <= sub.nodes:
+            self.subforests = True
             got = passed_by_width(sub.layers, sub.parents, sub.beams, width_grid(sub.width, sub.nodes)[:-1])
             got[sub.nodes] = passed  # the forest itself
         elif nodes is not None:
