@@ -217,11 +217,12 @@ def test_dsbd_metrics_cross_processes(server):
     buckets = dict(_samples(text, 'vllm:dsbd_layer_width_bucket{layer="1",'))
     assert buckets['vllm:dsbd_layer_width_bucket{layer="1",le="2.0"}'] == widths[0][1]
     # the pass rates per source, kind and N: children made while serving, memory-mapped too (one layer tried or more
-    # per forest; the cost model is off, so plain requests draft their width, 2)
-    tried = _samples(text, "vllm:dsbd_draft_layers_tried_total{")
-    assert [k for k, _ in tried] == ['vllm:dsbd_draft_layers_tried_total{kind="plain",nodes="2",source="model"}'], tried
-    assert tried[0][1] >= iters[0][1]
-    assert _samples(text, "vllm:dsbd_draft_layers_passed_total{")[0][1] == _samples(
+    # per forest; the cost model is off, so plain requests draft their width: 2, or 1 where a request asked for it)
+    tried = dict(_samples(text, "vllm:dsbd_draft_layers_tried_total{"))
+    name = 'vllm:dsbd_draft_layers_tried_total{kind="plain",nodes="%d",source="model"}'
+    assert name % 2 in tried and set(tried) <= {name % 1, name % 2}, tried
+    assert sum(tried.values()) >= iters[0][1]
+    assert sum(v for _, v in _samples(text, "vllm:dsbd_draft_layers_passed_total{")) == _samples(
         text, "vllm:dsbd_layers_passed_sum")[0][1]
 
 
