@@ -9,7 +9,7 @@ N'-subforests of the forests it verified (:func:`passed_by_width`), for the othe
 request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`). The
 choice is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every tensor-parallel rank computes the same choice (the table is rank 0's,
 the estimates come from verification results every rank has). Imports neither vLLM nor torch.
-The rule: docs/design.md §3.6; settings: docs/usage/configuration.md.
+The rule: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md.
 """
 from __future__ import annotations
 
