@@ -1,20 +1,21 @@
 """With the cost model on, a plain request's law is still plain vLLM's (docs/design/cost-model.md §3.6, "Exactness").
 
-The cost model chooses each request's depth and nodes per depth from its earlier forests' results and the batch, never
-from a draw of the step: a forest's shape is fixed before its coins are drawn, so every shape gives the target's law.
-Real vLLM 0.26.0 on CPU, temperature 0.6, the peaky tiny Llama target, a DSBD engine of width 2 and depth 2 whose
-draft is the target with its logits x 3 (peakier than the target, so a wrong rule shows), with a pinned flat table
-(target passes 10 ms, draft passes 4 ms) and one request a step: at the prior's 0.6 a request drafts depth 1, after
-a passed layer (0.73) depth 2, after a failed one (0.4) nothing; the width goes from 1 up (flat passes: the wider on
-ties). Test: the laws of the first 2, 3 and 4 tokens over 1,600 seeded requests against plain vLLM's, two-sample
-chi-square (``chisq.py``: the thresholds at p = 1e-6), with at least two depths above 0 in the engine's depth histogram and forests accepted; and
-the same requests with the residual dropped from the engine's verification (``planted.py``, "dropped_residual": after
-a rejection the target's law instead of the residual's; planted in every core a plain forest can take, the width-1
-chains' too) are rejected by the law of the first 2 tokens, where every request's first forest decides. Measured
-(2 CPU cores, 2026-11-27): depths chosen 0 / 1 / 2 in 558 / 1600 / 2921 request-steps; exact rule chi2 25.4 / 96.1
-(2 tokens), 59.9 / 115.5 (3), 54.5 / 122.8 (4); planted 143.0 / 91.5 (2 tokens), 132.2 / 117.0 (3), 115.1 / 125.7
-(4: later tokens spread the sample over more bins); MDE TV 0.181 (2 tokens). At 800 requests the planted rule was
-not seen (2 tokens: 88.1 against the old threshold df + 10 sqrt(2 df), 90.8).
+The cost model chooses each request's depth and nodes per depth from its earlier forests' results and the batch,
+never from a draw of the step: a forest's shape is fixed before its coins are drawn, so every shape gives the
+target's law. Real vLLM 0.26.0 on CPU, temperature 0.6, the peaky tiny Llama target, a DSBD engine of width 2 and
+depth 2 whose draft is the target with its logits x 3 (peakier than the target, so a wrong rule shows), with a pinned
+flat table (target passes 10 ms, draft passes 4 ms) and one request a step: at the prior's 0.6 a request drafts depth
+1, after a passed layer (0.73) depth 2, after a failed one (0.4) nothing; the width goes from 1 up (flat passes: the
+wider on ties). Test: the laws of the first 2, 3 and 4 tokens over 1,600 seeded requests against plain vLLM's,
+two-sample chi-square (``chisq.py``: the thresholds at p = 1e-6), with at least two depths above 0 in the engine's
+depth histogram and forests accepted; and the same requests with the residual dropped from the engine's verification
+(``planted.py``, "dropped_residual": after a rejection the target's law instead of the residual's; planted in every
+core a plain forest can take, the width-1 chains' too) are rejected by the law of the first 2 tokens, where every
+request's first forest decides. Measured (2 CPU cores, 2026-11-27): depths chosen 0 / 1 / 2 in 558 / 1600 / 2921
+request-steps; exact rule chi2 25.4 / 96.1 (2 tokens), 59.9 / 115.5 (3), 54.5 / 122.8 (4); planted 143.0 / 91.5 (2
+tokens), 132.2 / 117.0 (3), 115.1 / 125.7 (4: later tokens spread the sample over more bins); MDE TV 0.181 (2
+tokens). At 800 requests the planted rule was not seen (2 tokens: 88.1 against the old threshold df + 10 sqrt(2 df),
+90.8).
 """
 from __future__ import annotations
 
