@@ -59,6 +59,15 @@ def test_a_forest_is_charged_to_both_windows_that_hold_it():
     assert c.extra() == pytest.approx(0.012)
     _observe(c, 0.052, 0.040, B, 3 * step_clock.MIN_STEPS)  # drafting every step: the same 12 ms
     assert c.extra() == pytest.approx(0.012)
+    # every window 9 ms over the table, no window without forests measured: the bare surplus from the other kinds
+    d = StepClock()
+    _observe(d, 0.049 + 0.012, 0.040, B, 20)
+    _observe(d, 0.049 + 0.007, 0.040, D, step_clock.MIN_STEPS)
+    _observe(d, 0.049 + 0.005, 0.040, V, step_clock.MIN_STEPS)
+    assert d.extra() == pytest.approx(0.012)
+    e = StepClock()
+    _observe(e, 0.049 + 0.012, 0.040, B, 20)  # drafting in every window: the 9 ms stay in (errs to drafting less)
+    assert e.extra() == pytest.approx(0.021)
 
 
 def test_the_start_and_planned_calls_class_each_window():

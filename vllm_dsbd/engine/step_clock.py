@@ -7,7 +7,8 @@ verifier) in step t + 1's, since a step's window runs from ``execute_model`` (th
 the step before) to the end of drafting the next ones. Each window is classed by what it holds (verified forests,
 drafted forests: four kinds) and its surplus over the table kept per kind; :meth:`StepClock.corrected` adds to the
 table, as ``draft_step``, what a step that drafts costs over both windows: ``(drafted and verified) - neither``, or
-``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then. Per kind the median of the last
+``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then (``neither`` from the other three
+where it is not measured: the surpluses add up). Per kind the median of the last
 ``WINDOW`` surpluses (every sample weighs alike; a slow outlier moves nothing), none older than ``HORIZON`` measured
 steps: a measurement that switched drafting off expires, and the next forests measure it again. Only timings of past
 steps enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with
@@ -81,10 +82,13 @@ class StepClock:
 
     def extra(self) -> float:
         """What a step that drafts costs beyond its passes (0 until measured; never below 0): over the windows that
-        drafted and verified, or the sum of those that did one of them; each minus the windows that did neither (0
-        until ``MIN_STEPS`` of those were measured); both estimates weighed by their windows where both exist."""
+        drafted and verified, or the sum of those that did one of them; each minus the windows that did neither;
+        both estimates weighed by their windows where both exist. Without ``MIN_STEPS`` windows that did neither,
+        their surplus is the additive model's ``drafted + verified - both`` where those are measured, else 0 (which
+        only makes drafting look dearer)."""
         (base, n0), (d, nd), (v, nv), (b, nb) = (self.median(k) for k in range(len(KINDS)))
-        base = base if n0 >= MIN_STEPS else 0.0
+        if n0 < MIN_STEPS:
+            base = d + v - b if min(nd, nv, nb) >= MIN_STEPS else 0.0
         est = []
         if nb >= MIN_STEPS:
             est.append((nb, b - base))
