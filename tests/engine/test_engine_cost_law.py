@@ -105,6 +105,7 @@ def test_law_with_the_cost_model_equals_plain_vllm_and_a_planted_rule_is_rejecte
         assert stat[1] >= 3 and stat[0] < stat[2]
         if k == PLANTED_TOKENS:
             assert planted[0] > planted[2], "the test cannot tell a dropped residual from the exact rule"
+            assert chisq.mde_tv(N_LAW, stat[1], two_sample=True) <= 0.2  # the project's plain-law tests: 0.20-0.28
 
 
 def _prefix(counts: Counter, k: int) -> Counter:
