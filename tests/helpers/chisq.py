@@ -1,7 +1,7 @@
 """Chi-square tests that never flake, and what they can see.
 
 Thresholds: the chi-square(df) quantile at tail probability :data:`P_NULL` = 1e-6 (about df + 5 sqrt(2 df) for large
-df, more for small df, where that formula's tail is up to 1e-3), so a correct test fails once in a million runs.
+df, more for small df, where that formula's tail is up to 4.5e-3), so a correct test fails once in a million runs.
 Bins with expected count < 5 are merged into one tail bin that always counts. :func:`mde_tv` is a test's minimum
 detectable effect: the smallest total-variation distance (over the test's bins) at which EVERY wrong law is rejected
 with probability :data:`POWER` at that sample size (a wrong law's chi-square divergence is at least 4 TV^2, so its
