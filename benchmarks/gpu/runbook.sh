@@ -4,11 +4,11 @@
 # pinned), then bench.sh's large_model rows on the 8B / 1B shapes (plain engine, then one DSBD engine with the cost
 # model on: its rows record the depths it chose, and pinned rows beside them). Each step has a time limit taken from
 # RUNBOOK_S (the seconds this script may use, default 500) so the script ends, and its files come back, before the
-# device call's own limit. At most 8 files land in $OUT (the device tool's limit): check's summary.txt, gpu.txt and
-# default_config.log; bench/large_plain.log, bench/large_dsbd.log and bench/large_model/{rows.jsonl,README.md,
-# large_model.json}. Run on the GPU machine from the repository root after
+# device call's own limit. At most 8 files land in $OUT (the device tool's limit): check's summary.txt, gpu.txt,
+# default_config.log and bench_bare.log; bench/large_plain.log, bench/large_dsbd.log and
+# bench/large_model/{rows.jsonl,README.md} (large_model.json, the same rows, is removed). Run on the GPU machine from the repository root after
 #   source .gpu/gpu_setup.sh && python -m pip install --no-deps --no-build-isolation .
-# RUNBOOK_CHECK_STEPS (default "default_config") and RUNBOOK_ENGINES (default "plain dsbd") pick the steps; LM_ARGS
+# RUNBOOK_CHECK_STEPS (default "default_config bench_bare") and RUNBOOK_ENGINES (default "plain dsbd") pick the steps; LM_ARGS
 # as for bench.sh (default: 2 prompts at batch 1, 48 new tokens, beam rows of 24 tokens).
 set -u
 OUT=${OUT:-/tmp/dsbd-gpu-out}
@@ -17,7 +17,7 @@ budget=${RUNBOOK_S:-500}
 start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }
 
-DSBD_DEFAULT_CONFIG_S=${DSBD_DEFAULT_CONFIG_S:-230} DSBD_GPU_STEPS="${RUNBOOK_CHECK_STEPS:-default_config}" \
+DSBD_DEFAULT_CONFIG_S=${DSBD_DEFAULT_CONFIG_S:-230} DSBD_GPU_STEPS="${RUNBOOK_CHECK_STEPS:-default_config bench_bare}" \
   OUT=$OUT benchmarks/gpu/check.sh | tail -20
 
 engines=${RUNBOOK_ENGINES:-plain dsbd}
@@ -32,5 +32,6 @@ if [[ " $engines " == *" dsbd "* ]] && (( rest > 60 )); then
 else
   echo "runbook: no time left for the DSBD engine ($rest s)"
 fi
-rm -f "$OUT/bench/gpu.txt"  # the same as $OUT/gpu.txt; keeps $OUT within 8 files
+# the same as $OUT/gpu.txt and as rows.jsonl: keeps $OUT within 8 files
+rm -f "$OUT/bench/gpu.txt" "$OUT/bench/large_model/large_model.json"
 echo "runbook: $(( $(date +%s) - start )) s of $budget"

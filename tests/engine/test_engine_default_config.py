@@ -15,8 +15,8 @@ makes the forest checks below never vacuous. Checked on both:
 * ``LLM.beam_search`` (W = 4) gives plain vLLM's beams (float32: the same sequences and cumulative log-probabilities
   to 1e-4; bfloat16: the best beam's cumulative log-probability within ``TIE`` and most prompts' beams identical);
 * the law of the first 4 tokens of T = 0.6 plain requests at W = 4 equals plain vLLM's (two-sample chi-square,
-  threshold df + 10 sqrt(2 df)); power: the same statistic rejects plain vLLM at T = 0.9, and rejects the DSBD
-  sample against it;
+  threshold at p = 1e-6; 800 requests per sample: minimum detectable effect TV 0.25); power: the same statistic
+  rejects plain vLLM at T = 0.9, and rejects the DSBD sample against it;
 * not vacuous: on ``pinned`` vLLM's counters show drafts made and accepted, the DSBD counters layers passed and beam
   steps; on ``default`` the start-up probe measured a cost table, the step clock timed decode steps and the cost
   model chose a depth for every decoding request (the depths it chose are printed: drafting nothing is its right
@@ -187,7 +187,8 @@ def test_beam_search_equals_plain_vllm(plain, dsbd):
 def test_plain_request_law_equals_plain_vllm(plain, dsbd):
     name, dsbd = dsbd
     stat, df, thr = chisq.two_sample(dsbd["law"], plain["law"])
-    chisq.report(f"first {LAW_TOKENS} tokens, DSBD ({name}) W={WIDTH} vs plain vLLM", stat, df, thr)
+    chisq.report(f"first {LAW_TOKENS} tokens, DSBD ({name}) W={WIDTH} vs plain vLLM", stat, df, thr, n=N_LAW,
+                 two_sample=True)
     assert df >= 3 and stat < thr
     for who, sample in (("plain vLLM", plain["law"]), ("DSBD", dsbd["law"])):
         s, d, t = chisq.two_sample(sample, plain["hot"])

@@ -75,6 +75,6 @@ def test_core_beam_sampling_matches_the_oracle(name, kw):
 
     stat = goodness_of_fit(counts(t), law, n)
     planted = goodness_of_fit(counts(1.15 * t), law, n)
-    report_power(f"beam_decode[{name}] vs oracle", stat, planted, "temperature x1.15")
+    report_power(f"beam_decode[{name}] vs oracle", stat, planted, "temperature x1.15", n=n)
     assert stat[0] < stat[2]
     assert planted[0] > planted[2], "the test cannot tell a temperature 15% off"

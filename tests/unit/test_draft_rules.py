@@ -71,7 +71,7 @@ def test_rule_emits_p_and_planted_variant_is_rejected(rule, n):
     good = _chi2(tok, p)
     bad_tok, what = _planted(rule, p, q, n, gen)
     bad = _chi2(bad_tok, p)
-    report_power(f"{rule} N={n}", good, bad, what)
+    report_power(f"{rule} N={n}", good, bad, what, n=DRAWS)
     assert good[0] < good[2], f"{rule} N={n}: emitted law differs from p (chi2 {good[0]:.1f} > {good[2]:.1f})"
     assert bad[0] > bad[2], f"{rule} N={n}: planted {what} not rejected (chi2 {bad[0]:.1f})"
 

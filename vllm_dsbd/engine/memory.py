@@ -6,9 +6,9 @@ joints and their temporaries. vLLM sizes the KV cache from the peak its profilin
 at ``max_num_batched_tokens``, its own sampler at ``max_num_seqs``), which runs none of DSBD's work, so without more a
 GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a large batch. Two parts:
 
-* a bound: plain requests' verification runs over chunks of at most :func:`verify_chunk` requests, sized so that a
-  chunk's working set stays under :data:`VERIFY_BUDGET` elements (``sampler.verify``; each request's results do not
-  depend on the others, so chunking changes no decision; a step reads the device once per chunk);
+* a bound: plain requests' verification runs over chunks of at most ``chunks.verify_chunk`` requests, sized so that
+  a chunk's working set stays under ``chunks.VERIFY_BUDGET`` elements (``sampler.verify``; each request's results do
+  not depend on the others, so chunking changes no decision; a step reads the device once per chunk);
 * an account: :func:`profile_step`, the DSBD runner's ``profile_run`` on a device, runs vLLM's profiling run inside a
   DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth (forests drafted by the drafter's
   real loops with random draft logits in place of the draft model's passes, whose own memory vLLM's drafter dummy run
@@ -16,12 +16,14 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   context; the target's logits of every forest row; verification on them; the next forests drafted while these are
   still held), so the peak vLLM sizes the KV cache from covers the step.
 
-Penalized requests' target rows are copied and penalized chunk by chunk (``sampler.penalized_chunk``, sparse counts:
-``penalties.penalize_rows_``), the copy counted in :func:`verify_blocks`; the draft's rows are penalized sparsely too
-(``penalties.DraftPenalties``); the dummy step's requests carry penalties and the longest histories, in drafting and
-in verification. Beam requests' T = 0 top-N runs in chunks of requests under the same budget
-(``beams.drafter.top_n``), which the dummy step reserves while it drafts; the rest of beam requests' device work is not
-in the dummy step (docs/design.md §3.8). On a GPU the budget follows the free memory (:func:`verify_budget`).
+This module is the account; ``chunks.py`` the bound (a leaf: the sampler imports it, and this module imports the
+sampler and the drafter). Penalized requests' target rows are copied and penalized chunk by chunk
+(``sampler.penalized_chunk``, sparse counts: ``penalties.penalize_rows_``), the copy counted in
+``chunks.verify_blocks``; the draft's rows are penalized sparsely too (``penalties.DraftPenalties``); the dummy step's
+requests carry penalties and the longest histories, in drafting and in verification. Beam requests' T = 0 top-N runs
+in chunks of requests under the same budget (``beams.drafter.top_n``), which the dummy step reserves while it drafts;
+the rest of beam requests' device work is not in the dummy step (docs/design/memory.md §3.8). On a GPU the budget
+follows the free memory (:func:`verify_budget`).
 """
 from __future__ import annotations
 
@@ -31,21 +33,16 @@ import logging
 import numpy as np
 import torch
 
+from .chunks import VERIFY_BUDGET
+
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
-# float32 elements one chunk of plain requests' verification may hold at once (2 ** 27: 512 MiB)
-VERIFY_BUDGET = 1 << 27
 # the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
 # profile)
 PROFILE_CPU = False
-# float32 blocks of W * V elements one request holds in verification (``sampler.verify``): the target rows (G + 1), the
-# concatenated draft joints (G) and the layers' temporaries (joint, exponentials, residual, masks, top-p's sort), at
-# most LAYER_BLOCKS; measured on the CPU (torch's allocator records) at G = 1..3, W = 1..4, a chunk of one request on
-# the static path at most 24 blocks besides the 2G + 1, the row-subset path 18 (tests/unit/test_memory.py checks)
-LAYER_BLOCKS = 26
 
 
-# VERIFY_BUDGET on a device: this share of its free memory after the weights (before the KV cache), within
+# chunks.VERIFY_BUDGET on a device: this share of its free memory after the weights (before the KV cache), within
 # [MIN_VERIFY_BUDGET, MAX_VERIFY_BUDGET] elements (an 80 GB GPU with 60 GB free: 2 ** 28.2, capped at 2 ** 28)
 FREE_FRACTION = 0.02
 MIN_VERIFY_BUDGET = 1 << 24
@@ -53,29 +50,14 @@ MAX_VERIFY_BUDGET = 1 << 28
 
 
 def verify_budget(device) -> int:
-    """The float32 elements one chunk of verification may hold on ``device``: :data:`VERIFY_BUDGET` on the CPU; on a
-    GPU :data:`FREE_FRACTION` of its free memory now, within [:data:`MIN_VERIFY_BUDGET`, :data:`MAX_VERIFY_BUDGET`]
+    """The float32 elements one chunk of verification may hold on ``device``: ``chunks.VERIFY_BUDGET`` on the CPU; on
+    a GPU :data:`FREE_FRACTION` of its free memory now, within [:data:`MIN_VERIFY_BUDGET`, :data:`MAX_VERIFY_BUDGET`]
     (the runner's ``profile_run`` asks once, after the weights are loaded)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return VERIFY_BUDGET
     free, _ = torch.cuda.mem_get_info(dev)
     return int(min(MAX_VERIFY_BUDGET, max(MIN_VERIFY_BUDGET, free * FREE_FRACTION // 4)))
-
-
-def verify_blocks(depth: int, penalties: bool = False) -> int:
-    """The W * V float32 blocks one request holds in verification at depth G (see :data:`LAYER_BLOCKS`); with
-    ``penalties`` the chunk's penalized copy of its logits rows too (at most 1 + G * W rows: G + 1 blocks; the sparse
-    counts are bounded apart, ``penalties.PENALTY_BUDGET``)."""
-    G = max(depth, 1)
-    return (G + 1) + G + LAYER_BLOCKS + ((G + 1) if penalties else 0)
-
-
-def verify_chunk(depth: int, width: int, vocab: int, budget: int | None = None, penalties: bool = False) -> int:
-    """The most plain requests one verification chunk takes (>= 1): ``budget`` (default :data:`VERIFY_BUDGET`)
-    float32 elements over each request's ``verify_blocks(depth, penalties) * width * vocab``."""
-    budget = VERIFY_BUDGET if budget is None else budget
-    return max(1, budget // (verify_blocks(depth, penalties) * max(width, 1) * max(vocab, 1)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
