@@ -18,19 +18,26 @@ prior's rate), and the 2-forests pass their layers, so the model drafts N = 2, d
 are still vLLM's, and the chosen N reach ``vllm:dsbd_beam_draft_nodes_chosen``.
 
 And the start-up probe of ``cost_model="auto"`` runs on the engine's runner: target and draft tables from one token
-on, positive times. An engine with ``cost_model="auto"`` corrects its table with the steps it ran (``step_clock.py``):
-its clock measured decode steps, and its outputs are still greedy decoding's and vLLM's beams; a pinned table has no
-clock.
+on, positive times. An engine with ``cost_model="auto"`` (the table measured, corrected by the steps it ran,
+``step_clock.py``), the target as its own draft (every layer passes) and 20 ms added to every target pass (as a large
+target's; measured by the table) drafts in most request-steps, and its outputs are still greedy decoding's and vLLM's
+beams; then long plain requests without and with a host delay injected into every drafting call: its clock's drafting
+step's extra cost (``draft_step``) grows by at least half the delay. A pinned table has no clock.
+The pass rates per source, kind of request and N reach Prometheus (``vllm:dsbd_draft_layers_{passed,tried}``): the
+random draft's are low, the self-draft's near 1.
 """
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from engine_utils import dsbd_llm, greedy_tokens, metric  # sets the CPU engine environment before vllm is imported
+from engine_utils import dsbd_llm, greedy_tokens, metric, runner_of  # sets the CPU engine environment before vllm
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
+from vllm_dsbd.engine import step_clock  # noqa: E402
 from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
 WIDTH, DEPTH, MAX_TOKENS = 2, 3, 32
@@ -39,6 +46,9 @@ BEAM = BeamSearchParams(beam_width=WIDTH, max_tokens=16)
 TABLE = {"target_ms": {"1": 10, "256": 10}, "draft_ms": {"1": 4, "256": 4}}
 SLOPE = {"target_ms": {"1": 10, "256": 61}, "draft_ms": {"1": 2, "256": 2}}  # 0.2 ms a target token
 BEAM_NODES = 8  # N of the self-drafted engines' beam requests (4W)
+SLOW_TARGET = 0.02  # seconds added to every target pass of the auto engine (its table measures them)
+DELAY = 0.05  # seconds of host work injected into every drafting call of the auto engine's last phase
+DELAY_TOKENS = 200  # tokens per request in that phase: enough drafting windows for the clock's medians to see it
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:dsbd_beam_target_passes", "vllm:dsbd_beam_draft_nodes",
         "vllm:dsbd_beam_layers_passed", "vllm:dsbd_beam_steps")
 
@@ -111,6 +121,7 @@ def bad(models, vllm_beams):  # vllm_beams first: one engine at a time
         hist = metric(llm, "vllm:dsbd_draft_depth")
         out["hist"] = ({float(le): n for le, n in hist.buckets.items()}, hist.count)
         out["probe"] = llm.collective_rpc(_measure_costs)[0]
+        out["rates"] = _pass_rates(llm)
         return out
 
 
@@ -118,27 +129,78 @@ def bad(models, vllm_beams):  # vllm_beams first: one engine at a time
 def self_draft(models, bad):
     target, _ = models
     with _engine(target, target, beam_nodes=BEAM_NODES) as llm:
-        return _requests(llm)
+        out = _requests(llm)
+        out["rates"] = _pass_rates(llm)
+        return out
+
+
+def _pass_rates(llm) -> dict:
+    """{(source, kind, nodes): (layers passed, layers tried)} from Prometheus."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:dsbd_draft_layers_passed", "vllm:dsbd_draft_layers_tried"):
+            key = (m.labels["source"], m.labels["kind"], int(m.labels["nodes"]))
+            got = out.setdefault(key, [0, 0])
+            got[m.name.endswith("tried")] += m.value
+    return out
 
 
 @pytest.fixture(scope="module")
 def auto(models, slope):
-    """The self-draft with the table measured at start-up and corrected online."""
+    """The self-draft with the table measured and corrected online, its target made ``SLOW_TARGET`` dearer per pass
+    (as a large target would be; the tiny models' passes cost alike, so a draft the size of the target never pays by
+    the table); then plain requests with a host delay injected into every drafting call (the drafter's
+    ``propose_forests``). The engine core runs in this process: both go straight into its runner."""
+    from vllm_dsbd.engine.load_probe import measure_costs
+
     target, _ = models
     with _engine(target, target, table="auto") as llm:
+        runner = runner_of(llm)
+        forward = runner.model.forward
+
+        def slow_forward(*args, **kwargs):
+            time.sleep(SLOW_TARGET)
+            return forward(*args, **kwargs)
+
+        runner.model.forward = slow_forward  # the target only: the draft is another module of the same weights
+        runner.set_cost_table(measure_costs(runner), "measured again, slow target")
         out = _requests(llm)
         out["load"] = llm.collective_rpc("dsbd_load")[0]
+        drafter = runner.drafter
+        real = drafter.propose_forests
+
+        def slow(jobs):
+            if jobs:
+                time.sleep(DELAY)
+            return (yield from real(jobs))
+
+        def long_requests():
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                         vllm.SamplingParams(temperature=0, max_tokens=DELAY_TOKENS, ignore_eos=True), use_tqdm=False)
+            return llm.collective_rpc("dsbd_load")[0]
+
+        out["long"] = long_requests()
+        drafter.propose_forests = slow
+        try:
+            out["delayed"] = long_requests()
+        finally:
+            del drafter.propose_forests
         return out
 
 
 @pytest.fixture(scope="module")
 def slope(models, self_draft):
-    """The self-draft, ``beam_nodes`` 8, the sloped table: beam search only; and the N histogram."""
+    """The self-draft, ``beam_nodes`` 8, the sloped table: beam search; the N histogram; then beam sampling (T = 1)."""
     target, _ = models
     with _engine(target, target, table=SLOPE, beam_nodes=BEAM_NODES) as llm:
         out = _phase(llm, lambda: _beams(llm))
         hist = metric(llm, "vllm:dsbd_beam_draft_nodes_chosen")
         out["hist"] = ({float(le): n for le, n in hist.buckets.items()}, hist.count)
+        beam = {"width": WIDTH, "max_tokens": 16, "ignore_eos": True}
+        params = [vllm.SamplingParams(temperature=1.0, seed=s, max_tokens=16 * (WIDTH + 1) + 2, ignore_eos=True,
+                                      detokenize=False, extra_args={"dsbd_beam": beam}) for s in range(len(PROMPTS))]
+        out["sampled"] = _phase(llm, lambda: [o.kv_transfer_params["dsbd_beam"] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
         return out
 
 
@@ -201,6 +263,16 @@ def test_ties_keep_the_requested_n(self_draft):
         "vllm:dsbd_beam_steps"] / (DEPTH + 1), self_draft["beams"]
 
 
+def test_beam_sampling_chooses_n_too(slope):
+    """At T = 1 (beam sampling) the model chooses N as well, from the forests verified at each N (no subforest is
+    read at T > 0): N = W pays on the sloped table, as at T = 0; every request still ends with W beams of 16 tokens."""
+    run = slope["sampled"]
+    print(f"T = 1: N chosen {run['nodes']}, depths {run['depths']}")
+    assert set(run["nodes"]) <= {2, 3, 4, 6, 8} and run["nodes"].get(WIDTH, 0) >= 0.5 * sum(run["nodes"].values())
+    assert run["vllm:dsbd_beam_layers_passed"] > 0
+    assert all(len(beams) == WIDTH and all(len(b["token_ids"]) == 16 for b in beams) for beams in run["out"])
+
+
 def test_a_smaller_n_where_the_full_n_does_not_pay(slope):
     nodes, depths = slope["nodes"], slope["depths"]
     print(f"N chosen {nodes}, depths {depths}, counters", {k: slope[k] for k in SPEC})
@@ -212,9 +284,34 @@ def test_a_smaller_n_where_the_full_n_does_not_pay(slope):
     assert count == sum(nodes.values()) and buckets[float(WIDTH)] == nodes[WIDTH] and buckets[8.0] == count
 
 
-def test_the_auto_table_is_corrected_by_measured_steps(auto, bad):
+def test_an_auto_engine_with_a_draft_that_pays_drafts(auto):
     # (its outputs: greedy decoding's and vLLM's beams, test_outputs_equal_greedy_and_vllm_beams)
-    clock = auto["load"]["clock"]
-    assert clock is not None and clock["n_bare"] + clock["n_drafting"] >= 8, clock  # decode steps were measured
-    assert auto["load"]["cost"]["draft_step"] >= 0.0 and auto["load"]["cost"]["step"] >= 0.0
+    print("auto engine: depths", {k: auto[k]["depths"] for k in ("plain", "beams")}, "clock", auto["load"]["clock"],
+          "cost", {k: auto["load"]["cost"][k] for k in ("step", "draft_step")})
+    for run in (auto["plain"], auto["beams"]):
+        assert run["depths"].get(0, 0) <= 0.4 * sum(run["depths"].values()), run["depths"]
+    assert auto["plain"]["vllm:spec_decode_num_drafts"] > 0 and auto["beams"]["vllm:dsbd_beam_layers_passed"] > 0
+
+
+def test_the_auto_table_is_corrected_by_measured_steps(auto, bad):
+    """The same long plain requests without and with ``DELAY`` injected into every drafting call: the clock's
+    ``draft_step`` (medians over the last ``WINDOW`` windows, each phase longer than that) grows by at least half of
+    it."""
+    before, delayed = auto["long"], auto["delayed"]
+    print(f"injected {1e3 * DELAY:.0f} ms per drafting call: draft_step {1e3 * delayed['cost']['draft_step']:.1f} ms "
+          f"(without: {1e3 * before['cost']['draft_step']:.1f} ms); clock {delayed['clock']}; depths "
+          f"{delayed['depths']}")
+    assert before["clock"]["steps"] - auto["load"]["clock"]["steps"] >= step_clock.WINDOW, before["clock"]
+    assert delayed["clock"]["steps"] - before["clock"]["steps"] >= step_clock.WINDOW, delayed["clock"]
+    assert delayed["cost"]["draft_step"] - before["cost"]["draft_step"] >= 0.5 * DELAY, delayed
     assert bad["load"]["clock"] is None  # a pinned table is not corrected
+
+
+def test_pass_rates_per_source_and_n_reach_prometheus(bad, self_draft):
+    print("pass rates: random draft", bad["rates"], "self-draft", self_draft["rates"])
+    for run in (bad, self_draft):
+        assert {k for k, _, _ in run["rates"]} == {"model"} and {k for _, k, _ in run["rates"]} == {"plain", "beam"}
+    passed, tried = map(sum, zip(*bad["rates"].values()))
+    assert tried > 0 and passed <= 0.2 * tried
+    assert all(p >= 0.8 * t > 0 for p, t in self_draft["rates"].values()), self_draft["rates"]
+    assert {n for _, k, n in self_draft["rates"] if k == "beam"} == {BEAM_NODES}

@@ -110,7 +110,7 @@ def _run_dsbd(spec):
                         "law": {k: c3[k] - c2[k] for k in c0}}
         clock = runner._dsbd_clock
         out["cost"] = {"table": runner._dsbd_cost_base, "corrected": runner.dsbd_cost,
-                       "clock": None if clock is None else (clock.n_bare, clock.n_drafting, clock.bare, clock.drafting),
+                       "clock": None if clock is None else clock.summary(),
                        "depths": dict(runner.dsbd_stats.draft_depths),
                        "beam_nodes": dict(runner.dsbd_stats.beam_nodes_chosen)}
     return out
@@ -207,10 +207,10 @@ def test_the_default_engine_measured_its_costs(default):
     print("default engine: start-up table target", table.target if table else None, "draft",
           table.draft if table else None, "step", table.step if table else None)
     print("corrected draft_step", cost["corrected"].draft_step if cost["corrected"] else None,
-          "clock (bare n, drafting n, bare s, drafting s)", cost["clock"])
+          "clock (median surplus s and windows by kind)", cost["clock"])
     print("depths chosen (depth: requests x steps)", cost["depths"], "beam N chosen", cost["beam_nodes"])
     print("counters", default["delta"])
     assert table is not None and len(table.target) >= 2 and all(s > 0 for _, s in table.target)
     assert len(table.draft) >= 1 and all(s > 0 for _, s in table.draft)
-    assert cost["clock"] is not None and cost["clock"][0] + cost["clock"][1] > 0
+    assert cost["clock"] is not None and cost["clock"]["steps"] > 0
     assert sum(cost["depths"].values()) > 0

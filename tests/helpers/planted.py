@@ -4,14 +4,17 @@ Each variant is a test-local copy of ``vllm_dsbd.core.verify.verify_layer`` (or,
 ``vllm_dsbd.core.verify_static.verify_layer_static``, the layer beam requests run) built from its current source with a
 textual change (the copy is compiled in a copy of the module's namespace; the core is not modified). A test installs
 it with ``monkeypatch.setattr(verify_mod, "verify_layer", planted_verify_layer(variant))``: ``verify_forest`` looks the
-name up in its module, so every decoder above it then runs the wrong rule. If the core's source no longer holds a
-line a variant changes, building the variant fails (a power check never silently turns into a no-op).
+name up in its module, so every decoder above it then runs the wrong rule. ``planted_chain`` does the same for the
+width-1 chain cores. If the core's source no longer holds a line a variant changes, building the variant fails (a
+power check never silently turns into a no-op).
 """
 from __future__ import annotations
 
 import inspect
 import textwrap
 
+import vllm_dsbd.core.chain as chain_mod
+import vllm_dsbd.core.chain_static as chain_static_mod
 import vllm_dsbd.core.verify as verify_mod
 import vllm_dsbd.core.verify_static as static_mod
 
@@ -49,12 +52,31 @@ STATIC_VARIANTS = {
 }
 
 
+# the dropped residual in the width-1 chain cores (plain requests' forests of width 1 take them, not verify_layer):
+# ``chain._layer`` (``verify_chains`` looks it up in its module) and ``chain_static.verify_chains_static`` (the runner's
+# sampler calls it by the name it imported: install it as ``vllm_dsbd.engine.sampler.verify_chains_static``)
+CHAIN_VARIANTS = {"dropped_residual": [("tr = torch.where(good, res / tot, pr)", "tr = pr")]}
+CHAIN_STATIC_VARIANTS = {"dropped_residual": [("tr = torch.where(tot > _TINY, res / tot, p)", "tr = p")]}
+
+
+def planted_chain(variant: str, static: bool = False):
+    """A copy of the chain core's ``_layer`` (``static``: ``verify_chains_static``) with the variant's lines
+    changed."""
+    if static:
+        return _planted(chain_static_mod, "verify_chains_static", CHAIN_STATIC_VARIANTS, variant)
+    return _planted(chain_mod, "_layer", CHAIN_VARIANTS, variant)
+
+
 def planted_verify_layer(variant: str, static: bool = False):
     """A copy of the core's ``verify_layer`` (``static``: ``verify_layer_static``) with the variant's lines
     changed."""
     mod, name = (static_mod, "verify_layer_static") if static else (verify_mod, "verify_layer")
+    return _planted(mod, name, STATIC_VARIANTS if static else VARIANTS, variant)
+
+
+def _planted(mod, name: str, variants: dict, variant: str):
     src = textwrap.dedent(inspect.getsource(getattr(mod, name)))
-    for old, new in (STATIC_VARIANTS if static else VARIANTS)[variant]:
+    for old, new in variants[variant]:
         assert src.count(old) == 1, f"planted variant {variant!r}: the core's {name} no longer has {old!r}"
         src = src.replace(old, new)
     namespace = dict(vars(mod))

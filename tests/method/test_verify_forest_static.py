@@ -151,13 +151,14 @@ def static_calls(monkeypatch):
 def test_static_forest_path_equals_general_path(G, W, V, dynamic, static_calls):
     rnd = random.Random(1000 * G + 100 * W + V + dynamic)
     seen = Counter()
-    steps = 40
+    steps, with_forest = 40, 0
     for step in range(steps):
         R = rnd.choice([1, 2, 3, 8, 17])
         logits, plans, cfg = build_wide_step([_random_req(rnd, G, V) for _ in range(R)], G, W, V, seed=step,
                                              dynamic=dynamic)
         _compare(logits, plans, cfg, seen)
-    assert static_calls["called"] == steps
+        with_forest += any(p.forest is not None for p in plans)  # a step without any is narrowed (chain path)
+    assert static_calls["called"] == with_forest >= steps // 2
     for what in ("depth 0", "rejected", "full passes", "eos ends", "greedy rows", "truncated",
                  "later draft accepted"):
         assert seen[what] >= 3, (what, seen)

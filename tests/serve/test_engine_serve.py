@@ -196,7 +196,8 @@ def _samples(text: str, prefix: str) -> list[tuple[str, float]]:
 
 def test_dsbd_metrics_cross_processes(server):
     """DSBD's own Prometheus metrics, recorded in the engine core process, are on the API server's ``/metrics``:
-    forest iterations, layers passed, per-layer widths and emitted tokens, counted for the requests made."""
+    forest iterations, layers passed, per-layer widths, emitted tokens and pass rates per source and N, counted for
+    the requests made."""
     base, _, _ = server
     for _ in range(2):
         _completion(base)
@@ -215,6 +216,14 @@ def test_dsbd_metrics_cross_processes(server):
     # the width of a verified layer is between 1 and the engine's width 2
     buckets = dict(_samples(text, 'vllm:dsbd_layer_width_bucket{layer="1",'))
     assert buckets['vllm:dsbd_layer_width_bucket{layer="1",le="2.0"}'] == widths[0][1]
+    # the pass rates per source, kind and N: children made while serving, memory-mapped too (one layer tried or more
+    # per forest; the cost model is off, so plain requests draft their width: 2, or 1 where a request asked for it)
+    tried = dict(_samples(text, "vllm:dsbd_draft_layers_tried_total{"))
+    name = 'vllm:dsbd_draft_layers_tried_total{kind="plain",nodes="%d",source="model"}'
+    assert name % 2 in tried and set(tried) <= {name % 1, name % 2}, tried
+    assert sum(tried.values()) >= iters[0][1]
+    assert sum(v for _, v in _samples(text, "vllm:dsbd_draft_layers_passed_total{")) == _samples(
+        text, "vllm:dsbd_layers_passed_sum")[0][1]
 
 
 def test_bad_startup_config_exits_naming_key(tiny_pair):

@@ -13,8 +13,9 @@ import itertools
 
 import pytest
 
-from vllm_dsbd.engine.cost import (MAX_WAIT, MEMORY, PRIOR_RATE, Acceptance, Candidate, CostTable, Subforest,
-                                   choose, choose_shapes, expected_tokens, passed_by_width, width_grid)
+from vllm_dsbd.engine.cost import (MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, Acceptance, Candidate, CostTable,
+                                   PassRates, Subforest, choose, choose_shapes, expected_tokens, passed_by_width,
+                                   upper_rate, width_grid)
 
 FLAT = CostTable.from_times({1: 0.010, 1024: 0.010}, {1: 0.001, 1024: 0.001})  # flat passes, a cheap draft
 CPU = CostTable.from_times({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024, 16: 0.040},  # a CPU: time grows with tokens
@@ -144,6 +145,7 @@ def test_a_switched_off_request_tries_again_after_waiting_longer_each_time():
             acc.observe(passed=0, depth=d)  # the try fails
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert len(tries) >= 5 and gaps == sorted(gaps) and max(gaps) == MAX_WAIT + 1
+    assert len(tries) <= 0.1 * 200  # a useless draft is switched off
     acc.idle = acc.wait  # the next try passes a layer: back to trying after one idle step
     acc.chose(3)
     acc.observe(passed=2, depth=3)
@@ -251,17 +253,20 @@ def test_acceptance_per_width_from_subforests():
     c = acc.candidate(2, 4, 2, low=2)
     assert c.width == 4 and dict(c.options) == pytest.approx({2: 0.4, 3: 0.8})
     # the estimate is monotone in N: a width whose own count is lower takes the best below it; one without a count
-    # (above every forest drafted so far) is at the prior, or better
+    # (above every forest drafted so far) is at the prior, or better (a T = 0 beam request's tries draft the full N)
     acc.by_width[6] = [0.0, 4.0]
     assert acc.width_rate(6) == pytest.approx(0.8) and acc.width_rate(11) == pytest.approx(0.8)
     acc.by_width = {2: [0.0, 4.0]}
     assert acc.width_rate(3) == pytest.approx(PRIOR_RATE) and acc.width_rate(2) == pytest.approx(0.2)
     # plain requests and T > 0 beams (no ``low``) and N = W: no options
     assert acc.candidate(2, 8, 2).options == () and acc.candidate(2, 2, 2, low=2).options == ()
-    # after ``wait`` idle steps, a try: the full N only (its forest informs every smaller N), at least at the prior
+    # after ``wait`` idle steps, a try: the full N only (its forest informs every smaller N), at an optimistic rate
+    # (N = 8 has no count of its own: the request's overall one, 2 layers passed of 2), or the engine-wide one
     acc.idle = acc.wait
     c = acc.candidate(2, 8, 2, low=2)
-    assert c.options == () and c.width == 8 and c.rate == pytest.approx(PRIOR_RATE)
+    assert c.options == () and c.width == 8 and c.rate == pytest.approx(acc.try_rate(2.0, 2.0)) and c.rate > 0.9
+    acc.by_width[8] = [0.0, MEMORY]
+    assert acc.candidate(2, 8, 2, low=2, pool=0.7).rate == pytest.approx(0.7)
 
 
 SLOPE = CostTable.from_times({1: 0.010, 4: 0.010, 64: 0.016}, {1: 0.001, 64: 0.002})  # 0.1 ms a target token
@@ -354,3 +359,91 @@ def test_a_batch_drafts_a_smaller_n_together_where_no_lone_request_pays():
     assert got == [(2, 1)] * 4
     assert shapes_rate(table, cands, got) == pytest.approx(426.7, rel=1e-3)
     assert shapes_rate(table, cands, none) == pytest.approx(350.9, rel=1e-3)
+
+
+# a dear draft: depth 1 pays only where a layer passes with probability above 0.75 (above the prior's 0.6)
+DEAR = CostTable.from_times({1: 0.010, 256: 0.010}, {1: 0.0075, 256: 0.0075})
+
+
+def _drafted(table, p, steps=300, seed=0, acc=None, pool=None):
+    """The share of ``steps`` a request whose layers pass with probability ``p`` drafts (width 2, depth 3)."""
+    import random
+
+    rng, acc, n = random.Random(seed), acc or Acceptance(), 0
+    for _ in range(steps):
+        d = choose([acc.candidate(1, 2, 3, pool=pool)], table)[0]
+        acc.chose(d)
+        if d:
+            n += 1
+            k = 0
+            while k < d and rng.random() < p:
+                k += 1
+            acc.observe(k, d)
+    return n / steps
+
+
+def test_a_draft_passing_more_than_the_prior_is_found():
+    """At the prior's 0.6 the dear draft does not pay: a new request drafts nothing at first. Its try plans at the
+    upper confidence bound (0.95 with no evidence), so a draft passing 95% of layers is measured and then drafted in
+    every step; one passing 30% is tried now and then and stays off."""
+    assert choose([Candidate(1, 2, 3, PRIOR_RATE)], DEAR) == [0]
+    assert upper_rate(0.0, 0.0) > 0.9 and upper_rate(0.0, MEMORY) < 0.15
+    assert _drafted(DEAR, 0.95) > 0.95
+    assert _drafted(DEAR, 0.3) < 0.1
+    # on the flat table and the one of test_engine_cost's engines (where 30% pays) a draft that never passes stays off
+    assert _drafted(FLAT, 0.0) < 0.1 and _drafted(CostTable.from_times({1: 0.01}, {1: 0.004}), 0.0) < 0.1
+    assert _drafted(FLAT, 0.3) > 0.95
+
+
+def test_a_try_trusts_old_evidence_less_the_longer_it_waited():
+    acc = Acceptance(passed=0.0, tried=MEMORY)
+    acc.idle = acc.wait = 1
+    early = acc.planning_rate()
+    acc.idle = 64
+    late = acc.planning_rate()
+    assert acc.rate() < early < late < upper_rate(0.0, 0.0)
+    # a request whose draft failed long ago is measured again: after 64 idle steps its try pays on the dear table
+    acc = Acceptance(passed=0.0, tried=MEMORY, idle=MAX_WAIT, wait=MAX_WAIT)
+    assert choose([acc.candidate(1, 2, 3)], DEAR) == [0]
+    acc.idle = 2 * MAX_WAIT
+    assert choose([acc.candidate(1, 2, 3)], DEAR)[0] >= 1
+    # not on the estimate: a request that is not trying keeps its measured rate
+    acc.idle = 0
+    assert acc.planning_rate() == pytest.approx(acc.rate())
+
+
+def test_the_engine_wide_rate_is_a_try_floor():
+    pool = PassRates()
+    assert pool.rate("model", 2) is None
+    for _ in range(20):
+        pool.observe("model", 2, passed=3, depth=3)
+    pool.observe("model", 4, passed=0, depth=3)
+    assert pool.rate("model", 2) > 0.9 and pool.rate("model", 4) == pool.rate("model", 2)  # monotone in N
+    assert pool.rate("model", 1) is None and pool.rate("other", 2) is None
+    assert sum(pt[1] for pt in pool.counts.values()) <= 2 * POOL_MEMORY
+    # a request whose own forests failed tries again at the engine-wide rate
+    acc = Acceptance(passed=0.0, tried=MEMORY, idle=1, wait=1)
+    assert acc.planning_rate(pool.rate("model", 2)) == pytest.approx(pool.rate("model", 2))
+    assert choose([acc.candidate(1, 2, 3, pool=pool.rate("model", 2))], DEAR)[0] >= 1
+    assert choose([acc.candidate(1, 2, 3)], DEAR) == [0]
+
+
+def test_a_plain_request_chooses_its_width_from_one_up():
+    """``low = 1``: a plain request's N' from 1 to its width, each at the count of the forests it verified at that N'
+    (a width without one at the nearest larger one's: a smaller forest passes at most as often)."""
+    acc = Acceptance()
+    for _ in range(8):
+        acc.observe(passed=3, depth=3, nodes=4)
+    c = acc.candidate(1, 4, 3, low=1)
+    assert c.width == 4 and dict(c.options) == pytest.approx({w: acc.width_rate(4) for w in (1, 2, 3)})
+    # flat target passes, the draft's passes cost by tokens: the smaller width at the same rate is faster
+    slope_draft = CostTable.from_times({1: 0.010, 64: 0.010}, {1: 0.001, 64: 0.008})
+    assert choose_shapes([c], slope_draft)[0][0] < 4
+    acc.observe(passed=0, depth=3, nodes=1)
+    acc.observe(passed=0, depth=3, nodes=1)
+    assert acc.width_rate(1) < acc.width_rate(2) == acc.width_rate(4)
+    # a width above every one drafted: the upper bound of the largest one's count (its forests tell nothing wider)
+    acc = Acceptance()
+    acc.observe(passed=2, depth=3, nodes=1)
+    up = upper_rate(*acc.by_width[1])
+    assert acc.width_rate(2) == pytest.approx(up) and up > acc.width_rate(1)

@@ -3,27 +3,32 @@
 From (a) a table of target and draft pass times by token count (:class:`CostTable`: measured at start-up by
 ``load_probe.py``, or pinned in the config) and (b) each request's per-layer pass rate estimated from its **earlier**
 steps (:class:`Acceptance`, a smoothed count with a prior), :func:`choose_shapes` picks the depths of a step's
-requests, down to 0 (no draft) where drafting does not pay, and for T = 0 beam requests also N, the nodes per depth
-(from W up to the request's N): the rate at every N' <= N is read from the N'-subforests of the forests the request
-verified (:func:`passed_by_width`). The choice is made before any coin of the step is drawn and depends only on the
-past, so every output law stays exact; every tensor-parallel rank computes the same choice (the table is rank 0's,
-the estimates come from verification results every rank has). Imports neither vLLM nor torch.
+requests, down to 0 (no draft) where drafting does not pay, and also N, the nodes per depth (a plain request's from
+1, a beam request's from W, up to its own): for a T = 0 beam request the rate at every N' <= N is read from the
+N'-subforests of the forests it verified (:func:`passed_by_width`), for the others from its forests at each N'; a
+request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`). The choice
+is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every
+tensor-parallel rank computes the same choice (the table is rank 0's, the estimates come from verification results
+every rank has). Imports neither vLLM nor torch.
 The rule: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md.
 """
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Acceptance", "Candidate", "CostTable", "Subforest", "choose", "choose_shapes", "draft_seconds",
-           "expected_tokens", "passed_by_width", "width_grid"]
+__all__ = ["Acceptance", "Candidate", "CostTable", "PassRates", "Subforest", "choose", "choose_shapes",
+           "draft_seconds", "expected_tokens", "passed_by_width", "upper_rate", "width_grid"]
 
 PRIOR_RATE = 0.6  # a new request's per-layer pass rate, before it has verified any forest
 PRIOR_WEIGHT = 2.0  # how many layers' worth of evidence the prior counts for
 MEMORY = 16.0  # the most layers of evidence kept (older evidence is scaled down): the estimate follows the text
 MAX_WAIT = 32  # the most steps a switched-off request waits before it may try drafting again
+AGING = 1.0 - 1.0 / MEMORY  # a try trusts a request's evidence less by this factor per step it went without a forest
+POOL_MEMORY = 256.0  # the most layers of engine-wide evidence kept per (source, N) (PassRates)
+DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
 MAX_SWEEPS = 4  # the most rounds of the per-request refinement of nodes per depth (choose_shapes)
 
 
@@ -111,8 +116,9 @@ def expected_tokens(rate: float, depth: int) -> float:
 
 
 def width_grid(low: int, high: int) -> list[int]:
-    """The nodes per depth the model weighs for a T = 0 beam request of width ``low`` that may draft ``high``: from
-    ``low`` up by factors of about sqrt(2), and ``high`` (4, 6, 8, 11, 16 for W = 4, N = 16)."""
+    """The nodes per depth the model weighs for a request that may draft from ``low`` (a beam request's W, a plain
+    request's 1) to ``high``: from ``low`` up by factors of about sqrt(2), and ``high`` (4, 6, 8, 11, 16 for W = 4,
+    N = 16)."""
     out, w = [], low
     while w < high:
         out.append(w)
@@ -166,57 +172,119 @@ def passed_by_width(layers: Sequence[int], parents: Sequence[int], beams: Sequen
     return out
 
 
-def _decay(pt: list[float]) -> None:
-    """Evidence beyond ``MEMORY`` layers tried is scaled down (``pt``: [passed, tried])."""
-    if pt[1] > MEMORY:
-        scale = MEMORY / pt[1]
-        pt[0], pt[1] = pt[0] * scale, MEMORY
+def _decay(pt: list[float], memory: float = MEMORY) -> None:
+    """Evidence beyond ``memory`` layers tried is scaled down (``pt``: [passed, tried])."""
+    if pt[1] > memory:
+        scale = memory / pt[1]
+        pt[0], pt[1] = pt[0] * scale, memory
 
 
 def _rate(passed: float, tried: float) -> float:
     return (PRIOR_RATE * PRIOR_WEIGHT + passed) / (PRIOR_WEIGHT + tried)
 
 
+def upper_rate(passed: float, tried: float) -> float:
+    """An upper confidence bound of a pass rate: the estimate plus one standard deviation of a rate measured over
+    the evidence (prior included), ``a + sqrt(a (1 - a) / (PRIOR_WEIGHT + tried))``, at most 1. With no evidence
+    0.95; it shrinks as layers are tried and grows again as a switched-off request's evidence ages."""
+    a = _rate(passed, tried)
+    return min(1.0, a + math.sqrt(a * (1.0 - a) / (PRIOR_WEIGHT + tried)))
+
+
+@dataclass
+class PassRates:
+    """The engine-wide pass rate of every forest source by nodes per depth N: layers passed per layer tried over
+    every request's verified forests (``POOL_MEMORY`` layers per (source, N), older evidence scaled down). A request
+    the model switched off tries again at least at this rate (:meth:`Acceptance.candidate`), so a source that passes
+    for the other requests is drafted again for this one. ``source``: any key naming the source (``DRAFT``: the draft
+    model) and, where a layer's pass means different things, the kind of request (the runner: (source, "plain" or
+    "beam"))."""
+
+    counts: dict[tuple[Hashable, int], list[float]] = field(default_factory=dict)  # (source, N) -> [passed, tried]
+
+    def observe(self, source: Hashable, nodes: int, passed: int, depth: int) -> None:
+        """A verified forest of ``nodes`` per depth and ``depth`` layers that passed ``passed`` of them."""
+        if depth <= 0 or nodes <= 0:
+            return
+        pt = self.counts.setdefault((source, nodes), [0.0, 0.0])
+        pt[0] += passed
+        pt[1] += min(passed + 1, depth)
+        _decay(pt, POOL_MEMORY)
+
+    def rate(self, source: Hashable, nodes: int) -> float | None:
+        """The measured rate of ``source`` at ``nodes`` per depth, or the best at fewer (a larger forest passes at
+        least as often); None where no forest of at most ``nodes`` was verified."""
+        got = [_rate(*pt) for (s, n), pt in self.counts.items() if s == source and n <= nodes and pt[1] > 0]
+        return max(got) if got else None
+
+
 @dataclass
 class Acceptance:
     """One request's per-layer pass rate, from the forests it verified in earlier steps: ``(prior + passed) /
     (prior weight + tried)``, a layer tried when the layer before it passed. Evidence beyond ``MEMORY`` layers is
-    scaled down. A request the model switched off may try again (at the prior's rate, if that is higher) after
-    ``wait`` steps without a forest; ``wait`` doubles (to ``MAX_WAIT``) after such a try passes no layer and is 1 again
-    after any layer passes. A T = 0 beam request also keeps the same count per nodes per depth N' (``by_width``), read
-    from the N'-subforests of its forests (:func:`passed_by_width`)."""
+    scaled down. A request the model switched off tries again after ``wait`` steps without a forest, at an optimistic
+    rate (:meth:`try_rate`: the upper confidence bound of its evidence aged by the steps it went without a forest, or
+    the source's engine-wide rate, :class:`PassRates`), so a source that passes more than the prior is found, and one
+    that failed long ago is measured again; ``wait`` doubles (to ``MAX_WAIT``) after such a try passes no layer and
+    is 1 again after any layer passes. The same count is kept per nodes per depth N' (``by_width``): for a T = 0 beam
+    request read from the N'-subforests of its forests (:func:`passed_by_width`), for the others from the forests it
+    verified at each N'."""
 
     passed: float = 0.0
     tried: float = 0.0
     idle: int = 0  # steps in a row the model chose no forest for this request
     wait: int = 1
-    trying: bool = False  # its current forest is a try at the prior's rate
-    by_width: dict[int, list[float]] = field(default_factory=dict)  # N' -> [passed, tried] of its N'-subforests
+    trying: bool = False  # its current forest is a try at an optimistic rate
+    by_width: dict[int, list[float]] = field(default_factory=dict)  # N' -> [passed, tried] of its N'-forests
+    subforests: bool = False  # its counts per N' are read off subforests (a T = 0 beam request)
 
     def rate(self) -> float:
         return _rate(self.passed, self.tried)
 
-    def planning_rate(self) -> float:
-        """The rate this step's choice uses: the estimate, or the prior's rate after ``wait`` idle steps."""
-        r = self.rate()
-        return max(r, PRIOR_RATE) if self.idle >= self.wait else r
+    def planning_rate(self, pool: float | None = None) -> float:
+        """The rate this step's choice uses: the estimate, or after ``wait`` idle steps (a try) an optimistic one
+        (:meth:`try_rate`)."""
+        return self.try_rate(self.passed, self.tried, pool) if self.idle >= self.wait else self.rate()
+
+    def try_rate(self, passed: float, tried: float, pool: float | None = None) -> float:
+        """The rate of a try on evidence (``passed``, ``tried``): the upper confidence bound of the evidence aged by
+        ``AGING`` per idle step (:func:`upper_rate`; the longer a request went without a forest, the less its old
+        evidence is trusted), or ``pool`` (the source's engine-wide rate), or the estimate, whichever is highest."""
+        g = AGING ** self.idle
+        return max(upper_rate(passed * g, tried * g), _rate(passed, tried), pool or 0.0)
 
     def width_rate(self, width: int) -> float:
-        """The estimate at ``width`` nodes per depth: its own count's (the prior's rate without one), or a smaller
-        width's where that is higher (a larger forest holds a smaller one's nodes: it passes at least as often)."""
-        own = self.by_width.get(width, (0.0, 0.0))
-        return max([_rate(*own)] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
+        """The estimate at ``width`` nodes per depth: its own count's, or a smaller width's where that is higher (a
+        larger forest holds a smaller one's nodes: it passes at least as often). A width without a count takes the
+        rate of the nearest larger width with one (a smaller forest passes at most as often); above every width with
+        one, the prior's, or for a request whose forests tell only their own width (not a T = 0 beam request's, whose
+        tries draft the full N) the upper bound of the largest one's count if higher (:func:`upper_rate`: it may pass
+        more), so a width never drafted is tried where it could pay."""
+        own = self.by_width.get(width)
+        if own is not None:
+            rate = _rate(*own)
+        elif larger := [w for w in self.by_width if w > width]:
+            rate = _rate(*self.by_width[min(larger)])
+        else:
+            smaller = [w for w in self.by_width if w < width]
+            rate = PRIOR_RATE
+            if smaller and not self.subforests:
+                rate = max(rate, upper_rate(*self.by_width[max(smaller)]))
+        return max([rate] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
 
-    def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False,
-                  low: int | None = None) -> Candidate:
-        """This request as this step's choice sees it (:class:`Candidate`, ``catch_up`` = ``leaves``). ``low``: a
-        T = 0 beam request's width W, below which N never goes: the model may then choose any N' of
-        ``width_grid(low, width)``, each at :meth:`width_rate`; after ``wait`` idle steps (a try) only ``width``, at
-        least at the prior's rate."""
+    def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False, low: int | None = None,
+                  pool: float | None = None) -> Candidate:
+        """This request as this step's choice sees it (:class:`Candidate`, ``catch_up`` = ``leaves``). ``low``: the
+        fewest nodes per depth it may draft (a beam request's W, a plain request's 1): the model may then choose any
+        N' of ``width_grid(low, width)``, each at :meth:`width_rate`; after ``wait`` idle steps (a try) only
+        ``width``, at :meth:`planning_rate` with the upper bound of its count at ``width``. ``pool``: the source's
+        engine-wide rate at ``width`` (:class:`PassRates`)."""
         if low is None or low >= width:
-            return Candidate(leaves, width, depth, self.planning_rate(), leaves, pinned)
-        if self.idle >= self.wait:  # a try: the full width, whose forest informs every smaller one
-            return Candidate(leaves, width, depth, max(self.width_rate(width), PRIOR_RATE), leaves, pinned)
+            return Candidate(leaves, width, depth, self.planning_rate(pool), leaves, pinned)
+        if self.idle >= self.wait:  # a try: the full width, whose forest informs the smaller ones
+            own = self.by_width.get(width, (self.passed, self.tried))
+            rate = max(self.try_rate(*own, pool), self.width_rate(width))
+            return Candidate(leaves, width, depth, rate, leaves, pinned)
         rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
         return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]))
 
@@ -225,12 +293,13 @@ class Acceptance:
         if depth <= 0:
             self.idle += 1
         else:
-            self.trying = self.idle >= self.wait and self.rate() < PRIOR_RATE
+            self.trying = self.idle >= self.wait
             self.idle = 0
 
-    def observe(self, passed: int, depth: int, sub: Subforest | None = None) -> None:
+    def observe(self, passed: int, depth: int, sub: Subforest | None = None, nodes: int | None = None) -> None:
         """A verified forest of ``depth`` layers (the deepest scheduled node's) passed ``passed`` of them; ``sub``
-        (T = 0 beam requests): what its subforests would have passed, counted per N' of ``width_grid(W, N)``."""
+        (T = 0 beam requests): what its subforests would have passed, counted per N' of ``width_grid(W, N)``;
+        ``nodes`` (the others): its nodes per depth, where the request may draft other widths."""
         if depth <= 0:
             return
         self.passed += passed
@@ -238,14 +307,18 @@ class Acceptance:
         pt = [self.passed, self.tried]
         _decay(pt)
         self.passed, self.tried = pt
+        got = {}
         if sub is not None and sub.width <= sub.nodes:
+            self.subforests = True
             got = passed_by_width(sub.layers, sub.parents, sub.beams, width_grid(sub.width, sub.nodes)[:-1])
             got[sub.nodes] = passed  # the forest itself
-            for w, n in got.items():
-                pt = self.by_width.setdefault(w, [0.0, 0.0])
-                pt[0] += n
-                pt[1] += min(n + 1, depth)
-                _decay(pt)
+        elif nodes is not None:
+            got = {nodes: passed}
+        for w, n in got.items():
+            pt = self.by_width.setdefault(w, [0.0, 0.0])
+            pt[0] += n
+            pt[1] += min(n + 1, depth)
+            _decay(pt)
         if passed > 0:
             self.wait = 1
         elif self.trying:
@@ -259,7 +332,8 @@ class Candidate:
     request's root; W: a beam request's live leaves), ``width`` forest nodes per depth, at most ``depth`` depths,
     per-layer pass rate ``rate``, ``catch_up`` tokens in the draft's first pass (its root or leaves). ``pinned``: it
     drafts ``depth`` whatever the model says (a beam request that set its own depth). ``options``: other (nodes per
-    depth, rate) it may draft instead, each below ``width`` (a T = 0 beam request's N' from W up)."""
+    depth, rate) it may draft instead, each below ``width`` (a beam request's N' from W up, a plain request's from
+    1)."""
 
     leaves: int
     width: int

@@ -35,7 +35,7 @@ class Shape:
 @dataclass(frozen=True, slots=True)
 class Level:
     """The draft limits of one request in one step: at most ``width`` nodes per depth, ``depth`` depths
-    (``Level(0, 0)``: no forest); ``beam_nodes``: a T = 0 beam request's N for this step, chosen by the cost model
+    (``Level(0, 0)``: no forest); ``beam_nodes``: a beam request's N for this step, chosen by the cost model
     (None: its own)."""
 
     width: int

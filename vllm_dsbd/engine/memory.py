@@ -20,10 +20,10 @@ This module is the account; ``chunks.py`` the bound (a leaf: the sampler imports
 sampler and the drafter). Penalized requests' target rows are copied and penalized chunk by chunk
 (``sampler.penalized_chunk``, sparse counts: ``penalties.penalize_rows_``), the copy counted in
 ``chunks.verify_blocks``; the draft's rows are penalized sparsely too (``penalties.DraftPenalties``); the dummy step's
-requests carry penalties and the longest histories, in drafting and in verification. Beam requests' T = 0 top-N runs
-in chunks of requests under the same budget (``beams.drafter.top_n``), which the dummy step reserves while it drafts;
-the rest of beam requests' device work is not in the dummy step (docs/design/memory.md §3.8). On a GPU the budget
-follows the free memory (:func:`verify_budget`).
+requests carry penalties and the longest histories, in drafting and in verification. Beam requests' T = 0 top-N runs in
+chunks of requests under the same budget (``beams.drafter.top_n``), which the dummy step reserves while it drafts; the
+rest of beam requests' device work is not in the dummy step (docs/design/memory.md §3.8). On a GPU the budget follows
+the free memory (``chunks.verify_budget``).
 """
 from __future__ import annotations
 
@@ -33,31 +33,14 @@ import logging
 import numpy as np
 import torch
 
-from .chunks import VERIFY_BUDGET
-
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
 # the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
 # profile)
 PROFILE_CPU = False
-
-
-# chunks.VERIFY_BUDGET on a device: this share of its free memory after the weights (before the KV cache), within
-# [MIN_VERIFY_BUDGET, MAX_VERIFY_BUDGET] elements (an 80 GB GPU with 60 GB free: 2 ** 28.2, capped at 2 ** 28)
-FREE_FRACTION = 0.02
-MIN_VERIFY_BUDGET = 1 << 24
-MAX_VERIFY_BUDGET = 1 << 28
-
-
-def verify_budget(device) -> int:
-    """The float32 elements one chunk of verification may hold on ``device``: ``chunks.VERIFY_BUDGET`` on the CPU; on
-    a GPU :data:`FREE_FRACTION` of its free memory now, within [:data:`MIN_VERIFY_BUDGET`, :data:`MAX_VERIFY_BUDGET`]
-    (the runner's ``profile_run`` asks once, after the weights are loaded)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return VERIFY_BUDGET
-    free, _ = torch.cuda.mem_get_info(dev)
-    return int(min(MAX_VERIFY_BUDGET, max(MIN_VERIFY_BUDGET, free * FREE_FRACTION // 4)))
+# the bound lives in chunks.py (a leaf); its names here too, for the account's readers
+from .chunks import (FREE_FRACTION, LAYER_BLOCKS, MAX_VERIFY_BUDGET, MIN_VERIFY_BUDGET, VERIFY_BUDGET,  # noqa: E402,F401
+                     verify_blocks, verify_budget, verify_chunk)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """DSBD statistics: layers passed per iteration, the width of each verified layer, beam requests' passes and steps, KV
-commits, the draft depth the cost model chose (or load-aware speculation allowed) and the nodes per depth it chose for
-T = 0 beam requests.
+commits, the draft depth the cost model chose (or load-aware speculation allowed), the nodes per depth it chose for
+beam requests, and every forest source's layers passed and tried by kind of request and nodes per depth.
 
 Per engine (worker) process :class:`DSBDStats` counts what verification did, logs a ``DSBD: ...`` summary at most every
 ``log_interval_s`` seconds and updates the ``vllm:dsbd_*`` Prometheus collectors (``prometheus.py`` carries them across
@@ -18,7 +18,7 @@ from collections import Counter
 
 from vllm_dsbd.config import DSBDConfig
 
-from .prometheus import collectors_for
+from .prometheus import child, collectors_for
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
@@ -43,7 +43,9 @@ class DSBDStats:
         self.draft_nodes = 0  # forest nodes verified (= vLLM's spec_decode_num_draft_tokens)
         self.kv_moves = 0
         self.draft_depths = Counter()  # depth chosen by the cost model (or allowed by the budget) -> requests x steps
-        self.beam_nodes_chosen = Counter()  # N the cost model chose for a T = 0 beam forest -> requests x steps
+        self.beam_nodes_chosen = Counter()  # N the cost model chose for a beam forest -> requests x steps
+        # (source, kind, N) -> [layers passed, layers tried] of the verified forests (the cost model's pass rates)
+        self.pass_rates: dict[tuple[str, str, int], list[int]] = {}
         self.foreign_drafts = 0  # scheduled draft tokens that were not our forest (ignored: depth 0)
         self.beam_passes = 0  # target passes over beam requests (one per request and pass)
         self.beam_steps = 0  # beam steps done (every live beam grew by one token)
@@ -67,8 +69,21 @@ class DSBDStats:
         self._record(self.draft_depths, "draft_depth", depths)
 
     def record_nodes(self, nodes: list[int]) -> None:
-        """The nodes per depth N the cost model chose for each T = 0 beam request it drafts for this step."""
+        """The nodes per depth N the cost model chose for each beam request it drafts for this step."""
         self._record(self.beam_nodes_chosen, "beam_nodes_chosen", nodes)
+
+    def record_pass_rate(self, source: str, kind: str, nodes: int, passed: int, tried: int) -> None:
+        """A verified forest of ``source`` drafted with ``nodes`` per depth for a ``kind`` ("plain" or "beam")
+        request: ``passed`` of its ``tried`` layers passed (a layer is tried when the one before it passed)."""
+        pt = self.pass_rates.setdefault((source, kind, nodes), [0, 0])
+        pt[0] += passed
+        pt[1] += tried
+        prom = self._prometheus()
+        if prom is not None:
+            labels = {"source": source, "kind": kind, "nodes": str(nodes)}
+            child(self, "draft_tried", labels).inc(tried)
+            if passed:
+                child(self, "draft_passed", labels).inc(passed)
 
     def _record(self, counts, histogram: str, values: list[int]) -> None:
         """``values`` into a count and into the Prometheus histogram of that name (when this engine reports)."""

@@ -7,6 +7,7 @@ An in-process engine registers in its process's default registry. With the engin
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -75,20 +76,44 @@ def _collectors(mmap_dir: str | None = None, depth: int = 0) -> dict | None:
         return None
     if mmap_dir is None:
         return _build_collectors()
-    old_cls, old_env = values.ValueClass, os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    values.ValueClass = values.MultiProcessValue()
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = mmap_dir
-    try:
+    with _multiprocess(mmap_dir):
         out = _build_collectors()
         for d in range(1, depth + 1):
             out["width"].labels(layer=str(d))
         return out
+
+
+@contextlib.contextmanager
+def _multiprocess(mmap_dir: str):
+    """prometheus_client's multiprocess mode, writing to ``mmap_dir``, while collectors or their children are made."""
+    from prometheus_client import values
+
+    old_cls, old_env = values.ValueClass, os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    values.ValueClass = values.MultiProcessValue()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = mmap_dir
+    try:
+        yield
     finally:
         values.ValueClass = old_cls
         if old_env is None:
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = old_env
+
+
+def child(stats, name: str, labels: dict):
+    """The child of one engine's labelled collector ``name`` for ``labels``; with memory-mapped collectors made in
+    multiprocess mode (a child made outside it would not be memory-mapped), so children whose labels are known only
+    while serving (a source, a nodes per depth) reach the front end too."""
+    collector = stats.prom[name]
+    if not stats.prom_mmap:
+        return collector.labels(**labels)
+    with _LOCK:
+        key = tuple(str(labels[k]) for k in collector._labelnames)
+        if key in collector._metrics:  # made already (prometheus_client keeps its children by label values)
+            return collector._metrics[key]
+        with _multiprocess(os.environ[PROMETHEUS_DIR_ENV]):
+            return collector.labels(**labels)
 
 
 def _build_collectors() -> dict:
@@ -108,8 +133,14 @@ def _build_collectors() -> dict:
         "nodes": PCounter("vllm:dsbd_draft_nodes", "draft forest nodes verified by the target", **kw),
         "draft_depth": Histogram("vllm:dsbd_draft_depth", "DSBD draft depth per request per step: chosen by "
                                  "the cost model, or allowed by the verify budget", buckets=[float(b) for b in range(0, 65)], **kw),
+        "draft_passed": PCounter("vllm:dsbd_draft_layers_passed", "forest layers passed, by forest source, kind of "
+                                 "request (plain, beam) and draft nodes per depth: with vllm:dsbd_draft_layers_tried "
+                                 "the per-layer pass rate the cost model estimates", ["source", "kind", "nodes"], **kw),
+        "draft_tried": PCounter("vllm:dsbd_draft_layers_tried", "forest layers tried (the first, and each after a "
+                                "passed one), by forest source, kind of request and draft nodes per depth",
+                                ["source", "kind", "nodes"], **kw),
         "beam_nodes_chosen": Histogram("vllm:dsbd_beam_draft_nodes_chosen", "DSBD draft nodes per depth (N) of a "
-                                       "T = 0 beam request's forest per step, chosen by the cost model",
+                                       "beam request's forest per step, chosen by the cost model",
                                        buckets=[float(b) for b in range(1, 65)] + [96.0, 128.0, 256.0], **kw),
         "beam_passes": PCounter("vllm:dsbd_beam_target_passes", "target passes over beam requests", **kw),
         "beam_steps": PCounter("vllm:dsbd_beam_steps", "beam steps (one token on every live beam)", **kw),

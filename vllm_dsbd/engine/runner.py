@@ -53,7 +53,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         # (cheaper there); tests switch it on a running engine
         self.dsbd_static_layers = self.dsbd_static
         # float32 elements a chunk of verification (or of beam drafting's top-N) may hold; rescaled to the device's
-        # free memory by ``profile_run`` (``memory.verify_budget``)
+        # free memory by ``profile_run`` (``chunks.verify_budget``)
         self.dsbd_verify_elements = chunks.VERIFY_BUDGET
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
@@ -82,6 +82,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         # after vLLM's warm-up (load_probe.py, cost_model "auto"); None: off
         self.dsbd_cost: cost.CostTable | None = None
         self._dsbd_clock, self._dsbd_cost_base = None, None  # the table's online correction (step_clock.py)
+        self.dsbd_pass_rates = cost.PassRates()  # every source's engine-wide pass rate by N (a try's floor)
         if cfg.cost_aware and isinstance(cfg.cost_model, dict):
             self.set_cost_table(cost.CostTable.from_config(cfg.cost_model), "pinned")
         mode = vllm_config.model_config.logprobs_mode
@@ -130,7 +131,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         the peak vLLM sizes the KV cache from covers DSBD's per-step working memory. On the CPU vLLM does not size the
         KV cache from the profile (``VLLM_CPU_KVCACHE_SPACE``): vLLM's alone (``memory.PROFILE_CPU``: tests), as with
         ``VLLM_DSBD_PROFILE_STEP=0`` anywhere (the dummy step has not run on a GPU yet: its fallback)."""
-        self.dsbd_verify_elements = memory.verify_budget(self.device)  # weights loaded, KV cache not yet
+        self.dsbd_verify_elements = chunks.verify_budget(self.device)  # weights loaded, KV cache not yet
         if not self.dsbd_env.profile_step or (torch.device(self.device).type == "cpu" and not memory.PROFILE_CPU):
             return super().profile_run()
         return memory.profile_step(self, super().profile_run)
@@ -355,8 +356,8 @@ class DSBDRunnerMixin(KVCommitMixin):
         for row, res, skip in zip(plan, results, discard):
             if not skip and row.state.beam is None:
                 self.dsbd_stats.record(row, res)
-                if row.forest is not None:  # the cost model's estimate, for the next steps' choices
-                    row.state.acceptance.observe(res.passed, row.forest.depth)
+                if row.forest is not None:  # the cost model's estimates, for the next steps' choices
+                    self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
         self._dsbd_results = results
         self._dsbd_last_plan = plan
         ids = sampler.sampled_token_ids(results, len(plan))
@@ -404,12 +405,20 @@ class DSBDRunnerMixin(KVCommitMixin):
 
     def _beam_result(self, i: int, row, out, blocks: int | None, moves: list) -> sampler.RowResult:
         self.dsbd_stats.record_beam(out, blocks)
-        if out.draft_nodes:  # the cost model's estimate, for the next steps' choices
-            row.state.acceptance.observe(out.layers_passed, out.draft_layers, out.sub)
+        if out.draft_nodes:  # the cost model's estimates, for the next steps' choices
+            nodes = out.sub.nodes if out.sub is not None else row.state.forest_nodes or row.state.beam.nodes
+            self._observe(row.state, "beam", out.layers_passed, out.draft_layers, nodes, out.sub)
         row.beam_result = out
         if out.moves:  # i: the request's batch row (plan order = batch order)
             moves.append((i, [s for s, _ in out.moves], [d for _, d in out.moves]))
         return sampler.RowResult(tokens=list(out.row), path=[], passed=0, rows=[row.first_row] * len(out.row))
+
+    def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
+        """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
+        a T = 0 beam forest's subforests), the engine-wide rates and the metrics, under the draft's source."""
+        st.acceptance.observe(passed, depth, sub, None if sub is not None else nodes)
+        self.dsbd_pass_rates.observe((cost.DRAFT, kind), nodes, passed, depth)
+        self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
 
     def _dsbd_logprobs(self, logits, plan, results, max_len: int):
         """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits, as
@@ -474,8 +483,10 @@ class DSBDRunnerMixin(KVCommitMixin):
                                             propose_beam_forests(self.drafter, beam_jobs) if beam_jobs else None))
         for job, pf in zip(jobs, forests or []):
             job.state.pending = pf
+            job.state.forest_nodes = job.width or job.state.width
             out[job.row] = list(pf.tokens) if pf is not None else []
         for job in beam_jobs:
+            job.state.forest_nodes = job.width
             if job.state.beam.forest is not None:
                 out[job.row] += job.state.beam.forest.tokens
         return out
@@ -505,17 +516,20 @@ class DSBDRunnerMixin(KVCommitMixin):
         return levels
 
     def _choose_depths(self, levels, shapes, states, discard) -> list[load.Level]:
-        """The cost model's depth for every decoding request within its level, and a T = 0 beam request's N from W up
-        (``cost.choose_shapes``; to ``vllm:dsbd_beam_draft_nodes_chosen``), from the table and each request's estimate
-        of its earlier steps."""
+        """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
+        request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
+        ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
+        engine-wide rates (a try's floor)."""
         rows, cands, lows = [], [], []
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
             if st is None or discard[i]:
                 continue
-            w, b = min(lv.width, s.width), st.beam  # a T = 0 beam request's N may go down to W (cost.Acceptance)
-            lows.append(b.params.width if b is not None and b.temperature <= 0.0 and w >= b.params.width else None)
+            w, b = min(lv.width, s.width), st.beam
+            low = b.params.width if b is not None else 1  # the fewest nodes per depth: a beam request's W, else 1
+            lows.append(low if w >= low else None)
             rows.append(i)
-            cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1]))
+            pool = self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w)
+            cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool))
         out, chosen = list(levels), []
         shapes = cost.choose_shapes(cands, self.dsbd_cost)
         if self._dsbd_clock is not None:
@@ -524,8 +538,10 @@ class DSBDRunnerMixin(KVCommitMixin):
             if not c.pinned:
                 if c.depth > 0 and c.width > 0:
                     states[i].acceptance.chose(d)
-                out[i] = load.Level(levels[i].width, d, w if low is not None else None)
-                chosen += [w] if low is not None and d > 0 else []
+                n = w if low is not None and d > 0 else None  # w nodes per depth: a plain request's width, a beam's N
+                beam = states[i].beam is not None
+                out[i] = load.Level(levels[i].width if beam or n is None else n, d, n if beam else None)
+                chosen += [n] if beam and n is not None else []
         self.dsbd_stats.record_nodes(chosen)
         return out
 

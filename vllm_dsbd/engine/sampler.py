@@ -95,8 +95,9 @@ def truncate(forest: Forest, context_len: int, n: int) -> Forest:
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
            forest_static: bool | None = None, fused: bool | None = None,
-           budget: int | None = None, narrow_bare: bool = True,
-           penalized: Sequence[penalties.TargetRows | None] | None = None) -> Reader[list[RowResult]]:
+           budget: int | None = None,
+           penalized: Sequence[penalties.TargetRows | None] | None = None,
+           narrow_bare: bool = True) -> Reader[list[RowResult]]:
     """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
     (``engine/reads.py``). Runs on the logits' device, one host copy at the end of each chunk of requests (the general
     path also reads at the core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and
@@ -104,7 +105,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     when ``fused``. Requests go in chunks of ``chunks.verify_chunk`` (``budget`` float32 elements, default
     ``chunks.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk. ``penalized``
     (aligned with ``rows``): the requests whose target rows are penalized by their histories (``engine/penalties.py``),
-    chunk by chunk on a copy of the chunk's rows (:func:`penalized_chunk`); ``logits`` stays as it is."""
+    chunk by chunk on a copy of the chunk's rows (:func:`penalized_chunk`); ``logits`` stays as it is.
+    ``narrow_bare`` False: a chunk without forests at the full shapes (the tests that compare the two)."""
     n = verify_chunk(cfg.depth, cfg.width, logits.shape[-1], budget, penalties=penalized is not None)
     out: list[RowResult] = []
     for a in range(0, len(rows), n):

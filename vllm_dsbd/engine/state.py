@@ -59,6 +59,7 @@ class RequestState:
     widths: list[int] = field(default_factory=list)
     # the cost model's estimate of its per-layer pass rate, from the forests it verified (engine/cost.py)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    forest_nodes: int = 0  # nodes per depth of its pending forest (the cost model's choice, or its width)
 
 
 class Requests:

@@ -1,77 +1,113 @@
 """Online correction of the cost model's table from the steps the engine actually ran (``cost_model: "auto"``).
 
-The start-up table times the target and draft passes alone; a step that drafts also pays host work the table does not
-see (drafting and verifying forests, forest attention outside vLLM's kernels), so at batch 1 on a CPU the model drafted
-where drafting lost. Each step the runner reports its wall time (from ``execute_model`` to the end of drafting) with
-what the table predicted for it; :class:`StepClock` keeps moving averages of the surplus over steps without and with
-drafting, and :meth:`StepClock.corrected` adds their difference to the table as ``draft_step``, the extra cost of a
-step in which any request drafts. Only timings of past steps
-enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with a
-pinned table (the correction is off then) and only without tensor parallelism (ranks' clocks differ: off there too).
+The start-up table times the target and draft passes alone; drafting also costs host work the table does not see, so
+at batch 1 on a CPU the model drafted where drafting lost. A forest planned in step t costs twice outside its passes:
+its drafting (the drafter's host work) in step t's window, and its verification (forest attention's recompute, the
+verifier) in step t + 1's, since a step's window runs from ``execute_model`` (the target pass over the forests planned
+the step before) to the end of drafting the next ones. Each window is classed by what it holds (verified forests,
+drafted forests: four kinds) and its surplus over the table kept per kind; :meth:`StepClock.corrected` adds to the
+table, as ``draft_step``, what a step that drafts costs over both windows: ``(drafted and verified) - neither``, or
+``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then (``neither`` from the other three
+where it is not measured: the surpluses add up). Per kind the median of the last
+``WINDOW`` surpluses (every sample weighs alike; a slow outlier moves nothing), none older than ``HORIZON`` measured
+steps: a measurement that switched drafting off expires, and the next forests measure it again. Only timings of past
+steps enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with
+a pinned table (the correction is off then) and only without tensor parallelism (ranks' clocks differ: off there too).
 Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from .cost import CostTable
 
-ALPHA = 0.1  # weight of the newest step in the moving averages
-MIN_STEPS = 3  # steps of a kind measured before its average is used
+MIN_STEPS = 3  # windows of a kind measured before its median is used
 WARMUP = 8  # decode steps not measured after start-up (one-time costs: first allocations, first forests)
+WINDOW = 32  # the most recent surpluses kept per kind of window
+HORIZON = 256  # measured steps after which a surplus expires
+
+NEITHER, DRAFTED, VERIFIED, BOTH = 0, 1, 2, 3  # a window's kind: (verified forests) * 2 + (drafted forests)
+KINDS = ("neither", "drafted", "verified", "both")
 
 
 @dataclass
 class StepClock:
-    """Moving averages of measured minus predicted step seconds: ``bare`` over steps where no request drafted,
-    ``drafting`` over steps where one did. The runner calls :meth:`start` as a step begins (its scheduled tokens;
-    None: a step with a prefill, not measured; the first ``warmup`` decode steps are not measured either),
-    :meth:`planned` when the cost model chose the next forests, and :meth:`finish` once they are drafted, which
-    returns the corrected table."""
+    """Surpluses (measured minus predicted seconds) of the measured step windows, by kind: whether the window verified
+    forests (planned the step before) and whether it drafted forests (planned in it). The runner calls :meth:`start`
+    as a step begins (its scheduled tokens; None: a step with a prefill, not measured; the first ``warmup`` decode
+    steps are not measured either), :meth:`planned` when the cost model chose the next forests, and :meth:`finish`
+    once they are drafted, which returns the corrected table."""
 
-    bare: float = 0.0
-    drafting: float = 0.0
-    n_bare: int = 0
-    n_drafting: int = 0
     warmup: int = WARMUP
+    steps: int = 0  # windows measured
+    surplus: tuple = field(default_factory=lambda: tuple(deque(maxlen=WINDOW) for _ in KINDS))  # (step, seconds)
     _t0: float | None = None
     _tokens: int = 0
     _draft: float = 0.0
     _drafted: bool = False
+    _verified: bool = False
+    _next_verified: bool = False  # the last plan drafted: the next window verifies its forests
 
-    def observe(self, seconds: float, predicted: float, drafted: bool) -> None:
-        surplus = seconds - predicted
-        if drafted:
-            self.n_drafting += 1
-            self.drafting = surplus if self.n_drafting == 1 else self.drafting + ALPHA * (surplus - self.drafting)
-        else:
-            self.n_bare += 1
-            self.bare = surplus if self.n_bare == 1 else self.bare + ALPHA * (surplus - self.bare)
+    def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool) -> None:
+        self.steps += 1
+        self.surplus[2 * verified + drafted].append((self.steps, seconds - predicted))
 
     def start(self, tokens: int | None) -> None:
         if tokens is not None and self.warmup > 0:
             self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
         self._tokens, self._draft, self._drafted = tokens or 0, 0.0, False
+        self._verified, self._next_verified = self._next_verified, False
 
     def planned(self, draft_seconds: float, drafted: bool) -> None:
-        self._draft, self._drafted = draft_seconds, drafted
+        self._draft, self._drafted, self._next_verified = draft_seconds, drafted, drafted
 
     def finish(self, table: CostTable) -> CostTable:
         if self._t0 is not None:
             predicted = table.step + table.target_time(self._tokens) + self._draft
-            self.observe(time.perf_counter() - self._t0, predicted, self._drafted)
+            self.observe(time.perf_counter() - self._t0, predicted, self._drafted, self._verified)
             self._t0 = None
         return self.corrected(table)
 
+    def median(self, kind: int) -> tuple[float, int]:
+        """(the median surplus of a kind of window over its samples not expired, their count)."""
+        q = self.surplus[kind]
+        while q and q[0][0] <= self.steps - HORIZON:
+            q.popleft()
+        return (statistics.median(s for _, s in q), len(q)) if q else (0.0, 0)
+
+    def extra(self) -> float:
+        """What a step that drafts costs beyond its passes (0 until measured; never below 0): over the windows that
+        drafted and verified, or the sum of those that did one of them; each minus the windows that did neither;
+        both estimates weighed by their windows where both exist. Without ``MIN_STEPS`` windows that did neither,
+        their surplus is the additive model's ``drafted + verified - both`` where those are measured, else 0 (which
+        only makes drafting look dearer)."""
+        (base, n0), (d, nd), (v, nv), (b, nb) = (self.median(k) for k in range(len(KINDS)))
+        if n0 < MIN_STEPS:
+            base = d + v - b if min(nd, nv, nb) >= MIN_STEPS else 0.0
+        est = []
+        if nb >= MIN_STEPS:
+            est.append((nb, b - base))
+        if min(nd, nv) >= MIN_STEPS:
+            est.append((min(nd, nv), d + v - 2 * base))
+        if not est:
+            return 0.0
+        return max(0.0, sum(w * x for w, x in est) / sum(w for w, _ in est))
+
     def corrected(self, table: CostTable) -> CostTable:
-        """``table`` with a drafting step's measured extra (``draft_step`` += drafting - bare surplus, not below 0; the
-        bare surplus counts as 0 until ``MIN_STEPS`` bare steps were measured, the drafting one is used from
-        ``MIN_STEPS`` drafting steps on). The surplus every step has is not added to ``step``: a fixed cost per step
-        spread over a forest's tokens would make drafting look cheaper, and as the table's own ``step`` of 0 the
-        correction errs only towards drafting less."""
-        base = self.bare if self.n_bare >= MIN_STEPS else 0.0
-        extra = max(0.0, self.drafting - base) if self.n_drafting >= MIN_STEPS else 0.0
+        """``table`` with a drafting step's measured extra added to ``draft_step`` (:meth:`extra`). The surplus every
+        step has is not added to ``step``: a fixed cost per step spread over a forest's tokens would make drafting look
+        cheaper, and as the table's own ``step`` of 0 the correction errs only towards drafting less."""
+        extra = self.extra()
         return dataclasses.replace(table, draft_step=table.draft_step + extra) if extra else table
+
+    def summary(self) -> dict:
+        """The medians and counts by kind of window (``dsbd_load``'s ``clock``), and the extra they give."""
+        out = {"steps": self.steps, "draft_step": self.extra()}
+        for k, name in enumerate(KINDS):
+            out[name], out[f"n_{name}"] = self.median(k)
+        return out

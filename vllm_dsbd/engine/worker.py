@@ -86,15 +86,16 @@ class _DecisionsMixin:
         pinned or no cap), the knee probe's table {tokens: seconds} when measured, the cost model's table (``{"target":
         {tokens: seconds}, "draft": {...}, "step": seconds, "draft_step": seconds}``, None: off; with the online
         correction, ``step_clock.py``), the correction's averages (``clock``, None: off), the depths allowed (with the
-        cost model: chosen) so far {depth: count} and the nodes per depth the cost model chose for T = 0 beam forests
+        cost model: chosen) so far {depth: count} and the nodes per depth the cost model chose for beam forests
         {N: count}."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
                 "cost": None if table is None else {"target": dict(table.target), "draft": dict(table.draft),
                                                     "step": table.step, "draft_step": table.draft_step},
-                "clock": None if (c := runner._dsbd_clock) is None else {
-                    "bare": c.bare, "drafting": c.drafting, "n_bare": c.n_bare, "n_drafting": c.n_drafting},
+                "clock": None if (c := runner._dsbd_clock) is None else c.summary(),
+                "pass_rates": {f"{src}/{kind}/{n}": pt[0] / pt[1] for ((src, kind), n), pt
+                               in runner.dsbd_pass_rates.counts.items() if pt[1] > 0},
                 "depths": dict(runner.dsbd_stats.draft_depths), "nodes": dict(runner.dsbd_stats.beam_nodes_chosen)}
 
     def dsbd_decisions(self) -> dict:

@@ -1,6 +1,6 @@
 """Draft forests for beam requests: the draft beam-searches (T = 0) or beam-samples (T > 0) a few steps ahead of the W
 live beams of every beam request of the step, one draft pass per depth for all of them. Each depth has N >= W nodes
-(``BeamRequest.nodes``, over-drafting; at T = 0 the cost model may choose fewer, never below W: ``BeamDraftJob.nodes``):
+(``BeamRequest.nodes``, over-drafting; the cost model may choose fewer, never below W: ``BeamDraftJob.nodes``):
 at T = 0 the draft's N best (beam, token) pairs, at T > 0 N draws without replacement, and all N go on to the next
 depth.
 
@@ -38,7 +38,7 @@ class BeamDraftJob:
     start: int  # first slot of the catch-up pass
     depth: int  # >= 1
     max_nodes: int  # forest nodes the scheduler can take after the leaves
-    # N, nodes per depth: the request's (None), or fewer chosen by the cost model (T = 0 only, >= W; engine/cost.py)
+    # N, nodes per depth: the request's (None), or fewer chosen by the cost model (>= W; engine/cost.py)
     nodes: int | None = None
 
     @property
@@ -58,12 +58,13 @@ def catch_up_start(st: RequestState) -> int:
 
 
 def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]],
-                   d: int) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
+                   d: int, widths: list[int]) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
     """The draft's beam-sampling step (T > 0) of several beam requests at once (``core.beam_step`` keyed by each
-    request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): N pairs (``nodes``) drawn without replacement
-    from each draft joint Q, in draw order, read in one copy; a drafted EOS is not continued. Returns (per request
-    [(beam, token, draft score)], log Q [R, S * V] float32: row r request r's, -inf past its beams)."""
-    pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device, True),
+    request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): N pairs (``widths``: each request's N for this
+    forest) drawn without replacement from each draft joint Q, in draw order, read in one copy; a drafted EOS is not
+    continued. Returns (per request [(beam, token, draft score)], log Q [R, S * V] float32: row r request r's, -inf
+    past its beams)."""
+    pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device, widths),
                                                   [b.prompt_len + b.steps + d - 1 for b in beams],
                                                   rng.Stream.DRAFT_DRAW))
     return [[(p.beam, p.token, p.score) for p in ps] for ps in pairs], joint
@@ -293,7 +294,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
     det = [k for k, b in enumerate(beams) if b.temperature <= 0.0]
     samp = [k for k, b in enumerate(beams) if b.temperature > 0.0]
     det_t, samp_t = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (det, samp))
-    params_s = beam_params([beams[k] for k in samp], dev, draws=True) if samp else None
+    params_s = beam_params([beams[k] for k in samp], dev, draws=[jobs[k].width for k in samp]) if samp else None
     width = torch.tensor([j.width for j in jobs], dtype=torch.int64, device=dev)
     eos_l = [-1 if b.params.ignore_eos or b.params.eos_token_id is None else b.params.eos_token_id for b in beams]
     eos = torch.tensor(eos_l, dtype=torch.int64, device=dev)
@@ -415,7 +416,7 @@ def _depth_pairs(jobs: list[BeamDraftJob], logits: list[torch.Tensor], beams_of:
             out[i] = (pairs, None)
     if samp:
         pairs, q = _sampled_pairs([beams[i] for i in samp], [logits[i] for i in samp], [scores[i] for i in samp],
-                                  [[c for *_, c in beams_of[i]] for i in samp], d)
+                                  [[c for *_, c in beams_of[i]] for i in samp], d, [jobs[i].width for i in samp])
         for r, i in enumerate(samp):
             out[i] = (pairs[r], q[r])
     return out

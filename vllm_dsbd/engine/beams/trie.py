@@ -458,11 +458,12 @@ class BeamRequest:
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
 
 
-def beam_params(beams: list[BeamRequest], device=None, draws: bool = False) -> BatchParams:
+def beam_params(beams: list[BeamRequest], device=None, draws: bool | list[int] = False) -> BatchParams:
     """The core's settings of beam requests (one row each, on ``device``; host facts computed before they move):
     temperature, top-k / top-p on the joint, width, seed, dynamic-width rule; ``eos=-1`` (the requests handle EOS).
-    ``draws``: the width is the forest's nodes per depth (``nodes``, the draft's draws per depth) instead of W."""
-    ws = [b.nodes if draws else b.params.width for b in beams]
+    ``draws``: the width is the forest's nodes per depth (the draft's draws per depth: True, each request's ``nodes``;
+    a list, those of this forest, e.g. fewer chosen by the cost model) instead of W."""
+    ws = list(draws) if isinstance(draws, list) else [b.nodes if draws else b.params.width for b in beams]
     p = BatchParams.make(len(beams), temperature=[b.temperature for b in beams], top_k=[b.top_k for b in beams],
                          top_p=[b.top_p for b in beams], width=ws, seed=[b.seed for b in beams], eos=-1,
                          min_width=[min(b.min_width, w) for b, w in zip(beams, ws)], tau=[b.tau for b in beams],
