@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from vllm_dsbd.engine import memory, penalties, sampler
+from vllm_dsbd.engine import chunks, penalties, sampler
 from vllm_dsbd.engine.beams.drafter import top_n
 from vllm_dsbd.engine.state import RequestState
 from vllm_dsbd.testing.mem_peak import peak_bytes
@@ -48,7 +48,7 @@ def penalties_row(R: int, V: int, H: int, budget: int) -> tuple[int, int, int]:
     rnd = random.Random(R)
     plans, targets = _plans(R, V, H, rnd)
     logits = torch.randn(R * (1 + NODES), V)
-    n = memory.verify_chunk(G, W, V, budget, penalties=True)
+    n = chunks.verify_chunk(G, W, V, budget, penalties=True)
 
     def chunked():
         for a in range(0, R, n):
@@ -95,9 +95,9 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=1024, help="prompt + output tokens per request")
     a = ap.parse_args()
     s = a.scale
-    budget = memory.VERIFY_BUDGET // s
+    budget = chunks.VERIFY_BUDGET // s
     mib = 2.0**20
-    print(f"budget {memory.VERIFY_BUDGET} / {s} float32 elements ({4 * budget / mib:.0f} MiB); torch "
+    print(f"budget {chunks.VERIFY_BUDGET} / {s} float32 elements ({4 * budget / mib:.0f} MiB); torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| work | size (issue's, V / %d) | unchunked peak MiB | chunked peak MiB | per chunk | full size, "
           "unchunked -> chunked (x %d) |" % (s, s))

@@ -31,7 +31,7 @@ from vllm_dsbd.engine import reads  # noqa: E402
 
 pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh
 
-STEPS, MAX_TOKENS = 6, 12
+STEPS, MAX_TOKENS = 8, 16
 PROMPTS = [[5 + k, 6 + 2 * k, 7 + 3 * k] for k in range(4)]
 
 
