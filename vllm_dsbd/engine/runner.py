@@ -22,6 +22,7 @@ from . import attention, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
+from .source_drafter import SourceDrafter, harvest, row_contexts, sources_of
 from .kv_commit import KVCommitMixin
 from .metrics import DSBDStats
 from .step_clock import StepClock
@@ -54,6 +55,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
+        self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
                                     track_decisions=vllm_config.parallel_config.tensor_parallel_size > 1)
@@ -105,8 +107,8 @@ class DSBDRunnerMixin(KVCommitMixin):
                     table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
 
     def _make_dsbd_drafter(self, vllm_config, device):
-        if not self.dsbd_cfg.draft:
-            return NoDrafter()
+        if not self.dsbd_cfg.draft:  # draft-free sources (source_drafter.py), or no forests at all
+            return SourceDrafter(self, self.dsbd_cfg) if self.dsbd_cfg.free_sources else NoDrafter()
         return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg, static_drafting=self.dsbd_env.static_draft)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -336,11 +338,16 @@ class DSBDRunnerMixin(KVCommitMixin):
                                     plan[k].state.penalties)
                for k in spec if plan[k].state.penalties is not None]
         vlogits = penalties.penalize_target(logits, pen) if pen else logits
+        # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
+        recycled = (row_contexts(plan, self.input_batch.token_ids_cpu, discard,
+                                 functools.partial(sources_of, cfg=self.dsbd_cfg))
+                    if self._dsbd_sources and "recycle" in self.dsbd_cfg.sources else [])
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
-        verified, _, _ = reads.run(reads.gather(
+        verified, *_ = reads.run(reads.gather(
+            harvest(logits, recycled) if recycled else None,
             sampler.verify(vlogits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
                            forest_static=self.dsbd_static, fused=self.dsbd_fused) if spec else None,
-            *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))
+            *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))[1:]
         if spec:
             for k, res in zip(spec, verified):
                 results[k] = res
@@ -443,7 +450,9 @@ class DSBDRunnerMixin(KVCommitMixin):
                         beam_jobs.append(job)
                 continue
             res = results[i]
-            n_before = int(batch.num_tokens_no_spec[i])
+            # vLLM proposes before its bookkeeping for a draft model, after it (this step's tokens already in the
+            # batch) for other drafters: the draft-free sources'
+            n_before = int(batch.num_tokens_no_spec[i]) - (len(res.tokens) if self._dsbd_sources else 0)
             root_pos = n_before + len(res.tokens) - 1
             n_out = len(self.requests[req_id].output_token_ids) + len(res.tokens)
             depth = min(cfg.depth, levels[i].depth)
@@ -464,8 +473,10 @@ class DSBDRunnerMixin(KVCommitMixin):
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
                                  width=min(st.width, levels[i].width), history=history))
         # plain and beam requests' forests side by side: one read of the device for both (``engine/reads.py``)
+        beam_forests = (self.drafter.propose_beam_forests if self._dsbd_sources
+                        else functools.partial(propose_beam_forests, self.drafter))
         forests, _ = reads.run(reads.gather(self.drafter.propose_forests(jobs) if jobs else None,
-                                            propose_beam_forests(self.drafter, beam_jobs) if beam_jobs else None))
+                                            beam_forests(beam_jobs) if beam_jobs else None))
         for job, pf in zip(jobs, forests or []):
             job.state.pending = pf
             out[job.row] = list(pf.tokens) if pf is not None else []
@@ -493,7 +504,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         levels = load.plan(shapes, self.dsbd_budget)
         if self.dsbd_cost is not None:
             levels = self._choose_depths(levels, shapes, states, discard)
-        if cfg.draft:
+        if cfg.drafting:
             self.dsbd_stats.record_levels(
                 [lv.depth for lv, s, skip in zip(levels, shapes, discard) if not skip and s.depth and not s.pinned])
         return levels
@@ -527,7 +538,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         """The draft job of a beam request after a full step, or None: depth up to the steps left (and the request's
         ``depth``), nodes up to the draft slots left after the leaves and the KV blocks the request owns now (the
         drafter writes the forest's draft K/V and may not write past them)."""
-        if not self.dsbd_cfg.draft:  # an engine without a draft model drafts no forest
+        if not self.dsbd_cfg.drafting:  # an engine without a forest source drafts no forest
             return None
         beam = st.beam
         depth = min(self.dsbd_cfg.depth, beam.params.max_tokens - beam.steps - 1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.forest import Forest
+from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
 from .beams.trie import BeamRequest
@@ -58,6 +59,8 @@ class RequestState:
     widths: list[int] = field(default_factory=list)
     # the cost model's estimate of its per-layer pass rate, from the forests it verified (engine/cost.py)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # an engine with draft-free sources: the request's recycle table and lookup index (engine/source_drafter.py)
+    sources: SourceIndex | None = None
 
 
 class Requests:
