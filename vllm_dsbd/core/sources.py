@@ -72,8 +72,8 @@ class SourceIndex:
                 nxt[t] = self._clock
                 if len(nxt) > MAX_FOLLOWERS:
                     del nxt[min(nxt, key=nxt.get)]
-        if len(self._next) > self.max_keys:
-            self._next = dict(list(self._next.items())[len(self._next) // 2:])
+            if len(self._next) > self.max_keys:  # the oldest keys go
+                self._next = dict(list(self._next.items())[len(self._next) // 2:])
 
     def index_text(self, tokens: Sequence[int]) -> None:
         """Indexes the request's linear text (prompt + output) from where the last call stopped."""

@@ -22,7 +22,7 @@ from . import attention, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
-from .source_drafter import SourceDrafter, harvest, row_contexts, sources_of
+from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts, sources_of
 from .kv_commit import KVCommitMixin
 from .metrics import DSBDStats
 from .step_clock import StepClock
@@ -56,6 +56,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
+        self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
                                     track_decisions=vllm_config.parallel_config.tensor_parallel_size > 1)
@@ -204,6 +205,11 @@ class DSBDRunnerMixin(KVCommitMixin):
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
+        if self._dsbd_sources and "recycle" in self.dsbd_cfg.sources:  # prompt rows to recycle after the pass
+            for row in plan:
+                sources_of(row.state, self.dsbd_cfg)
+            self._dsbd_prompt_rows = prompt_rows(plan, batch.token_ids_cpu, qsl, computed, num_scheduled_tokens,
+                                                 batch.num_prompt_tokens)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
@@ -251,7 +257,11 @@ class DSBDRunnerMixin(KVCommitMixin):
 
     def _model_forward(self, *args, **kwargs):
         with attention.forest_scope(self._dsbd_forest):
-            return super()._model_forward(*args, **kwargs)
+            out = super()._model_forward(*args, **kwargs)
+        rows, self._dsbd_prompt_rows = self._dsbd_prompt_rows, []
+        if rows and isinstance(out, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
+            recycle_prompt(self.model, out, rows)
+        return out
 
     def execute_model(self, *args, **kwargs):
         if self._dsbd_clock is not None:  # a step with a prefill is not measured
@@ -454,7 +464,7 @@ class DSBDRunnerMixin(KVCommitMixin):
             # batch) for other drafters: the draft-free sources'
             n_before = int(batch.num_tokens_no_spec[i]) - (len(res.tokens) if self._dsbd_sources else 0)
             root_pos = n_before + len(res.tokens) - 1
-            n_out = len(self.requests[req_id].output_token_ids) + len(res.tokens)
+            n_out = int(n_before + len(res.tokens) - batch.num_prompt_tokens[i])
             depth = min(cfg.depth, levels[i].depth)
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)

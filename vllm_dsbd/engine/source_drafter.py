@@ -278,6 +278,36 @@ def row_contexts(plan: list, token_ids, discard, make) -> list[tuple[RequestStat
     return out
 
 
+PROMPT_ROWS = 1024  # the most prompt rows of a request recycled (its last ones)
+PROMPT_CHUNK = 256  # prompt rows per LM-head call (bounds the [rows, V] logits block)
+
+
+def prompt_rows(plan: list, token_ids, qsl, computed, scheduled, num_prompt) -> list[tuple[RequestState, int, list[int]]]:
+    """The prefill rows of this pass worth recycling: (state, row in the pass, the row's last two tokens) for each
+    prompt token of a request with sources before its last (whose row vLLM computes anyway: the root's), within the
+    prompt's last ``PROMPT_ROWS``."""
+    out = []
+    for i, row in enumerate(plan):
+        st, c, P = row.state, int(computed[i]), int(num_prompt[i])
+        if st.sources is None or c >= P - 1:
+            continue
+        lo, hi = max(c, P - 1 - PROMPT_ROWS), min(c + int(scheduled[i]), P - 1)
+        toks = token_ids[i, max(0, lo - 1):hi].tolist()
+        for pos in range(lo, hi):
+            j = pos - max(0, lo - 1)
+            out.append((st, int(qsl[i]) + pos - c, toks[max(0, j - 1):j + 1]))
+    return out
+
+
+def recycle_prompt(model, hidden: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> None:
+    """The recycle source's intake of prompt rows: the target's LM head over their hidden states (which vLLM leaves
+    without logits), in chunks, each row's ``RECYCLE_K`` best tokens into its request's table."""
+    for a in range(0, len(rows), PROMPT_CHUNK):
+        part = rows[a : a + PROMPT_CHUNK]
+        idx = torch.tensor([r for _, r, _ in part], dtype=torch.int64, device=hidden.device)
+        reads.run(harvest(model.compute_logits(hidden[idx]), [(st, k, ctx) for k, (st, _, ctx) in enumerate(part)]))
+
+
 def harvest(logits: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> reads.Reader[None]:
     """The recycle source's intake: each row's ``RECYCLE_K`` best tokens and raw log-probabilities (one ``topk`` for
     all rows, one read) into its request's table, keyed by the row's last tokens."""
