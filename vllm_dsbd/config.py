@@ -49,7 +49,7 @@ def _is_int(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DSBDConfig:
-    """DSBD settings for one engine (the contract: ``docs/design.md`` §1).
+    """DSBD settings for one engine (the contract: ``docs/design/algorithm.md`` §1).
 
     Attributes:
         width: W, the most beams / draft nodes per depth (>= 1).
@@ -58,12 +58,12 @@ class DSBDConfig:
         min_width: the least width the dynamic-width rule may choose (1 <= min_width <= width).
         width_threshold: tau in (0, 1]; dynamic width picks the largest k with Pr[#accepted >= k] >= tau.
         dynamic_width: choose the width per layer (True) or always use ``width`` (False).
-        mode: what a request gets (``docs/design.md`` §1). "sample" (default): exact target sampling (temperature 0: plain
-            greedy decoding) for every width; the draft proposes up to ``width`` nodes per depth and each verified
-            layer emits one token (K = 1), so ``width`` only changes how many drafts are checked. "single": the
-            paper's single-output-beam mode, opt-in: layers keep K <= ``width`` beams (dynamic width) and each
-            iteration emits one of them; for width > 1 its output law depends on how well the draft agrees (no
-            fixed target process; each layer is exact given its width). "full" (W live beams across iterations) is
+        mode: what a request gets (``docs/design/algorithm.md`` §1). "sample" (default): exact target sampling
+            (temperature 0: plain greedy decoding) for every width; the draft proposes up to ``width`` nodes per depth
+            and each verified layer emits one token (K = 1), so ``width`` only changes how many drafts are checked.
+            "single": the paper's single-output-beam mode, opt-in: layers keep K <= ``width`` beams (dynamic width)
+            and each iteration emits one of them; for width > 1 its output law depends on how well the draft agrees
+            (no fixed target process; each layer is exact given its width). "full" (W live beams across iterations) is
             part of the algorithm but not available in the engine yet, and is rejected. Without a draft model
             only "sample" (no draft layers to keep beams in).
         draft: whether the engine has a draft model (set by the plugin from ``speculative_config["model"]``). False:
@@ -88,12 +88,13 @@ class DSBDConfig:
             passes that need no forest attention: steps whose forests are all chains (width 1) with no beam request's
             trie or forest. Other passes run piecewise (attention outside the graphs) or eagerly (``engine/graphs.py``).
             Off by default: not yet checked on a GPU (``tests/engine/test_engine_full_graphs_gpu.py``).
-        beam_nodes: N, the nodes per depth of a beam request's draft forest (over-drafting, ``docs/design.md`` §1,
-            §3.3): at T = 0 the draft's N best (beam, token) pairs per depth, at T > 0 N draws without replacement
-            from the draft's joint; a layer passes when the target's W new beams are all drafted, so N > W makes
-            layers pass more often with an imperfect draft. An integer >= ``width``, or None (default): each beam
-            request's own width. A beam request may set its own (``extra_args["dsbd_beam"]["nodes"]``, at most
-            this, or ``width`` when None). Needs a forest source. Plain requests keep ``width`` nodes per depth.
+        beam_nodes: N, the nodes per depth of a beam request's draft forest (over-drafting,
+            ``docs/design/algorithm.md`` §1, ``docs/design/beams.md`` §3.3): at T = 0 the draft's N best (beam, token)
+            pairs per depth, at T > 0 N draws without replacement from the draft's joint; a layer passes when the
+            target's W new beams are all drafted, so N > W makes layers pass more often with an imperfect draft. An
+            integer >= ``width``, or None (default): each beam request's own width. A beam request may set its own
+            (``extra_args["dsbd_beam"]["nodes"]``, at most this, or ``width`` when None). Needs a forest source. Plain
+            requests keep ``width`` nodes per depth.
         sources: where forest nodes come from, a list of "model" (the draft model), "recycle" (the target's own top
             tokens from the rows it computed for the request: each live beam, each verified forest node, each plain
             root) and "lookup" (continuations of each beam's or sequence's last tokens in its prompt, its own output

@@ -18,7 +18,7 @@ fi
 # -P: do not put the repository root on sys.path (our kernels folder must import as dsbd_kernels only)
 PYTEST=(python -P -m pytest -q -p no:cacheprovider -rfE)
 
-STEPS=${DSBD_GPU_STEPS:-kernel_tests default_config engine_tests bench_kernels bench_verify full_graphs}
+STEPS=${DSBD_GPU_STEPS:-kernel_tests default_config engine_tests bench_kernels bench_verify bench_bare full_graphs}
 step() {  # step NAME SECONDS CMD...: runs CMD with a time limit, logs to $OUT/NAME.log, one summary line
   local name=$1 limit=$2 t0 rc
   shift 2
@@ -40,6 +40,8 @@ step kernel_tests "${DSBD_KERNEL_TEST_S:-240}" "${PYTEST[@]}" -m gpu tests/kerne
 step default_config "${DSBD_DEFAULT_CONFIG_S:-300}" "${PYTEST[@]}" -s -m gpu tests/engine/test_engine_default_config.py
 step bench_kernels 120 python benchmarks/kernels/attention_kv.py --quick --csv "$OUT/bench_kernels.csv"
 step bench_verify 90 python benchmarks/kernels/verify.py --quick --out "$OUT/verify"
+# a step without forests (the cost model drafted nothing): narrow shapes against the full ones
+step bench_bare 90 python benchmarks/kernels/verify_bare.py
 # on CUDA the sampler takes the static verification paths and beam requests their device steps (beams equal to vLLM's
 # LLM.beam_search in test_engine_beams; the static layer and forest paths equal to the general ones on CUDA tensors)
 step engine_tests "${DSBD_ENGINE_TEST_S:-540}" "${PYTEST[@]}" -m gpu \
@@ -48,7 +50,7 @@ step engine_tests "${DSBD_ENGINE_TEST_S:-540}" "${PYTEST[@]}" -m gpu \
 # full CUDA graphs over passes without forest attention (setting full_cuda_graphs): tokens equal to eager
 step full_graphs "${DSBD_FULL_GRAPHS_S:-400}" "${PYTEST[@]}" -s -m gpu tests/engine/test_engine_full_graphs_gpu.py
 
-for f in bench_kernels bench_verify; do [[ -f $OUT/$f.log ]] && { echo "== $f (last lines)"; tail -25 "$OUT/$f.log"; }; done
+for f in bench_kernels bench_verify bench_bare; do [[ -f $OUT/$f.log ]] && { echo "== $f (last lines)"; tail -25 "$OUT/$f.log"; }; done
 for f in kernel_tests default_config engine_tests full_graphs; do
   [[ -f $OUT/$f.log ]] && { echo "== $f (failures)"; grep -E "^(FAILED|ERROR) |^E  +[A-Za-z]*Error" "$OUT/$f.log" | head -15 | cut -c1-300; }
 done

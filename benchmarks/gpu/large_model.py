@@ -13,9 +13,13 @@ size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in
   plain        plain sampling (temperature 1); vLLM's ``LLM.beam_search`` W = ``--beam-width`` (T = 0) at
                ``--beam-batches``
   draft_model  vLLM's draft_model speculation, depth ``--depth``, at each rate
-  dsbd         DSBD plain requests at each width of ``--widths`` and each rate; DSBD beam requests (beam search
-               W = ``--beam-width``, T = 0, and beam sampling, T = 1, forests of depth ``--depth`` verified at the
-               set rate) and in-engine beam search and beam sampling without drafts (depth 0) at ``--beam-batches``
+  dsbd         one engine as a user starts it (cost model on): DSBD plain requests at each width of ``--widths``
+               and each rate, with the cost model choosing each request's depth (the depths it chose are recorded
+               in the row), then the same with the cost model set aside (depth ``--depth`` pinned; ``--no-pinned``
+               skips these); DSBD beam requests (beam search W = ``--beam-width``, T = 0, and beam sampling, T = 1,
+               verified at the set rate) with the cost model's depth and with the request pinning depth
+               ``--depth``; in-engine beam search and beam sampling without drafts (depth 0) at
+               ``--beam-batches``
   dsbd_chain   a width-1 DSBD engine with ``full_cuda_graphs`` (every forest a chain: its decode passes have no
                forest attention and replay vLLM's full graphs): plain requests at each rate
 CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
@@ -30,6 +34,7 @@ bytes / ``--hbm-tbps``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -168,11 +173,17 @@ class Bench:
         groups = self.groups(batch)
         call(groups[0][:1])  # warm-up (graphs, allocator) for this request shape
         before = {k: metric(llm, k) for k in (counter, accepted) if k}
+        chosen0 = chosen_depths(llm)
         t0 = time.perf_counter()
         tokens = sum(call(g) for g in groups)
         secs = time.perf_counter() - t0
         delta = {k: metric(llm, k) - v for k, v in before.items()}
         passes = delta[counter] if counter else tokens - delta[accepted] if accepted else tokens
+        if chosen0 is not None:  # a DSBD engine: the depths its decoding requests drafted (cost model or pinned)
+            extra["depths"] = {k: v - chosen0["depths"].get(k, 0) for k, v in chosen_depths(llm)["depths"].items()
+                               if v - chosen0["depths"].get(k, 0)}
+            extra["beam_nodes"] = {k: v - chosen0["nodes"].get(k, 0) for k, v in chosen_depths(llm)["nodes"].items()
+                                   if v - chosen0["nodes"].get(k, 0)}
         row = dict(method=method, batch=batch, tokens=tokens, seconds=secs, passes=passes, **extra)
         self.rows.append(row)
         print("row:", row, flush=True)
@@ -195,6 +206,33 @@ def new_tokens(outs) -> int:
 
 def runner_of(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def chosen_depths(llm) -> dict | None:
+    """A DSBD engine's counts so far: ``depths`` (draft depth -> decoding requests x steps, as the cost model chose
+    it or, pinned, the configured depth; beam requests whose depth the request pins are not counted) and ``nodes``
+    (N -> T = 0 beam forests the cost model sized); None for an engine without DSBD."""
+    stats = getattr(runner_of(llm), "dsbd_stats", None)
+    if stats is None:
+        return None
+    return {"depths": {str(k): v for k, v in stats.draft_depths.items()},
+            "nodes": {str(k): v for k, v in stats.beam_nodes_chosen.items()}}
+
+
+@contextlib.contextmanager
+def cost_model_off(llm):
+    """Benchmark only: the engine's cost model and load-aware budget set aside, so every plain request drafts the
+    configured depth (rows that say "depth d" then mean it); restored on exit."""
+    runner = runner_of(llm)
+    keys = ("dsbd_cost", "_dsbd_cost_base", "_dsbd_clock", "dsbd_budget")
+    saved = {k: getattr(runner, k) for k in keys}
+    for k in keys:
+        setattr(runner, k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(runner, k, v)
 
 
 def plain_rows(bench: Bench, target: Path, kw: dict) -> None:
@@ -235,7 +273,7 @@ def draft_model_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
             for b in args.batches:
                 bench.run(llm, "vLLM draft_model (set rate)", b, lambda g: new_tokens(
                     llm.generate(g, params(args, len(g)), use_tqdm=False)),
-                    accepted="vllm:spec_decode_num_accepted_tokens", width=1, rate=rate)
+                    accepted="vllm:spec_decode_num_accepted_tokens", width=1, rate=rate, depth=args.depth)
     finally:
         shutdown(llm)
 
@@ -263,25 +301,39 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
         llm.generate(g, sps, use_tqdm=False)
         return args.beam_tokens * len(g)  # every beam search here runs max_tokens steps (EOS ignored)
 
+    def plain_requests(w):
+        return lambda g: new_tokens(llm.generate(g, params(args, len(g), extra_args={"dsbd_width": w}),
+                                                 use_tqdm=False))
+
     set_acceptance.install(args.rates[0])
     try:
         for rate in args.rates:
             set_acceptance.set_rate(rate)
             for w in args.widths:
-                for b in args.batches:
-                    bench.run(llm, "DSBD plain requests (set rate)", b, lambda g: new_tokens(llm.generate(
-                        g, params(args, len(g), extra_args={"dsbd_width": w}), use_tqdm=False)),
-                        counter="vllm:dsbd_target_passes", width=w, rate=rate)
+                for b in args.batches:  # the user's engine: the cost model picks each request's depth (recorded)
+                    bench.run(llm, "DSBD plain requests, cost model (set rate)", b, plain_requests(w),
+                              counter="vllm:dsbd_target_passes", width=w, rate=rate, depth="cost model")
+                if args.pinned:
+                    with cost_model_off(llm):
+                        for b in args.batches:
+                            bench.run(llm, f"DSBD plain requests, depth {args.depth} pinned (set rate)", b,
+                                      plain_requests(w), counter="vllm:dsbd_target_passes", width=w, rate=rate,
+                                      depth=args.depth)
             for b in args.beam_batches:
-                bench.run(llm, "DSBD beam requests (set rate)", b, lambda g: beams(g, None),
-                          counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate)
-                bench.run(llm, "DSBD beam sampling requests T=1 (set rate)", b, lambda g: beams(g, None, 1.0),
-                          counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate)
+                for temperature, kind in ((0.0, "beam search"), (1.0, "beam sampling T=1")):
+                    bench.run(llm, f"DSBD {kind}, cost model (set rate)", b,
+                              lambda g, t=temperature: beams(g, None, t), counter="vllm:dsbd_beam_target_passes",
+                              width=args.beam_width, rate=rate, depth="cost model")
+                    if args.pinned:  # the request pins its depth: the cost model leaves it alone
+                        bench.run(llm, f"DSBD {kind}, depth {args.depth} pinned (set rate)", b,
+                                  lambda g, t=temperature: beams(g, args.depth, t),
+                                  counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate,
+                                  depth=args.depth)
         for b in args.beam_batches:
             bench.run(llm, "in-engine beam search (depth 0)", b, lambda g: beams(g, 0),
-                      counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None)
+                      counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None, depth=0)
             bench.run(llm, "in-engine beam sampling T=1 (depth 0)", b, lambda g: beams(g, 0, 1.0),
-                      counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None)
+                      counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None, depth=0)
     finally:
         set_acceptance.uninstall()
         shutdown(llm)
@@ -300,7 +352,8 @@ def dsbd_chain_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
             set_acceptance.set_rate(rate)
             for b in args.batches:
                 bench.run(llm, "DSBD W=1 engine, full graphs (set rate)", b, lambda g: new_tokens(llm.generate(
-                    g, params(args, len(g)), use_tqdm=False)), counter="vllm:dsbd_target_passes", width=1, rate=rate)
+                    g, params(args, len(g)), use_tqdm=False)), counter="vllm:dsbd_target_passes", width=1, rate=rate,
+                    depth="cost model")
     finally:
         set_acceptance.uninstall()
         shutdown(llm)
@@ -319,14 +372,17 @@ def report(rows: list[dict], args, target_shape: dict) -> str:
     lines = [f"{device}; {shapes}; random weights; prompts of {args.prompt_len} tokens, {args.max_tokens} new tokens "
              f"(beam rows {args.beam_tokens}), plain and speculative rows T = 1, beam rows T = 0 unless marked; "
              f"{'eager' if args.eager or args.tiny else 'CUDA graphs on (vLLM defaults, DSBD lowered by the plugin)'}"
-             f"; DSBD depth {args.depth}, fixed width", "",
-             "| method | batch | W | rate | tokens | tok/s | target passes / token | vs plain (same batch) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"; DSBD draft depth up to {args.depth}, fixed width; \"depths drafted\": depth -> decoding requests x "
+             "steps as the engine counted them (cost-model rows: its choices; beam rows whose request pins the depth "
+             "are not counted there)", "",
+             "| method | batch | W | rate | tokens | tok/s | target passes / token | vs plain (same batch) | depths drafted |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rate = f"{r['rate']:.2f}" if r.get("rate") is not None else "-"
         vs = f"{r['speed_vs_plain']:.2f}" if r["speed_vs_plain"] is not None else "-"
+        depths = " ".join(f"{k}:{v}" for k, v in sorted(r["depths"].items())) if r.get("depths") else "-"
         lines.append(f"| {r['method']} | {r['batch']} | {r['width']} | {rate} | {r['tokens']} | "
-                     f"{r['tokens_per_s']:.1f} | {r['passes_per_token']:.3f} | {vs} |")
+                     f"{r['tokens_per_s']:.1f} | {r['passes_per_token']:.3f} | {vs} | {depths} |")
     if 1 in plain:
         ctx = args.prompt_len + args.max_tokens // 2
         floor = (param_bytes(target_shape) + kv_bytes(target_shape, ctx)) / (args.hbm_tbps * 1e12)
@@ -349,6 +405,8 @@ def main() -> int:
     ap.add_argument("--widths", default="1,4")
     ap.add_argument("--rates", default="0.6,0.8")
     ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--no-pinned", dest="pinned", action="store_false",
+                    help="DSBD rows with the cost model only (no rows at the pinned depth)")
     ap.add_argument("--beam-width", type=int, default=4)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager) in every engine")
     ap.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM bandwidth for the floor (H100 SXM: 3.35)")

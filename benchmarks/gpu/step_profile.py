@@ -3,7 +3,8 @@ flow on CPU as a smoke test, without the synchronisation count).
 
 The models of ``large_model.py`` (random-weight Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped draft, bf16, CUDA
 graphs as vLLM and the plugin set them unless ``--eager``), B requests decoding together (``--batches``), DSBD at a
-set acceptance rate (``vllm_dsbd.testing.set_acceptance``) and vLLM's draft_model at the same rate (its synthetic
+set acceptance rate (``vllm_dsbd.testing.set_acceptance``; its rows pin depth ``--depth`` with the cost model set
+aside, and one row runs the engine as a user does, cost model on; every row records the depths drafted) and vLLM's draft_model at the same rate (its synthetic
 rejection sampler) for comparison, plus plain vLLM. Engine ``dsbd`` has width ``max(--widths)`` (its width-1 rows
 are width-1 requests in that engine: the general verification path); engine ``dsbd_chain`` is a width-1 engine with
 ``full_cuda_graphs`` (chain drafting with one host copy, the static chain verification, full graphs over its decode
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -143,6 +145,7 @@ def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
                                                                         for j in range(args.prompt_len)]}, sp)
     for _ in range(3):  # prefill, two warm-up decode steps
         engine.step()
+    chosen0 = lm.chosen_depths(llm)
     plain = []
     for _ in range(args.steps):
         torch.cuda.synchronize() if cuda else None
@@ -152,6 +155,9 @@ def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
         plain.append(time.perf_counter() - t0)
     split = [phases.step(engine) for _ in range(args.steps)]
     syncs, sites = count_syncs(engine, args.steps) if cuda else ([], collections.Counter())
+    chosen1 = lm.chosen_depths(llm)
+    depths = {} if chosen0 is None else {k: v - chosen0["depths"].get(k, 0) for k, v in chosen1["depths"].items()
+                                         if v - chosen0["depths"].get(k, 0)}
     engine.abort_request([f"{name}-{batch}-{i}" for i in range(batch)])
     while engine.has_unfinished_requests():
         engine.step()
@@ -159,7 +165,7 @@ def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
            **{p: 1e3 * statistics.median(s[p] for s in split) for p in PHASES},
            "synced_step_ms": 1e3 * statistics.median(s["total"] for s in split),
            "syncs_per_step": statistics.median(syncs) if syncs else None,
-           "sync_sites": sites.most_common(8)}
+           "sync_sites": sites.most_common(8), "depths": depths}
     print("row:", row, flush=True)
     return row
 
@@ -203,7 +209,9 @@ def main() -> int:
         elif name == "dsbd":
             spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
                     "width": max(widths), "dynamic_width": False}
-            runs = [(f"DSBD W={w} d={args.depth}", {"dsbd_width": w}) for w in widths]
+            # depth pinned (the cost model set aside: large_model.cost_model_off), then the engine as a user runs it
+            runs = [(f"DSBD W={w} d={args.depth} pinned", {"dsbd_width": w}) for w in widths]
+            runs.append((f"DSBD W={max(widths)}, cost model", {"dsbd_width": max(widths)}))
         elif name == "dsbd_chain":
             spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth, "width": 1,
                     "full_cuda_graphs": True}
@@ -217,8 +225,10 @@ def main() -> int:
             set_acceptance.install(args.rate)
         try:
             for label, extra in runs:
-                for b in batches:
-                    rows.append(measure(args, label, llm, b, extra))
+                pin = name == "dsbd" and "pinned" in label
+                with lm.cost_model_off(llm) if pin else contextlib.nullcontext():
+                    for b in batches:
+                        rows.append(measure(args, label, llm, b, extra))
         except Exception as e:  # noqa: BLE001
             print(f"engine {name} failed: {type(e).__name__}: {e}", flush=True)
         finally:
@@ -230,12 +240,13 @@ def main() -> int:
     lines = [f"{device}; {'tiny' if args.tiny else 'Llama-3.1-8B / 3.2-1B shapes'}, random weights, {dtype}, "
              f"{'eager' if kw['enforce_eager'] else 'CUDA graphs on'}; speculation at a set acceptance rate "
              f"{args.rate}; medians over {args.steps} steps; phase times with the GPU synchronised around each", "",
-             "| engine | batch | step ms | " + " | ".join(PHASES) + " | syncs / step |",
-             "|---|---|---|" + "---|" * len(PHASES) + "---|"]
+             "| engine | batch | step ms | " + " | ".join(PHASES) + " | syncs / step | depths drafted |",
+             "|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
     for r in rows:
         s = "-" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:g}"
         lines.append(f"| {r['engine']} | {r['batch']} | {r['step_ms']:.2f} | "
-                     + " | ".join(f"{r[p]:.2f}" for p in PHASES) + f" | {s} |")
+                     + " | ".join(f"{r[p]:.2f}" for p in PHASES) + f" | {s} | "
+                     + (" ".join(f"{k}:{v}" for k, v in sorted(r["depths"].items())) or "-") + " |")
     lines += ["", "Most frequent synchronising lines per row:"]
     lines += [f"- {r['engine']}, batch {r['batch']}: " + ", ".join(f"{k} x{v}" for k, v in r["sync_sites"])
               for r in rows if r["sync_sites"]]

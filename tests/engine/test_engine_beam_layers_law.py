@@ -15,7 +15,9 @@ Outcome = the set of the 3 returned beams (tokens, EOS included when a beam ende
 every final candidate by enumeration (``beam_oracle.beam_sampling_law`` over the Hugging Face model), mapped to the 3
 best by vLLM's length-normalised score, as the engine returns them. Not vacuous (asserted): some beams end on EOS, and
 ``vllm:dsbd_beam_pass_layers`` shows passes that passed two layers. Power: the with-replacement acceptance rule
-planted into the layer beam requests run (``planted.py``) is rejected by the same test.
+planted into the layer beam requests run (``planted.py``) is rejected by the same test (chi2 271 against 90). Threshold
+at p = 1e-6; 1,500 requests: minimum detectable effect TV 0.13 (a 10% bias in the residual or the acceptance ratio is
+left to ``test_verify_layer.py``: at 8,500 requests this file's forests would take minutes).
 """
 from __future__ import annotations
 
@@ -135,7 +137,8 @@ def test_beam_law_with_two_layer_forests_and_eos(runs, path):
     print(f"EOS in the returned beams: law {eos_mass:.3f}, sample {eos_seen / N:.3f}")
     assert 0.05 < eos_mass < 0.95 and eos_seen > 0
     stat, df, thr = goodness_of_fit(sets, law, N)
-    report(f"beam sampling W={WIDTH}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}, EOS {EOS} [{path}]", stat, df, thr)
+    report(f"beam sampling W={WIDTH}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}, EOS {EOS} [{path}]", stat, df, thr,
+           n=N)
     assert df >= 5
     assert stat < thr
 
@@ -145,5 +148,5 @@ def test_planted_with_replacement_rule_is_rejected(runs):
     assert c["beam_layers_passed"] > 0 and c["forest_passes"] - c["passes_le_1"] > 0  # it ran on two-layer forests
     bad = goodness_of_fit(planted, runs["law"], N)
     exact = goodness_of_fit(runs["layered"][0], runs["law"], N)
-    report_power("beam sampling, two-layer forests", exact, bad, "with_replacement")
+    report_power("beam sampling, two-layer forests", exact, bad, "with_replacement", n=N)
     assert bad[0] > bad[2]

@@ -12,7 +12,8 @@ of which may hang from it (rejected: the target has no mass there); then the bon
 final beams. Oracle: ``beam_oracle.beam_sampling_law`` (exact, by enumeration over the Hugging Face model).
 
 The counters must show 3 draft nodes per depth (N > W) and layers passed. Power: the with-replacement acceptance rule
-planted into the verification (``planted.py``) must be rejected by the same test.
+planted into the verification (``planted.py``) must be rejected by the same test (chi2 451 against 91.5). Threshold at
+p = 1e-6; 2,000 requests: minimum detectable effect TV 0.11.
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def test_beam_set_law_with_over_drafted_forests_is_target_beam_sampling(runs):
     (exact, _), _, law = runs
     assert sum(exact.values()) == N and len(exact) > 10
     stat, df, thr = goodness_of_fit(exact, law, N)
-    print(report(f"DSBD T=1, W={WIDTH}, N={NODES}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}", stat, df, thr))
+    print(report(f"DSBD T=1, W={WIDTH}, N={NODES}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}", stat, df, thr, n=N))
     assert stat < thr
 
 

@@ -3,8 +3,10 @@
 On a GPU (``benchmarks/gpu/check.sh``, step ``default_config``) both engines run as a user gets them: bfloat16,
 vLLM's default compilation (torch.compile with piecewise CUDA graphs), and DSBD's defaults on CUDA (static
 verification, the fused verify kernel); the test asserts that those paths were really taken. On CPU the same checks
-run on float32 eager engines, where they are exact. Tiny random Llama pair with peaky laws (``peaky_pair``), a DSBD
-engine of width 4, depth 2. Checked:
+run on float32 eager engines, where they are exact. Tiny random Llama pair with peaky laws (``peaky_pair``), two DSBD
+engines of width 4, depth 2: ``default``, exactly as a user starts it (no override: the cost model measured at
+start-up, its step clock, load-aware speculation), and ``pinned`` (cost model off, every step drafts depth 2), which
+makes the forest checks below never vacuous. Checked on both:
 
 * greedy plain requests at widths 1 and 4 equal plain greedy vLLM. In bfloat16 the forest's attention rounds
   differently from a decode pass, so two near-tied tokens may swap: each request is compared up to its first
@@ -13,9 +15,12 @@ engine of width 4, depth 2. Checked:
 * ``LLM.beam_search`` (W = 4) gives plain vLLM's beams (float32: the same sequences and cumulative log-probabilities
   to 1e-4; bfloat16: the best beam's cumulative log-probability within ``TIE`` and most prompts' beams identical);
 * the law of the first 4 tokens of T = 0.6 plain requests at W = 4 equals plain vLLM's (two-sample chi-square,
-  threshold df + 10 sqrt(2 df)); power: the same statistic rejects plain vLLM at T = 0.9, and rejects the DSBD
-  sample against it;
-* not vacuous: vLLM's counters show drafts made and accepted, the DSBD counters layers passed and beam steps.
+  threshold at p = 1e-6; 800 requests per sample: minimum detectable effect TV 0.25); power: the same statistic
+  rejects plain vLLM at T = 0.9, and rejects the DSBD sample against it;
+* not vacuous: on ``pinned`` vLLM's counters show drafts made and accepted, the DSBD counters layers passed and beam
+  steps; on ``default`` the start-up probe measured a cost table, the step clock timed decode steps and the cost
+  model chose a depth for every decoding request (the depths it chose are printed: drafting nothing is its right
+  where a forest does not pay, and then the equalities above hold trivially for that engine).
 """
 from __future__ import annotations
 
@@ -35,8 +40,10 @@ import chisq  # noqa: E402
 pytestmark = pytest.mark.gpu  # the point of this file is the GPU run (benchmarks/gpu/check.sh)
 
 CUDA = torch.cuda.is_available()
-# the user's default on a GPU: bfloat16 and vLLM's default compilation (enforce_eager False); float32 eager on CPU
-DEFAULT = dict(dtype="bfloat16", enforce_eager=False, max_num_seqs=64) if CUDA else dict(max_num_seqs=64)
+# the user's default on a GPU: bfloat16, vLLM's default compilation (enforce_eager False) and prefix caching (None:
+# vLLM's default, on); float32 eager on CPU
+DEFAULT = (dict(dtype="bfloat16", enforce_eager=False, enable_prefix_caching=None, max_num_seqs=64) if CUDA
+           else dict(max_num_seqs=64))
 TIE = 0.25 if CUDA else 0.0  # nats: the log-probability gap a bfloat16 rounding difference may swap
 WIDTH, DEPTH, TOKENS = 4, 2, 24
 PROMPTS = [[(13 * i + 7 * k) % 290 + 5 for k in range(4 + i % 5)] for i in range(12)]
@@ -86,11 +93,9 @@ def plain():
                 "paths": _paths(llm)}
 
 
-@pytest.fixture(scope="module")
-def dsbd(plain):  # after plain: one engine at a time
+def _run_dsbd(spec):
     target, draft = peaky_pair()
-    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH,
-            "verify_budget": None}
+    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH, **spec}
     with dsbd_llm(target, speculative_config=spec, **DEFAULT) as llm:
         runner = runner_of(llm)
         out = {"paths": _paths(llm), "static": runner.dsbd_static, "fused": runner.dsbd_fused}
@@ -103,11 +108,35 @@ def dsbd(plain):  # after plain: one engine at a time
         c3 = _counters(llm)
         out["delta"] = {"greedy": {k: c1[k] - c0[k] for k in c0}, "beams": {k: c2[k] - c1[k] for k in c0},
                         "law": {k: c3[k] - c2[k] for k in c0}}
+        clock = runner._dsbd_clock
+        out["cost"] = {"table": runner._dsbd_cost_base, "corrected": runner.dsbd_cost,
+                       "clock": None if clock is None else (clock.n_bare, clock.n_drafting, clock.bare, clock.drafting),
+                       "depths": dict(runner.dsbd_stats.draft_depths),
+                       "beam_nodes": dict(runner.dsbd_stats.beam_nodes_chosen)}
     return out
 
 
+@pytest.fixture(scope="module")
+def default(plain):  # after plain: one engine at a time. The user's engine: no override of DSBD's defaults
+    return _run_dsbd({"cost_model": "auto"})  # "auto" is the default; named so engine_utils does not turn it off
+
+
+@pytest.fixture(scope="module")
+def pinned(default):  # cost model and load-aware speculation off: every step drafts a forest of depth DEPTH
+    return _run_dsbd({"cost_model": None, "verify_budget": None})
+
+
+ENGINES = ("default", "pinned")
+
+
+@pytest.fixture(params=ENGINES)
+def dsbd(request):
+    return request.param, request.getfixturevalue(request.param)
+
+
 def test_the_default_paths_were_taken(plain, dsbd):
-    print("plain:", plain["paths"], "dsbd:", dsbd["paths"], "static:", dsbd["static"], "fused:", dsbd["fused"])
+    name, dsbd = dsbd
+    print(name, "plain:", plain["paths"], "dsbd:", dsbd["paths"], "static:", dsbd["static"], "fused:", dsbd["fused"])
     assert dsbd["paths"]["dtype"] == plain["paths"]["dtype"]
     if CUDA:
         assert dsbd["paths"]["dtype"] == "torch.bfloat16"
@@ -121,6 +150,7 @@ def _first_difference(a, b):
 
 @pytest.mark.parametrize("width", [1, WIDTH])
 def test_greedy_equals_plain_vllm(plain, dsbd, width):
+    name, dsbd = dsbd
     differing = 0
     for (want, lps), (got, _) in zip(plain["greedy"], dsbd["greedy"][width]):
         assert len(got) == len(want) == TOKENS
@@ -131,13 +161,16 @@ def test_greedy_equals_plain_vllm(plain, dsbd, width):
         gap = lps[i][want[i]].logprob - (lps[i][got[i]].logprob if got[i] in lps[i] else -float("inf"))
         print(f"W={width}: first difference at token {i}: {want[i]} vs {got[i]}, plain log-prob gap {gap:.4f}")
         assert gap <= TIE, "a difference that is not a near-tie"
-    print(f"W={width}: {differing} of {len(PROMPTS)} requests differ; counters (widths 1 and 4) {dsbd['delta']['greedy']}")
+    print(f"{name} W={width}: {differing} of {len(PROMPTS)} requests differ; counters (widths 1 and 4) "
+          f"{dsbd['delta']['greedy']}")
     assert differing <= len(PROMPTS) // 4
-    assert dsbd["delta"]["greedy"]["spec_decode_num_accepted_tokens"] > 0
-    assert dsbd["delta"]["greedy"]["dsbd_layers_passed"] > 0
+    if name == "pinned":
+        assert dsbd["delta"]["greedy"]["spec_decode_num_accepted_tokens"] > 0
+        assert dsbd["delta"]["greedy"]["dsbd_layers_passed"] > 0
 
 
 def test_beam_search_equals_plain_vllm(plain, dsbd):
+    name, dsbd = dsbd
     same = 0
     for want, got in zip(plain["beams"], dsbd["beams"]):
         if [t for t, _ in want] == [t for t, _ in got]:
@@ -146,18 +179,38 @@ def test_beam_search_equals_plain_vllm(plain, dsbd):
         else:
             print("beams differ:", want[0][1], got[0][1])
             assert abs(want[0][1] - got[0][1]) <= TIE
-    print(f"{same} of {len(plain['beams'])} prompts with identical beams; counters {dsbd['delta']['beams']}")
+    print(f"{name}: {same} of {len(plain['beams'])} prompts with identical beams; counters {dsbd['delta']['beams']}")
     assert same == len(plain["beams"]) if not CUDA else same >= len(plain["beams"]) // 2
     assert dsbd["delta"]["beams"]["dsbd_beam_steps"] > 0
 
 
 def test_plain_request_law_equals_plain_vllm(plain, dsbd):
+    name, dsbd = dsbd
     stat, df, thr = chisq.two_sample(dsbd["law"], plain["law"])
-    chisq.report(f"first {LAW_TOKENS} tokens, DSBD W={WIDTH} vs plain vLLM", stat, df, thr)
+    chisq.report(f"first {LAW_TOKENS} tokens, DSBD ({name}) W={WIDTH} vs plain vLLM", stat, df, thr, n=N_LAW,
+                 two_sample=True)
     assert df >= 3 and stat < thr
-    for name, sample in (("plain vLLM", plain["law"]), ("DSBD", dsbd["law"])):
+    for who, sample in (("plain vLLM", plain["law"]), ("DSBD", dsbd["law"])):
         s, d, t = chisq.two_sample(sample, plain["hot"])
-        chisq.report(f"  {name} T={TEMP} vs plain vLLM T={HOT} (must differ)", s, d, t)
+        chisq.report(f"  {who} T={TEMP} vs plain vLLM T={HOT} (must differ)", s, d, t)
         assert s > t
-    print("counters:", dsbd["delta"]["law"])
-    assert dsbd["delta"]["law"]["spec_decode_num_accepted_tokens"] > 0
+    print(name, "counters:", dsbd["delta"]["law"])
+    if name == "pinned":
+        assert dsbd["delta"]["law"]["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_the_default_engine_measured_its_costs(default):
+    """The cost model of the user's engine ran: a table measured at start-up (target and draft passes timed at
+    several token counts), decode steps timed by the step clock, a depth chosen for the decoding requests."""
+    cost = default["cost"]
+    table = cost["table"]
+    print("default engine: start-up table target", table.target if table else None, "draft",
+          table.draft if table else None, "step", table.step if table else None)
+    print("corrected draft_step", cost["corrected"].draft_step if cost["corrected"] else None,
+          "clock (bare n, drafting n, bare s, drafting s)", cost["clock"])
+    print("depths chosen (depth: requests x steps)", cost["depths"], "beam N chosen", cost["beam_nodes"])
+    print("counters", default["delta"])
+    assert table is not None and len(table.target) >= 2 and all(s > 0 for _, s in table.target)
+    assert len(table.draft) >= 1 and all(s > 0 for _, s in table.draft)
+    assert cost["clock"] is not None and cost["clock"][0] + cost["clock"][1] > 0
+    assert sum(cost["depths"].values()) > 0

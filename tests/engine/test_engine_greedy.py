@@ -5,7 +5,8 @@ One DSBD engine (width 4, depth 3) serves every request; each request picks its 
 different steps (prefill and decode rows, and different widths, in one batch). Checked:
 
 * every width (1, 2, 4) equals plain greedy vLLM (no speculation): the engine's default mode "sample" verifies each
-  layer's up to W drafts with one output (K = 1), so a plain request is greedy decoding whatever W (docs/design.md §1);
+  layer's up to W drafts with one output (K = 1), so a plain request is greedy decoding whatever W
+  (docs/design/algorithm.md §1);
 * every request's tokens are exactly ``core.reference.dsbd_decode(mode="sample", temperature=0)`` on the same
   float32 weights through Hugging Face, with vLLM's iteration structure: the prefill step is a depth-0 iteration
   (one target token), then DSBD iterations from prompt + that token;

@@ -1,9 +1,11 @@
-"""A plain request on a DSBD engine is exact target sampling: its law equals plain vLLM's (docs/design.md §1, first row).
+"""A plain request on a DSBD engine is exact target sampling: its law equals plain vLLM's
+(docs/design/algorithm.md §1, first row).
 
 Real vLLM 0.26.0 on CPU, temperature 0.6 (peaky enough that 4-token sequences fill the bins), the engine's default mode ("sample": each verified layer checks the up to W
 drafts of a multi-draft forest and emits one token). The oracle is plain vLLM sampling on the same float32 weights,
-which shares no code with DSBD. Test: the law of the first three tokens over many seeded requests, two-sample
-chi-square (threshold df + 10 sqrt(2 df), bins with fewer than 10 samples merged), at widths 1 and 4, and on an
+which shares no code with DSBD. Test: the law of the first four tokens over 800 seeded requests, two-sample
+chi-square (threshold at p = 1e-6, bins with fewer than 10 samples merged; minimum detectable effect TV 0.25: every
+law at least that far is rejected with probability 0.99, ``chisq.mde_tv``), at widths 1 and 4, and on an
 engine whose KV cache is so small that requests are preempted and recomputed (asserted from vLLM's counter).
 Power, in the test: the same statistic and sample size reject plain vLLM at temperature 0.9 (1.5x). Not vacuous: drafts
 were made and accepted (vLLM's counters) on every DSBD engine.
@@ -15,9 +17,11 @@ prefill's and the first verified layer's, where the multi-draft rule decides) ag
 sample, and the same requests with the with-replacement rule planted into the engine's verification (``planted.py``;
 the engine core runs in this process, so its sampler calls the patched ``core.verify.verify_layer``) are rejected by
 it. (The truncated
-draft above at temperature 0.6 hides the planted rule at this sample size: chi2 43.6 against a threshold of 118.7;
-so does this cold draft at temperature 0.6: 63.8 against 105.2; and at 0.9 in the law of the first 4 tokens, whose
-later tokens spread the sample over many bins: 53.8 against 85.8, measured.)
+draft above at temperature 0.6 hides the planted rule at this sample size: chi2 43.6 against a threshold of 89.9;
+so does this cold draft at temperature 0.6: 63.8 against 80.4; and at 0.9 in the law of the first 4 tokens, whose
+later tokens spread the sample over many bins: 53.8 against 67.1, measured. The planted rule in the first 2 tokens:
+chi2 220 against 57; minimum detectable effect TV 0.23. Subtler wrong rules, a 10% bias in the residual or in the
+acceptance ratio, are rejected by the method-level tests, ``test_verify_layer.py``, at TV 0.02-0.04.)
 """
 from __future__ import annotations
 
@@ -128,7 +132,7 @@ def _prefix(counts: Counter, k: int) -> Counter:
 
 def _law_test(name, counts, plain):
     stat, df, thr = chisq.two_sample(counts, plain["t1"])
-    chisq.report(f"{name} vs plain vLLM", stat, df, thr)
+    chisq.report(f"{name} vs plain vLLM", stat, df, thr, n=N_LAW, two_sample=True)
     assert df >= 3, "the law test has too few bins to mean anything"
     assert stat < thr
     return stat
@@ -162,7 +166,7 @@ def test_cold_draft_law_and_planted_rule_in_the_engine(dsbd_cold, plain):
     stat = chisq.two_sample(_prefix(exact, COLD_TOKENS), _prefix(plain["hot"], COLD_TOKENS))
     planted = chisq.two_sample(_prefix(bad, COLD_TOKENS), _prefix(plain["hot"], COLD_TOKENS))
     chisq.report_power(f"first {COLD_TOKENS} tokens, DSBD W={WIDTH} cold draft vs plain vLLM, T={HOT}", stat, planted,
-                       PLANTED)
+                       PLANTED, n=N_LAW, two_sample=True)
     assert stat[1] >= 3 and stat[0] < stat[2]
     assert planted[0] > planted[2], "the test cannot tell the with-replacement rule from the exact one"
 

@@ -6,9 +6,11 @@ from that node's own history (prompt + output + its path from the root). Checked
 * law (T = 0.3, the peaky pair at width 4 and in width-1 chains, and the peaky target as its own draft at width 4,
   depth 2, a short repetitive prompt): the first 4 tokens of many seeded requests with all three penalties (presence
   and frequency negative, so that repeats are likely and a node's ancestors matter) against plain vLLM, two-sample
-  chi-square (threshold df + 10 sqrt(2 df)); power, in the test: the same statistic and sample size reject DSBD with
-  a planted wrong variant (the node rows penalized by the root's history only, their ancestors ignored:
-  ``penalties.node_paths`` replaced), on the self-drafted engine, where every token after the first is a node row's;
+  chi-square (threshold at p = 1e-6; 1,000 requests per sample: minimum detectable effect TV 0.20); power, in the
+  test: the same statistic and sample size reject DSBD with two planted wrong variants (``penalties.node_paths``
+  replaced) on the self-drafted engine, where every token after the first is a node row's: the node rows penalized by
+  the root's history only (chi2 193 against 64), and each node row's history one position short, the node's own token
+  missing (160 against 62);
 * greedy (T = 0, the tiny pair): ``repetition_penalty=1.3`` at widths 1 and 4 token-identical to plain vLLM, also
   with the static verification paths (the GPU default) and with the general draft loop, and different from the
   unpenalized tokens (the penalty matters on these prompts);
@@ -63,6 +65,13 @@ def _law_sample(llm, seed0, width=None):
     return Counter(tuple(o.outputs[0].token_ids) for o in outs)
 
 
+_real_paths = penalties.node_paths
+# planted wrong histories of the node rows: the root's only (ancestors ignored); each path one position short (the
+# node's own token missing)
+PLANTED = {"root": lambda tokens, parents: [[] for _ in tokens],
+           "one": lambda tokens, parents: [p[:-1] for p in _real_paths(tokens, parents)]}
+
+
 @pytest.fixture(scope="module")
 def law_plain():
     with dsbd_llm(peaky_pair()[0]) as llm:
@@ -79,8 +88,8 @@ def _law_engine(draft, runs):
         for name, width, seed0, planted in runs:
             before = _counters(llm)
             with pytest.MonkeyPatch.context() as mp:
-                if planted:  # node rows penalized by the root's history only (their ancestors ignored)
-                    mp.setattr(penalties, "node_paths", lambda tokens, parents: [[] for _ in tokens])
+                if planted:
+                    mp.setattr(penalties, "node_paths", PLANTED[planted])
                 counts = _law_sample(llm, seed0, width)
             after = _counters(llm)
             out[name] = counts, {k: after[k] - before[k] for k in after}
@@ -94,8 +103,9 @@ def law_dsbd(law_plain):  # after law_plain: one engine at a time
     planted variant runs too (with the peaky draft, half the node rows are never reached and the planted variant's
     statistic stays under the threshold at this sample size)."""
     target, draft = peaky_pair()
-    out = _law_engine(draft, [("w4", WIDTH, 10_000, False), ("w1", 1, 20_000, False)])
-    out.update(_law_engine(target, [("self w4", WIDTH, 30_000, False), ("planted", WIDTH, 40_000, True)]))
+    out = _law_engine(draft, [("w4", WIDTH, 10_000, None), ("w1", 1, 20_000, None)])
+    out.update(_law_engine(target, [("self w4", WIDTH, 30_000, None), ("planted", WIDTH, 40_000, "root"),
+                                    ("planted one", WIDTH, 40_000, "one")]))
     return out
 
 
@@ -105,7 +115,10 @@ def test_penalized_law_equals_plain_vllm(law_plain, law_dsbd, name):
     good = chisq.two_sample(counts, law_plain)
     bad = chisq.two_sample(law_dsbd["planted"][0], law_plain)
     chisq.report_power(f"first {LAW_TOKENS} tokens with penalties, DSBD {name} vs plain vLLM", good, bad,
-                       "node rows penalized by the root's history (self w4)")
+                       "node rows penalized by the root's history (self w4)", n=N_LAW, two_sample=True)
+    one = chisq.two_sample(law_dsbd["planted one"][0], law_plain)
+    chisq.report("  planted: each node row's history one position short (self w4)", *one)
+    assert one[0] > one[2], "a one-position history error is not rejected: the test has no power"
     print(f"  {name}: draft tokens {spec['draft_tokens']:.0f}, accepted {spec['accepted_tokens']:.0f}")
     assert good[1] >= 3, "the law test has too few bins to mean anything"
     assert good[0] < good[2]

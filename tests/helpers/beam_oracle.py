@@ -1,6 +1,6 @@
 """The exact law of target beam sampling, by enumeration (a test oracle that shares no code with ``vllm_dsbd.core``).
 
-Written from the definition (docs/design.md §1; docs/deviations.md), in plain Python floats:
+Written from the definition (docs/design/algorithm.md §1; docs/deviations.md), in plain Python floats:
   - a model is ``next_probs(context) -> list of V probabilities`` (for the synthetic table LMs: the table row);
   - temperature T: p_T(x | b) = p(x | b) ** (1 / T), renormalised over x;
   - each step forms the joint weight w(b, x) = exp(s_b) * p_T(x | b) over the live beams b, where exp(s_b) is the

@@ -15,6 +15,7 @@ import textwrap
 import vllm_dsbd.core.verify as verify_mod
 import vllm_dsbd.core.verify_static as static_mod
 
+_BIAS = "(1.0 + 0.1 * (torch.arange(t.shape[-1], device=t.device) % 2 == 0))"
 VARIANTS = {
     # The with-replacement acceptance rule: draft j's law is taken to be Q itself instead of Q_j (Q with the earlier
     # draws removed, renormalised), both in the acceptance ratio min(1, T(z_j) / Q(z_j)) and in the residual
@@ -27,6 +28,12 @@ VARIANTS = {
     "dropped_residual": [
         ("t[ri] = torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t[ri])", "t[ri] = t[ri]"),
     ],
+    # A subtle one: the residual max(T - Q_j, 0) 10% too heavy on even token ids before it is renormalised.
+    "residual_bias": [
+        ("res = (t[ri] - qj).clamp(min=0.0)", "res = (t[ri] - qj).clamp(min=0.0) * " + _BIAS),
+    ],
+    # A subtle one: each draft accepted with probability min(1, 0.9 T(z) / Q_j(z)), 10% too strict.
+    "accept_bias": [("acc = live & (u * (qz / denom) < tz)", "acc = live & (u * (qz / denom) < 0.9 * tz)")],
 }
 # the same variants of the static layer (its lines compute on every row under masks)
 STATIC_VARIANTS = {
@@ -37,6 +44,8 @@ STATIC_VARIANTS = {
     "dropped_residual": [
         ("t = torch.where(rej[:, None], torch.where(tot > _TINY, res / tot.clamp(min=_TINY), t), t)", "t = t"),
     ],
+    "residual_bias": [("res = (t - qj).clamp(min=0.0)", "res = (t - qj).clamp(min=0.0) * " + _BIAS)],
+    "accept_bias": [("acc = live & (u * (qz / denom) < tz)", "acc = live & (u * (qz / denom) < 0.9 * tz)")],
 }
 
 

@@ -1,6 +1,6 @@
-"""Mode "sample" (what a plain request gets on a DSBD engine, docs/design.md §1): one sequence; each verified layer checks
-the up to W drafts of a multi-draft forest and emits ONE token (K = 1), so the output is exactly target sampling at
-temperature > 0 and plain greedy decoding at temperature 0, whatever W and the draft.
+"""Mode "sample" (what a plain request gets on a DSBD engine, docs/design/algorithm.md §1): one sequence; each
+verified layer checks the up to W drafts of a multi-draft forest and emits ONE token (K = 1), so the output is exactly
+target sampling at temperature > 0 and plain greedy decoding at temperature 0, whatever W and the draft.
 
 The oracle is the table itself (products of its conditional probabilities, by enumeration; no core code). Power: the
 same statistic, sample size and threshold reject the paper's single-output-beam mode at fixed width (layers keep up to

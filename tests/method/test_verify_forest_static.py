@@ -8,6 +8,7 @@ exercised what they are meant to (accepts of later drafts after rejections, full
 truncation), and that the static path reads the device once (simulated device)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -247,3 +248,25 @@ def test_static_verify_setting(monkeypatch):
     monkeypatch.setenv(sampler.STATIC_ENV, "0")
     subsets = reads.run(sampler.verify(logits, plans, cfg))
     assert calls["static"] == 1 and [r.tokens for r in forced] == [r.tokens for r in subsets]
+
+
+@pytest.mark.parametrize("G,W,V", [(1, 2, 11), (3, 4, 40), (2, 3, 400)])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_step_without_forests_narrows_to_one_slot(G, W, V, static):
+    """A chunk in which no request has a forest (the cost model drafted nothing) is verified at one parent slot and
+    one layer (``sampler._verify_chunk``'s ``narrow_bare``; at width 1 it takes the chain path): the same tokens as
+    at the engine's full [G + 1, W, V] shapes, static paths (a GPU's) and general ones, over temperatures (0
+    included), top-k / top-p and EOS; and the draws are not all the same token (a path that ignored the noise would
+    pass the equality with itself only)."""
+    rnd = random.Random(7 * G + W + V + static)
+    tokens = Counter()
+    for step in range(12):
+        reqs = [dataclasses.replace(_random_req(rnd, G, V), depth=0) for _ in range(rnd.choice([1, 3, 8]))]
+        logits, plans, cfg = build_wide_step(reqs, G, W, V, seed=step)
+        narrow = reads.run(sampler.verify(logits, plans, cfg, forest_static=static, chain_static=static))
+        full = reads.run(sampler.verify(logits, plans, cfg, forest_static=static, chain_static=static,
+                                        narrow_bare=False))
+        assert [(a.tokens, a.path, a.passed, a.widths, a.rows) for a in narrow] == \
+            [(b.tokens, b.path, b.passed, b.widths, b.rows) for b in full]
+        tokens.update(r.tokens[0] for r, p in zip(narrow, plans) if p.state.temperature > 0)
+    assert len(tokens) >= 5, tokens

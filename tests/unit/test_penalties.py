@@ -16,6 +16,7 @@ from vllm.model_executor.layers.utils import apply_penalties as vllm_apply_penal
 from vllm_dsbd.core.sampling import beam_step
 from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core import rng
+from vllm_dsbd.engine import penalties
 from vllm_dsbd.engine.penalties import DraftPenalties, RequestPenalties, TargetRows, node_paths, penalize_target
 
 V = 23
@@ -36,7 +37,9 @@ def test_node_paths():
     assert node_paths([5, 6, 7, 8, 9], [-1, -1, 1, 0, 3]) == [[5], [6], [6, 7], [5, 8], [5, 8, 9]]
 
 
-def test_target_rows_equal_vllm_per_history():
+def _target_rows_wrong() -> list[int]:
+    """The rows where ``penalize_target`` differs from vLLM's penalties on that row's history; asserts the setup
+    reaches what it must (penalties change rows; other requests' rows are left alone)."""
     gen = random.Random(0)
     torch.manual_seed(0)
     N = 30
@@ -50,17 +53,29 @@ def test_target_rows_equal_vllm_per_history():
                                output=[gen.randrange(V) for _ in range(k * 3)], penalties=pen))
         first += n + 1 + 2  # two rows of some other request between
     out = penalize_target(logits, reqs)
-    touched = set()
+    touched, wrong = set(), []
     for r in reqs:
         paths = node_paths(r.tokens, r.parents)
         for j, hist in enumerate([[]] + paths):
             row = r.first_row + j
             touched.add(row)
-            want = _vllm_row(logits[row], r.prompt, r.output + hist, r.penalties)
-            assert torch.equal(out[row], want), (row, hist)
+            if not torch.equal(out[row], _vllm_row(logits[row], r.prompt, r.output + hist, r.penalties)):
+                wrong.append(row)
     assert any(not torch.equal(out[i], logits[i]) for i in touched)  # the penalties changed something
     for i in set(range(N)) - touched:  # other requests' rows are left alone
         assert torch.equal(out[i], logits[i])
+    return wrong
+
+
+def test_target_rows_equal_vllm_per_history(monkeypatch):
+    """Every row equal to vLLM's; power: a planted one-position history error (each node's row penalized by its path
+    without the node's own token) makes rows differ."""
+    assert _target_rows_wrong() == []
+    real = penalties.node_paths
+    monkeypatch.setattr(penalties, "node_paths", lambda tokens, parents: [p[:-1] for p in real(tokens, parents)])
+    wrong = _target_rows_wrong()
+    monkeypatch.undo()
+    assert len(wrong) >= 5, wrong
 
 
 def test_draft_slots_equal_vllm_per_history():

@@ -53,11 +53,11 @@ def dsbd_decode(target: Model, draft: Model, prompt_ids, *, width: int, depth: i
                 eos_token_id: int | None = None, mode: str = "full", dynamic_width: bool = False,
                 width_threshold: float = 0.9, min_width: int = 1, seed: int = 0, length_penalty: float = 1.0,
                 num_beams_out: int | None = None):
-    """DSBD decoding (``docs/design.md`` §1). ``mode="full"``: W live beams persist, the best beams are returned;
-    ``mode="sample"``: one sequence, exact target sampling (each layer verifies up to W drafts and emits one token,
-    K = 1; temperature 0 is greedy decoding whatever W); ``mode="single"``: the paper's single-output-beam mode, each
-    iteration emits one beam but layers keep K <= W beams (W = 1 is speculative sampling; for W > 1 the output law
-    depends on the draft). Temperature 0 in full mode is the deterministic variant (equals
+    """DSBD decoding (``docs/design/algorithm.md`` §1). ``mode="full"``: W live beams persist, the best beams are
+    returned; ``mode="sample"``: one sequence, exact target sampling (each layer verifies up to W drafts and emits one
+    token, K = 1; temperature 0 is greedy decoding whatever W); ``mode="single"``: the paper's single-output-beam
+    mode, each iteration emits one beam but layers keep K <= W beams (W = 1 is speculative sampling; for W > 1 the
+    output law depends on the draft). Temperature 0 in full mode is the deterministic variant (equals
     ``beam_decode(temperature=0)``; the width stays W)."""
     _check_common(width, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, length_penalty)
     if not isinstance(depth, int) or depth < 1:

@@ -1,4 +1,4 @@
-"""Exact layer-by-layer verification of a draft forest (``docs/design.md`` §1).
+"""Exact layer-by-layer verification of a draft forest (``docs/design/algorithm.md`` §1).
 
 Vocabulary (per request, per layer d): P = the target joint over the valid beams V x vocab; Q = the draft joint the
 layer's drafts were drawn from, without replacement, in *draw order*; K = the layer's width; an *output* is one of the K

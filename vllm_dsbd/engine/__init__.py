@@ -6,6 +6,6 @@ attention (:mod:`.attention`, :mod:`.kv`), verification (:mod:`.sampler`, :mod:`
 beam requests (:mod:`.beams`), host reads (:mod:`.reads`), load-aware speculation (:mod:`.load`), graph safety
 (:mod:`.graphs`), start-up refusals (:mod:`.support`), working memory (:mod:`.memory`) and metrics (:mod:`.metrics`,
 :mod:`.prometheus`). Importing this
-package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do. The story: docs/design.md §3; the module map:
-§4.
+package imports nothing from vLLM; :mod:`.runner` and :mod:`.drafter` do. The story: docs/design.md (index, §3);
+the module map: docs/design/modules.md §4.
 """

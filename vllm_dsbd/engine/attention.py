@@ -5,7 +5,7 @@ attention, which also writes every query token's K/V, then, while a :class:`Fore
 (:func:`forest_scope`), recomputes the forest query tokens' outputs under their ancestor masks over the paged cache and
 writes them over the causal ones: the Triton kernel on CUDA, a batched torch path elsewhere (everywhere with
 ``VLLM_DSBD_FOREST_ATTENTION=torch``), the per-request reference with ``VLLM_DSBD_FOREST_ATTENTION=ref``. vLLM's
-classes are not modified. How and why: docs/design.md §3.5.
+classes are not modified. How and why: docs/design/attention.md §3.5.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ requests, down to 0 (no draft) where drafting does not pay, and for T = 0 beam r
 verified (:func:`passed_by_width`). The choice is made before any coin of the step is drawn and depends only on the
 past, so every output law stays exact; every tensor-parallel rank computes the same choice (the table is rank 0's,
 the estimates come from verification results every rank has). Imports neither vLLM nor torch.
-The rule: docs/design.md §3.6; settings: docs/usage/configuration.md.
+The rule: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md.
 """
 from __future__ import annotations
 

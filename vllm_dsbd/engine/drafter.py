@@ -4,7 +4,7 @@
 group, dummy runs) and replaces the proposal (:meth:`DSBDDrafter.propose_forests`): a catch-up pass, then one draft pass
 per depth under forest attention. Forest nodes are written at the slots where the target will write them, so one commit
 after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
-drafting loops (general, chain, static with its bet): docs/design.md §3.4.
+drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4.
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scop
 from .kv import batch_slots
 from .penalties import DraftPenalties
 from .reads import Reader
-from .sampler import _params
-from .state import PendingForest, RequestState
+from .state import PendingForest, RequestState, batch_params
 
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
@@ -177,7 +176,7 @@ class DSBDDrafter(DraftModelProposer):
         owned = np.asarray(owned)[rows_np].astype(np.int64)
         block_rows = table[torch.from_numpy(rows_np)]
         brow_np = block_rows.numpy()
-        params = _params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
+        params = batch_params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
         if any(j.width is not None for j in jobs):  # load-aware: fewer draws per depth than the request's width
             w = torch.tensor([j.state.width if j.width is None else j.width for j in jobs], dtype=torch.int64)
             params = params.with_(width=w, min_width=torch.minimum(params.min_width, w))

@@ -6,7 +6,7 @@ graph containing attention would replay plain causal attention over a forest: wr
 could raise the mode) lowers ``cudagraph_mode`` to PIECEWISE where attention is outside the pieces, else NONE, and the
 worker checks the result (:func:`check`). With ``full_cuda_graphs`` the full modes stay for passes without forest
 attention; the runner excludes FULL from passes with it. What vLLM 0.26 captures in each mode, and why this is enough:
-docs/design.md §3.5.
+docs/design/attention.md §3.5.
 """
 from __future__ import annotations
 

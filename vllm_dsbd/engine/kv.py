@@ -5,7 +5,7 @@ A *slot* is the physical row ``block_table[r, t // block_size] * block_size + t 
 must keep: on the CPU (``CPU_ATTN``) each (block, head) holds K **transposed** (``[head_size, block_size]``) then V, so
 :func:`cpu_planes` gives strided views only the torch references take; on the GPU backends K and V of a token sit side
 by side in the last dimension (:func:`gpu_planes`, unit stride: the Triton kernels take them as they are). Details:
-docs/design.md §3.5; tested by ``tests/unit/test_engine_units.py``.
+docs/design/attention.md §3.5; tested by ``tests/unit/test_engine_units.py``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The runner's KV commit: after verification, the kept path's K/V (target and draft, every layer) move to the slots
 right after the context (``DSBDRunnerMixin`` takes these methods; ``kv.py`` holds the slot arithmetic and the kernel or
 torch copy, ``VLLM_DSBD_KV_COMMIT``). Needs the runner's ``compilation_config``, ``kv_cache_config``,
-``input_batch``, ``dsbd_env``, ``dsbd_stats`` and ``_dsbd_planes`` (None until first use). docs/design.md §3.1.
+``input_batch``, ``dsbd_env``, ``dsbd_stats`` and ``_dsbd_planes`` (None until first use). docs/design/step.md §3.1.
 """
 from __future__ import annotations
 

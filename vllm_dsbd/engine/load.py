@@ -7,7 +7,7 @@ verified-token budget and every request's draft shape shrinks, level by level (d
 every tensor-parallel rank computes the same, and every output law is unchanged (a forest's shape is fixed before its
 coins are drawn). ``"auto"`` with the cost model off: the knee of a start-up timing table (``load_probe.py``), never
 below one request's full step; with it on, no budget. Imports neither vLLM nor torch. The levels, the plan and the
-probe: docs/design.md §3.6; settings: docs/usage/configuration.md.
+probe: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md.
 """
 from __future__ import annotations
 

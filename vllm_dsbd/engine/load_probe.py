@@ -4,7 +4,7 @@ dummy pass off) and the cost model's table (``cost.py``: target and draft models
 forward context, each with its LM head over every token); per size one warm-up pass, then the
 least of ``REPEATS`` timed passes (noise only adds time); the cost table's sizes are timed in ``COST_ROUNDS`` rounds
 and made non-decreasing. With tensor parallelism rank 0 decides when to stop and its
-table is every rank's (the passes are collective). Details: docs/design.md §3.6.
+table is every rank's (the passes are collective). Details: docs/design/cost-model.md §3.6.
 """
 from __future__ import annotations
 

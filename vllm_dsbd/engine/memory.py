@@ -6,9 +6,9 @@ joints and their temporaries. vLLM sizes the KV cache from the peak its profilin
 at ``max_num_batched_tokens``, its own sampler at ``max_num_seqs``), which runs none of DSBD's work, so without more a
 GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a large batch. Two parts:
 
-* a bound: plain requests' verification runs over chunks of at most :func:`verify_chunk` requests, sized so that a
-  chunk's working set stays under :data:`VERIFY_BUDGET` elements (``sampler.verify``; each request's results do not
-  depend on the others, so chunking changes no decision; a step reads the device once per chunk);
+* a bound: plain requests' verification runs over chunks of at most ``chunks.verify_chunk`` requests, sized so that
+  a chunk's working set stays under ``chunks.VERIFY_BUDGET`` elements (``sampler.verify``; each request's results do
+  not depend on the others, so chunking changes no decision; a step reads the device once per chunk);
 * an account: :func:`profile_step`, the DSBD runner's ``profile_run`` on a device, runs vLLM's profiling run inside a
   DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth (forests drafted by the drafter's
   real loops with random draft logits in place of the draft model's passes, whose own memory vLLM's drafter dummy run
@@ -16,7 +16,9 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   context; the target's logits of every forest row; verification on them; the next forests drafted while these are
   still held), so the peak vLLM sizes the KV cache from covers the step.
 
-Beam requests' device work (``beams/``) is not chunked and not in the dummy step (docs/design.md §3.8).
+This module is the account; ``chunks.py`` the bound (a leaf: the sampler imports it, and this module imports the
+sampler and the drafter). Beam requests' device work (``beams/``) is not chunked and not in the dummy step
+(docs/design/memory.md §3.8).
 """
 from __future__ import annotations
 
@@ -28,29 +30,9 @@ import torch
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
-# float32 elements one chunk of plain requests' verification may hold at once (2 ** 27: 512 MiB)
-VERIFY_BUDGET = 1 << 27
 # the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
 # profile)
 PROFILE_CPU = False
-# float32 blocks of W * V elements one request holds in verification (``sampler.verify``): the target rows (G + 1), the
-# concatenated draft joints (G) and the layers' temporaries (joint, exponentials, residual, masks, top-p's sort), at
-# most LAYER_BLOCKS; measured on the CPU (torch's allocator records) at G = 1..3, W = 1..4, a chunk of one request on
-# the static path at most 24 blocks besides the 2G + 1, the row-subset path 18 (tests/unit/test_memory.py checks)
-LAYER_BLOCKS = 26
-
-
-def verify_blocks(depth: int) -> int:
-    """The W * V float32 blocks one request holds in verification at depth G (see :data:`LAYER_BLOCKS`)."""
-    G = max(depth, 1)
-    return (G + 1) + G + LAYER_BLOCKS
-
-
-def verify_chunk(depth: int, width: int, vocab: int, budget: int | None = None) -> int:
-    """The most plain requests one verification chunk takes (>= 1): ``budget`` (default :data:`VERIFY_BUDGET`)
-    float32 elements over each request's ``verify_blocks(depth) * width * vocab``."""
-    budget = VERIFY_BUDGET if budget is None else budget
-    return max(1, budget // (verify_blocks(depth) * max(width, 1) * max(vocab, 1)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ Per engine (worker) process :class:`DSBDStats` counts what verification did, log
 processes). vLLM's own spec-decode metrics count plain requests' forests, nodes and layers passed (patches
 ``spec_stats_depths``, ``spec_stats_prometheus``; beam requests only in the ``beam_*`` counters here): its "draft
 acceptance rate" is at most 1/W by construction. What each metric means:
-docs/usage/metrics.md; docs/design.md §3.7.
+docs/usage/metrics.md; docs/design/startup.md §3.7.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 An in-process engine registers in its process's default registry. With the engine core in a child process, the front end
 (:func:`setup_frontend`) exports a multiprocess directory (``VLLM_DSBD_PROMETHEUS_DIR`` / ``_PID``) and serves a
 ``MultiProcessCollector`` over it; the engine creates its collectors memory-mapped there. Not covered:
-``--api-server-count > 1``, a rank-0 Ray worker on another machine. The route step by step: docs/design.md §3.7.
+``--api-server-count > 1``, a rank-0 Ray worker on another machine. The route step by step: docs/design/startup.md §3.7.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Code that reads the device is a *reader*: a generator that yields the device ten
 copies (``host, = yield [t]``). :func:`gather` runs readers side by side, one copy per round (:func:`fetch`);
 :func:`run` drives one to its result. Readers hand across a yield only device tensors they made themselves, so merging
 changes nothing but the number of copies; ``MERGE = False`` runs them one after the other (the tests' reference).
-Imports no vLLM. The protocol: docs/design.md §3.2.
+Imports no vLLM. The protocol: docs/design/step.md §3.2.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ attention batch (``_prepare_inputs``; beam requests: ``_plan_beam``), the target
 ``_beam_steps``), and the next forests (``propose_draft_token_ids``). ``sample_tokens`` hands beam requests' finished
 beams, settled tokens and re-layouts to the scheduler (patch ``beam_scheduler``). Each of ``_sample`` and
 ``propose_draft_token_ids`` reads the device once per round for all its kinds of work (``reads.gather``). The step in
-vLLM's hooks: docs/design.md §3.1; readers: §3.2; beam requests: §3.3.
+vLLM's hooks: docs/design/step.md §3.1; readers: §3.2 (same page); beam requests:
+docs/design/beams.md §3.3.
 """
 from __future__ import annotations
 
@@ -250,7 +251,7 @@ class DSBDRunnerMixin(KVCommitMixin):
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         """vLLM's choice of CUDA-graph mode for the pass, with FULL excluded when the pass has forest attention: the
         recompute runs in Python inside the attention layers, which a full graph would skip (vLLM's own exclusion for
-        cascade attention; docs/design.md §3.5)."""
+        cascade attention; docs/design/attention.md §3.5)."""
         if self._dsbd_forest is not None:  # vLLM 0.26's callers pass it by name
             kwargs["use_cascade_attn"] = True
         return super()._determine_batch_execution_and_padding(*args, **kwargs)

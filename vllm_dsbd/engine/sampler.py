@@ -4,7 +4,7 @@ One call per step over the target's logits rows (per request: the root's row, th
 in compact depth-major order) verifies every forest exactly (``core.verify_forest``, or its chain and static forms,
 which make the same decisions) and returns the emitted tokens in vLLM's sampled-token format. vLLM's linear rollback is
 right once the runner has moved the accepted path's K/V into the first slots after the context (``kv.commit`` with
-:attr:`RowResult.path`). Rows, paths and output format: docs/design.md §3.1.
+:attr:`RowResult.path`). Rows, paths and output format: docs/design/step.md §3.1.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from vllm_dsbd.core.verify_static import verify_forest_static
 
 from .fused import fused_default, fused_layer
 from .beams.trie import StepResult
-from .memory import verify_chunk
+from .chunks import verify_chunk
 from .reads import Reader
-from .state import PendingForest, RequestState
+from .state import PendingForest, RequestState, batch_params
 
 # which verification paths a step takes: "auto" (default) the static ones (no host reads) on a device and the row
 # subsets on the CPU; "1" the static ones everywhere, "0" the row subsets everywhere (a fallback on a device)
@@ -89,37 +89,35 @@ def truncate(forest: Forest, context_len: int, n: int) -> Forest:
                   q_joint=forest.q_joint, depth=torch.minimum(depth, forest.depth))
 
 
-def _params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> BatchParams:
-    return BatchParams.make(
-        len(states), temperature=[s.temperature for s in states], top_k=[s.top_k for s in states],
-        top_p=[s.top_p for s in states], width=[s.width for s in states], seed=[s.seed for s in states],
-        eos=[s.eos for s in states], depth=depth, min_width=[min(cfg.min_width, s.width) for s in states],
-        tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True, max_k=1 if cfg.mode == "sample" else 0)
-
-
 def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            chain_fast_path: bool = True, chain_static: bool | None = None,
            forest_static: bool | None = None, fused: bool | None = None,
-           budget: int | None = None) -> Reader[list[RowResult]]:
+           budget: int | None = None, narrow_bare: bool = True) -> Reader[list[RowResult]]:
     """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
     (``engine/reads.py``). Runs on the logits' device, one host copy at the end of each chunk of requests (the general
     path also reads at the core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and
     with ``chain_static`` / ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel
-    when ``fused``. Requests go in chunks of ``memory.verify_chunk`` (``budget`` float32 elements, default
-    ``memory.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk."""
+    when ``fused``. Requests go in chunks of ``chunks.verify_chunk`` (``budget`` float32 elements, default
+    ``chunks.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk."""
     n = verify_chunk(cfg.depth, cfg.width, logits.shape[-1], budget)
     out: list[RowResult] = []
     for a in range(0, len(rows), n):
         out += yield from _verify_chunk(logits, rows[a : a + n], cfg, chain_fast_path, chain_static, forest_static,
-                                        fused)
+                                        fused, narrow_bare)
     return out
 
 
 def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, chain_fast_path: bool,
                   chain_static: bool | None, forest_static: bool | None,
-                  fused: bool | None) -> Reader[list[RowResult]]:
-    """:func:`verify` of one chunk of requests."""
+                  fused: bool | None, narrow_bare: bool = True) -> Reader[list[RowResult]]:
+    """:func:`verify` of one chunk of requests (``narrow_bare`` False: a chunk without forests at the full shapes,
+    for the tests that compare the two)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
+    if narrow_bare and all(r.forest is None for r in rows):
+        # no forest in the chunk (the cost model drafted nothing): one parent slot and one layer. The layer's joint,
+        # and the noise of every draw from it, are indexed from the root slot's tokens (slot * V + token), so the
+        # narrow shapes give the same tokens as [G + 1, W, V] at a W (G + 1)-th of the work and memory
+        G, W = 1, 1
     V = logits.shape[-1]
     dev = logits.device
     forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V, dev) for row in rows]
@@ -132,7 +130,7 @@ def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, ch
     depth = _depths(rows, forest)
     ctx = torch.tensor([r.context_len for r in rows], dtype=torch.int64, device=dev)
     compact = compact_index(forest.valid)  # all of the forest layout this needs
-    params = _params([r.state for r in rows], depth, cfg).to(dev)
+    params = batch_params([r.state for r in rows], depth, cfg).to(dev)
     if chain_static is None or forest_static is None:  # not said (the runner says): the environment's default now
         static = static_default(dev)
         chain_static = static if chain_static is None else chain_static

@@ -1,6 +1,6 @@
 """What the DSBD engine remembers about each request between engine steps: its seed and sampling settings (fixed when it
 registers, new or resumed), the forest drafted last step (vLLM's "draft tokens" for it) and how far the draft model's KV
-cache is valid. Seeds and why draft K/V are recomputed: docs/design.md §3.4.
+cache is valid. Seeds and why draft K/V are recomputed: docs/design/forests.md §3.4.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.forest import Forest
+from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
@@ -123,3 +124,12 @@ class Requests:
 
     def __len__(self) -> int:
         return len(self._states)
+
+
+def batch_params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> BatchParams:
+    """The core's per-request parameters of plain requests (drafting and verification alike)."""
+    return BatchParams.make(
+        len(states), temperature=[s.temperature for s in states], top_k=[s.top_k for s in states],
+        top_p=[s.top_p for s in states], width=[s.width for s in states], seed=[s.seed for s in states],
+        eos=[s.eos for s in states], depth=depth, min_width=[min(cfg.min_width, s.width) for s in states],
+        tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True, max_k=1 if cfg.mode == "sample" else 0)

@@ -5,7 +5,7 @@ unquantised paged cache, so sliding windows, ALiBi, sinks, softcapping, other at
 are refused, naming feature and layer. :func:`check_engine_config` (patch ``vllm_post_init``): models with
 multimodal rotary positions (M-RoPE / XD-RoPE), and settings vLLM applies in the sampler DSBD replaces: ``--logits-processors`` and a reasoning config with thinking delimiters are refused;
 installed logits-processor plugins, which vLLM skips for every speculative method, get a warning. Why each:
-docs/design.md §3.7.
+docs/design/startup.md §3.7.
 """
 from __future__ import annotations
 

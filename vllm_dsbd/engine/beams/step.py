@@ -67,10 +67,11 @@ def _sample_plain(plain: list[PendingStep]) -> reads.Reader[None]:
 
 def _sample_layers(steps: list[PendingStep], static_layers: bool = True,
                    fused: bool | None = None) -> reads.Reader[None]:
-    """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design.md`` §1, §3.3): each layer's K
-    outputs are K draws without replacement from the target joint P over the current beams (K = W, or the dynamic-width
-    rule from P and Q only), so each layer is exactly one step of target beam sampling; while every new beam is a forest
-    node the next layer runs on its rows. Sets each step's last candidates, layers passed and drafted layers' widths."""
+    """T > 0 with a forest: DSBD's exact layer-by-layer verification (``docs/design/algorithm.md`` §1,
+    ``docs/design/beams.md`` §3.3): each layer's K outputs are K draws without replacement from the target joint P
+    over the current beams (K = W, or the dynamic-width rule from P and Q only), so each layer is exactly one step of
+    target beam sampling; while every new beam is a forest node the next layer runs on its rows. Sets each step's last
+    candidates, layers passed and drafted layers' widths."""
     for st in steps:
         st.n0 = st.beam.graft(st.forest, len(st.flogits))
         st.rows = st.logits

@@ -1,4 +1,5 @@
-"""One beam request's trie, its draft forest and its answer (:class:`BeamRequest`; the story: docs/design.md §3.3).
+"""One beam request's trie, its draft forest and its answer (:class:`BeamRequest`;
+the story: docs/design/beams.md §3.3).
 
 The batched step that drives it is ``step.py``; this module imports no vLLM.
 """
@@ -80,7 +81,7 @@ class BeamRequest:
                  top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True,
                  nodes: int | None = None):
         self.params = params
-        # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design.md §3.3
+        # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design/beams.md §3.3
         self.nodes = max(params.width, nodes or 0)
         self.relayout = relayout  # re-layout after every step (False: dead slots stay as holes, the prefix in the trie)
         self.tau, self.min_width = tau, min_width  # the engine's dynamic-width rule (``dynamic_width`` requests)

@@ -1,0 +1,62 @@
+"""The GPU benchmark scripts' flows on CPU (``--tiny``), so a GPU loan never finds them broken: ``large_model.py`` with
+the plain and DSBD engines and ``step_profile.py`` with the DSBD engine, each in a subprocess through the real vLLM.
+Checked beyond "it ran": rows that say "depth 3 pinned" drafted depth 3 in every decision the engine counted and
+needed fewer target passes than tokens at the set rate 0.8; rows of the user's engine (cost model) record the depths
+it chose, one per request and decoding step; the report has every row."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, script: str, *args: str) -> str:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / script), "--tiny", "--work", str(tmp_path / "models"),
+           *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_large_model_rows_say_what_they_drafted(tmp_path):
+    out = tmp_path / "lm"
+    _run(tmp_path, "large_model.py", "--engines", "plain,dsbd", "--batches", "1", "--b1-prompts", "1",
+         "--max-tokens", "8", "--beam-tokens", "5", "--rates", "0.8", "--widths", "4", "--out", str(out))
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    methods = [r["method"] for r in rows]
+    assert methods[:2] == ["plain sampling", "vLLM beam_search"], methods
+    pinned_plain = next(r for r in rows if r["method"] == "DSBD plain requests, depth 3 pinned (set rate)")
+    assert pinned_plain["depths"] == {"3": pinned_plain["passes"]}, pinned_plain
+    assert pinned_plain["passes"] < pinned_plain["tokens"], pinned_plain  # layers passed at rate 0.8
+    auto = next(r for r in rows if r["method"] == "DSBD plain requests, cost model (set rate)")
+    assert sum(auto["depths"].values()) == auto["passes"], auto  # one decision per decoding step (batch 1)
+    pinned_beam = next(r for r in rows if r["method"] == "DSBD beam search, depth 3 pinned (set rate)")
+    assert pinned_beam["passes"] < pinned_beam["tokens"], pinned_beam
+    depth0 = next(r for r in rows if r["method"] == "in-engine beam search (depth 0)")
+    assert depth0["passes"] == depth0["tokens"], depth0
+    report = (out / "README.md").read_text()
+    assert report.count("\n| ") == len(rows) + 1, report  # header + one line per row
+
+
+def test_step_profile_rows_say_what_they_drafted(tmp_path):
+    out = tmp_path / "sp"
+    _run(tmp_path, "step_profile.py", "--engines", "dsbd", "--batches", "1", "--widths", "4", "--steps", "3",
+         "--out", str(out))
+    rows = {r["engine"]: r for r in json.loads((out / "step_profile.json").read_text())["rows"]}
+    assert set(rows) == {"DSBD W=4 d=3 pinned", "DSBD W=4, cost model"}, rows
+    pinned = rows["DSBD W=4 d=3 pinned"]
+    assert set(pinned["depths"]) == {"3"} and pinned["draft forward"] > 0, pinned
+    auto = rows["DSBD W=4, cost model"]
+    assert sum(auto["depths"].values()) > 0, auto
+    assert all(r["step_ms"] > 0 and r["target forward"] > 0 for r in rows.values()), rows
