@@ -109,7 +109,7 @@ def main() -> int:
     if a.check:
         from vllm.sampling_params import BeamSearchParams
 
-        llm = vllm.LLM(**kw)
+        llm = vllm.LLM(**{**kw, "enable_prefix_caching": True})  # vLLM's loop re-prefills every beam without it
         same = {}
         for kind in KINDS:
             ps = [p for k, p in enc if k == kind]

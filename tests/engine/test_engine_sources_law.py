@@ -10,9 +10,10 @@ One engine without a draft model on SmolLM2-135M (float32), prompt = a list to r
 proposes the list's next items (chains of point masses), recycle the target's own rows of the prompt and of the
 request's earlier steps (several candidates each). Checked:
 
-* plain requests, T = 1, width 4, depth 2: the law of the first 3 tokens equals plain vLLM's (two-sample
+* plain requests, T = 1.5 (a flatter law than the copy's near point masses, so that a wrong draft law shows), width
+  4, depth 2: the law of the first 3 tokens (the prefill's, then two verified layers; a 4th, the bonus, is drawn) equals plain vLLM's (two-sample
   chi-square, threshold df + 10 sqrt(2 df)); forests were verified and layers passed (the engine's counts);
-* beam sampling, T = 1, W = 2, N = 4 nodes per depth, 3 steps, depth 2, top-k 3 on the joint: the law of the beam set equals the exact
+* beam sampling, T = 1.5, W = 2, N = 2 nodes per depth, 3 steps, depth 2, top-k 4 on the joint: the law of the beam set equals the exact
   law by enumeration (``beam_oracle``), with forest nodes verified and layers passed (the engine's counters);
 * power, in the same tests: the drafts made deterministic (each depth's best candidates, no Gumbel noise) while Q
   is still recorded as the softmax law they are not drawn from (the bug the point-mass rule exists to avoid) is
@@ -34,17 +35,14 @@ import chisq  # noqa: E402
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from vllm_dsbd.core import rng as rng_mod  # noqa: E402
 from vllm_dsbd.core import sampling as sampling_mod  # noqa: E402
-import vllm_dsbd.core.verify as verify_mod  # noqa: E402
-from planted import planted_verify_layer  # noqa: E402
 from vllm_dsbd.engine import source_drafter  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 TEXT = ("Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, kiwi\n"
         "Repeat: apple, banana,")
-N_PLAIN, PLAIN_TOKENS, TEMP, WIDTH, DEPTH = 400, 3, 1.0, 4, 2
-PLANTED_PLAIN = "dropped_residual"  # plain requests' planted rule (planted.py)
-BEAM_W, NODES, STEPS, TOP_K, N_BEAM = 2, 4, 3, 3, 600
+N_PLAIN, PLAIN_TOKENS, TEMP, WIDTH, DEPTH = 400, 4, 1.5, 4, 2
+BEAM_W, NODES, STEPS, TOP_K, N_BEAM = 2, 2, 3, 4, 600
 
 
 class _NoNoise:
@@ -102,7 +100,7 @@ def _plain(llm, seeded=True):
 
 def _beams(llm):
     beam = {"width": BEAM_W, "max_tokens": STEPS, "ignore_eos": True, "depth": DEPTH, "nodes": NODES}
-    params = [vllm.SamplingParams(temperature=1.0, top_k=TOP_K, seed=s, max_tokens=STEPS * (BEAM_W + 1) + 2,
+    params = [vllm.SamplingParams(temperature=TEMP, top_k=TOP_K, seed=s, max_tokens=STEPS * (BEAM_W + 1) + 2,
                                   ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
               for s in range(N_BEAM)]
     before = beam_counters(llm)
@@ -110,6 +108,14 @@ def _beams(llm):
     after = beam_counters(llm)
     sets = Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
     return sets, {k: after[k] - before[k] for k in after}
+
+
+def _prefix(counts: Counter, n: int = PLAIN_TOKENS - 1) -> Counter:
+    """The law of the first n tokens: the prefill's and the verified layers' (the last token is the bonus draw)."""
+    out = Counter()
+    for k, v in counts.items():
+        out[k[:n]] += v
+    return out
 
 
 def _decisions(llm):
@@ -135,30 +141,22 @@ def runs():
     out, t0 = {}, time.time()
     with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=4096) as llm:
         out["plain"] = _plain(llm, seeded=False)
-        print("TIME plain", time.time() - t0)
     with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=4096,
-                  speculative_config={"method": "dsbd", "width": WIDTH, "num_speculative_tokens": DEPTH,
-                                      "beam_nodes": NODES}) as llm:
+                  speculative_config={"method": "dsbd", "width": WIDTH, "num_speculative_tokens": DEPTH}) as llm:
         d0 = _decisions(llm)
         out["exact"] = _plain(llm)
         d1 = _decisions(llm)
         out["plain_counts"] = {"forests": d1["forest_iterations"] - d0["forest_iterations"],
                                "passed": sum(k * (v - d0["layers_passed"].get(k, 0))
                                              for k, v in d1["layers_passed"].items())}
-        print("TIME dsbd plain", time.time() - t0)
         out["beams"] = _beams(llm)
-        print("TIME dsbd beams", time.time() - t0)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(verify_mod, "verify_layer", planted_verify_layer(PLANTED_PLAIN))
-            out["planted"] = _plain(llm)
         with pytest.MonkeyPatch.context() as mp:
             _planted(mp)
-            out["planted_det"] = _plain(llm)
+            out["planted"] = _plain(llm)
             out["beams_planted"] = _beams(llm)
-    print("TIME planted", time.time() - t0)
     out["law"] = beam_sampling_law(hf_next_probs(target), PROMPT, width=BEAM_W, max_new_tokens=STEPS,
-                                   temperature=1.0, top_k=TOP_K)
-    print("TIME law", time.time() - t0)
+                                   temperature=TEMP, top_k=TOP_K)
+    print(f"law test runs: {time.time() - t0:.0f} s")
     return out
 
 
@@ -169,12 +167,10 @@ def test_plain_forests_were_verified(runs):
 
 
 def test_plain_law_equals_plain_vllm_and_planted_drafts_are_rejected(runs):
-    stat = chisq.two_sample(runs["exact"], runs["plain"])
-    bad = chisq.two_sample(runs["planted"], runs["plain"])
-    chisq.report_power(f"first {PLAIN_TOKENS} tokens, sources W={WIDTH} vs plain vLLM, T={TEMP}", stat, bad,
-                       PLANTED_PLAIN)
-    det = chisq.two_sample(runs["planted_det"], runs["plain"])
-    chisq.report_power("the same", stat, det, "deterministic drafts recorded as softmax Q")
+    stat = chisq.two_sample(_prefix(runs["exact"]), _prefix(runs["plain"]))
+    bad = chisq.two_sample(_prefix(runs["planted"]), _prefix(runs["plain"]))
+    chisq.report_power(f"first {PLAIN_TOKENS - 1} tokens, sources W={WIDTH} vs plain vLLM, T={TEMP}", stat, bad,
+                       "deterministic drafts recorded as softmax Q")
     assert stat[0] < stat[2]
     assert bad[0] > bad[2], "the test cannot tell deterministic drafts with a softmax Q from exact ones"
 
@@ -189,7 +185,7 @@ def test_beam_forests_were_verified(runs):
 
 def test_beam_sampling_law_and_planted_drafts_are_rejected(runs):
     (exact, _), (bad, c_bad), law = runs["beams"], runs["beams_planted"], runs["law"]
-    assert sum(exact.values()) == N_BEAM and len(exact) > 10
+    assert sum(exact.values()) == N_BEAM and len(exact) > 5
     stat = chisq.goodness_of_fit(exact, law, N_BEAM)
     planted = chisq.goodness_of_fit(bad, law, N_BEAM)
     chisq.report_power(f"beam sets, sources W={BEAM_W}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}", stat, planted,

@@ -23,7 +23,7 @@ from . import attention, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
-from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts, sources_of
+from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts
 from .kv_commit import KVCommitMixin
 from .metrics import DSBDStats
 from .step_clock import StepClock
@@ -57,6 +57,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
+        self._dsbd_recycle = self._dsbd_sources and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
@@ -109,7 +110,7 @@ class DSBDRunnerMixin(KVCommitMixin):
                     table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
 
     def _make_dsbd_drafter(self, vllm_config, device):
-        if not self.dsbd_cfg.draft:  # draft-free sources (source_drafter.py), or no forests at all
+        if not self.dsbd_cfg.draft:  # draft-free sources, or no forests at all
             return SourceDrafter(self, self.dsbd_cfg) if self.dsbd_cfg.free_sources else NoDrafter()
         return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg, static_drafting=self.dsbd_env.static_draft)
 
@@ -206,11 +207,8 @@ class DSBDRunnerMixin(KVCommitMixin):
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
-        if self._dsbd_sources and "recycle" in self.dsbd_cfg.sources:  # prompt rows to recycle after the pass
-            for row in plan:
-                sources_of(row.state, self.dsbd_cfg)
-            self._dsbd_prompt_rows = prompt_rows(plan, batch.token_ids_cpu, qsl, computed, num_scheduled_tokens,
-                                                 batch.num_prompt_tokens)
+        if self._dsbd_recycle:  # draft-free sources: the prompt rows to recycle after the pass
+            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
@@ -350,9 +348,7 @@ class DSBDRunnerMixin(KVCommitMixin):
                for k in spec if plan[k].state.penalties is not None]
         vlogits = penalties.penalize_target(logits, pen) if pen else logits
         # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
-        recycled = (row_contexts(plan, self.input_batch.token_ids_cpu, discard,
-                                 functools.partial(sources_of, cfg=self.dsbd_cfg))
-                    if self._dsbd_sources and "recycle" in self.dsbd_cfg.sources else [])
+        recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, *_ = reads.run(reads.gather(
             harvest(logits, recycled) if recycled else None,

@@ -32,8 +32,8 @@ from .beams import sampling as beam_sampling
 from .beams.drafter import BeamDraftJob, _grow
 from .beams.trie import BeamForest, beam_params
 from .drafter import DraftJob, _layout_np, _pad_cols
-from .sampler import _params
-from .state import PendingForest, RequestState
+
+from .state import PendingForest, RequestState, batch_params
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
@@ -78,7 +78,7 @@ class SourceDrafter:
         dev = self.runner.device
         R, W = len(jobs), self.cfg.width
         G = max(j.depth for j in jobs)
-        params = _params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
+        params = batch_params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
         if any(j.width is not None for j in jobs):
             w = torch.tensor([j.state.width if j.width is None else j.width for j in jobs], dtype=torch.int64)
             params = params.with_(width=w, min_width=torch.minimum(params.min_width, w))
@@ -241,16 +241,16 @@ def beam_tail(beam, linear: list[int], node: int, n: int) -> list[int]:
     return path[-n:]
 
 
-def row_contexts(plan: list, token_ids, discard, make) -> list[tuple[RequestState, int, list[int]]]:
+def row_contexts(plan: list, token_ids, discard) -> list[tuple[RequestState, int, list[int]]]:
     """The step's target rows of requests with sources, before the step changes them: (state, logits row, the row's
     last two tokens) for each plain root and forest node, and each leaf and forest node of a beam request's pass
-    (``token_ids``: the input batch's host token ids, row i = plan entry i; ``make(state)``: its source index)."""
+    (``token_ids``: the input batch's host token ids, row i = plan entry i; every request's index was made by
+    :func:`prompt_rows` when the step was planned)."""
     out = []
     for i, row in enumerate(plan):
         st = row.state
-        if discard[i]:
+        if discard[i] or st.sources is None:
             continue
-        make(st)
         if st.beam is None:
             L = row.context_len
             root = [int(t) for t in token_ids[i, max(0, L - 2):L]]
@@ -282,20 +282,21 @@ PROMPT_ROWS = 1024  # the most prompt rows of a request recycled (its last ones)
 PROMPT_CHUNK = 256  # prompt rows per LM-head call (bounds the [rows, V] logits block)
 
 
-def prompt_rows(plan: list, token_ids, qsl, computed, scheduled, num_prompt) -> list[tuple[RequestState, int, list[int]]]:
+def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig) -> list[tuple[RequestState, int,
+                                                                                          list[int]]]:
     """The prefill rows of this pass worth recycling: (state, row in the pass, the row's last two tokens) for each
-    prompt token of a request with sources before its last (whose row vLLM computes anyway: the root's), within the
-    prompt's last ``PROMPT_ROWS``."""
-    out = []
+    prompt token before the last (whose row vLLM computes anyway: the root's), within the prompt's last
+    ``PROMPT_ROWS`` (``batch``: vLLM's input batch, row i = plan entry i)."""
+    out, token_ids = [], batch.token_ids_cpu
     for i, row in enumerate(plan):
-        st, c, P = row.state, int(computed[i]), int(num_prompt[i])
-        if st.sources is None or c >= P - 1:
+        st, c, P = sources_of(row.state, cfg), int(computed[i]), int(batch.num_prompt_tokens[i])
+        if c >= P - 1:
             continue
         lo, hi = max(c, P - 1 - PROMPT_ROWS), min(c + int(scheduled[i]), P - 1)
         toks = token_ids[i, max(0, lo - 1):hi].tolist()
         for pos in range(lo, hi):
             j = pos - max(0, lo - 1)
-            out.append((st, int(qsl[i]) + pos - c, toks[max(0, j - 1):j + 1]))
+            out.append((row.state, int(qsl[i]) + pos - c, toks[max(0, j - 1):j + 1]))
     return out
 
 
