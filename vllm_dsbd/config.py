@@ -13,8 +13,10 @@ vLLM's last token, so the plugin builds vLLM's ``SpeculativeConfig`` with ``num_
 width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
 
 Without a ``model`` (``speculative_config={"method": "dsbd", "width": 4}``) the engine has no draft model
-(``draft=False``, depth 0): beam requests are in-engine beam search / beam sampling with no forests, other requests
-are sampled from the target, one target pass per token. Its ``num_speculative_tokens`` is ``max(1, width - 1)``
+(``draft=False``) and drafts its forests from draft-free sources (``sources``, default ``["recycle", "lookup"]``:
+the target's own recycled top tokens and lookup in the request's text; depth 3 unless given). With ``"sources": []``
+it drafts nothing (depth 0): beam requests are in-engine beam search / beam sampling with no forests, other requests
+are sampled from the target, one target pass per token, and ``num_speculative_tokens`` is ``max(1, width - 1)``
 (a beam request's leaves; vLLM needs at least 1).
 
 Per-request settings and checks (``extra_args["dsbd_width"]``, ``["dsbd_beam"]``) are in ``vllm_dsbd/requests.py``.
@@ -36,7 +38,9 @@ MODES = ("sample", "single", "full")
 AUTO_BUDGET = "auto"  # verify_budget: measured at start-up (engine/load.py)
 AUTO_COST = "auto"  # cost_model: the table measured at start-up (engine/cost.py)
 COST_TABLE_KEYS = ("target_ms", "draft_ms", "step_ms")  # a pinned cost_model table
-DEFAULT_DEPTH = 3  # the draft depth when an engine with a draft model is given none
+DEFAULT_DEPTH = 3  # the draft depth when an engine that drafts (a draft model or draft-free sources) is given none
+SOURCES = ("model", "recycle", "lookup")  # where forest nodes come from (``DSBDConfig.sources``)
+FREE_SOURCES = ("recycle", "lookup")  # the default without a draft model
 
 
 def _is_int(value: Any) -> bool:
@@ -89,8 +93,15 @@ class DSBDConfig:
             pairs per depth, at T > 0 N draws without replacement from the draft's joint; a layer passes when the
             target's W new beams are all drafted, so N > W makes layers pass more often with an imperfect draft. An
             integer >= ``width``, or None (default): each beam request's own width. A beam request may set its own
-            (``extra_args["dsbd_beam"]["nodes"]``, at most this, or ``width`` when None). Needs a draft model. Plain
+            (``extra_args["dsbd_beam"]["nodes"]``, at most this, or ``width`` when None). Needs a forest source. Plain
             requests keep ``width`` nodes per depth.
+        sources: where forest nodes come from, a list of "model" (the draft model), "recycle" (the target's own top
+            tokens from the rows it computed for the request: each live beam, each verified forest node, each plain
+            root) and "lookup" (continuations of each beam's or sequence's last tokens in its prompt, its own output
+            and its sibling beams). None (default): ``["model"]`` with a draft model, ``["recycle", "lookup"]``
+            without; ``[]``: no forests (the gamma = 0 engine). "model" is there exactly when a draft model is, and
+            is not mixed with the draft-free sources yet. Nodes of both draft-free sources are scored by beam score
+            + estimated log-probability, N per depth, deduplicated (``engine/source_drafter.py``).
     """
 
     width: int = 2
@@ -104,20 +115,22 @@ class DSBDConfig:
     cost_model: str | dict | None = AUTO_COST
     full_cuda_graphs: bool = False
     beam_nodes: int | None = None
+    sources: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, bool):
             raise ValueError(f"DSBD config: 'draft' must be true or false, got {self.draft!r}")
+        self._check_sources()
         if self.depth is None:
-            object.__setattr__(self, "depth", DEFAULT_DEPTH if self.draft else 0)
-        elif not self.draft and not (_is_int(self.depth) and self.depth == 0):
+            object.__setattr__(self, "depth", DEFAULT_DEPTH if self.drafting else 0)
+        elif not self.drafting and not (_is_int(self.depth) and self.depth == 0):
             raise ValueError(
-                f"DSBD config: 'depth' (num_speculative_tokens: the draft depth) = {self.depth!r} needs a draft model, "
-                "and none is given: set speculative_config['model'] (--spec-model) to a draft model, or leave "
-                "'depth' and num_speculative_tokens out for an engine without a draft (beam search and beam sampling "
-                "in the engine, plain requests sampled from the target)"
+                f"DSBD config: 'depth' (num_speculative_tokens: the draft depth) = {self.depth!r} needs a forest "
+                "source, and this engine has none ('sources': []): give 'sources' (e.g. [\"recycle\", \"lookup\"]) "
+                "or a draft model (--spec-model), or leave 'depth' and num_speculative_tokens out for an engine "
+                "without forests (beam search and beam sampling in the engine, plain requests sampled from the target)"
             )
-        for key in ("width", "depth", "min_width") if self.draft else ("width", "min_width"):
+        for key in ("width", "depth", "min_width") if self.drafting else ("width", "min_width"):
             value = getattr(self, key)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"DSBD config: {key!r} must be an integer >= 1, got {value!r}")
@@ -151,10 +164,41 @@ class DSBDConfig:
             if not _is_int(n) or n < self.width:
                 raise ValueError(f"DSBD config: 'beam_nodes' must be an integer >= 'width' ({self.width}) or null "
                                  f"(each beam request's width), got {n!r}")
-            if not self.draft:
+            if not self.drafting:
                 raise ValueError(f"DSBD config: 'beam_nodes' = {n} sets the nodes per depth of beam requests' draft "
-                                 "forests, and this engine has no draft model: leave 'beam_nodes' out")
+                                 "forests, and this engine has no forest source: leave 'beam_nodes' out")
         self._check_cost_model()
+
+    def _check_sources(self) -> None:
+        src = self.sources
+        if src is None:
+            object.__setattr__(self, "sources", ("model",) if self.draft else FREE_SOURCES)
+            return
+        if isinstance(src, str) or not isinstance(src, (list, tuple)) or any(s not in SOURCES for s in src) \
+                or len(set(src)) != len(src):
+            raise ValueError(f"DSBD config: 'sources' must be a list of distinct names from {list(SOURCES)} (or [] "
+                             f"for no forests), got {src!r}")
+        src = tuple(src)
+        if ("model" in src) != self.draft:
+            raise ValueError(f"DSBD config: 'sources' = {list(src)} " + (
+                "names 'model' and this engine has no draft model: give one (--spec-model) or leave 'model' out"
+                if not self.draft else "leaves out 'model' and the engine has a draft model: add 'model' or leave "
+                "the draft model out (--spec-model)"))
+        if "model" in src and len(src) > 1:
+            raise ValueError(f"DSBD config: 'sources' = {list(src)}: the draft model is not mixed with the "
+                             "draft-free sources yet; use ['model'] with a draft model, or no draft model and "
+                             f"{list(FREE_SOURCES)}")
+        object.__setattr__(self, "sources", src)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the engine drafts forests at all: a draft model, or a draft-free source."""
+        return bool(self.sources)
+
+    @property
+    def free_sources(self) -> tuple[str, ...]:
+        """The draft-free sources ("recycle", "lookup") this engine drafts from (empty with a draft model)."""
+        return tuple(s for s in self.sources if s != "model")
 
     @property
     def max_beam_nodes(self) -> int:
@@ -166,9 +210,9 @@ class DSBDConfig:
         if not (b is None or b == AUTO_BUDGET or (_is_int(b) and b >= 1)):
             raise ValueError(f"DSBD config: 'verify_budget' must be {AUTO_BUDGET!r} (measured at start-up), an integer "
                              f">= 1 (tokens per step) or null (pinned: the configured width and depth), got {b!r}")
-        if _is_int(b) and not self.draft:
-            raise ValueError(f"DSBD config: 'verify_budget' = {b} shrinks draft forests, and this engine has no draft "
-                             "model: leave 'verify_budget' out")
+        if _is_int(b) and not self.drafting:
+            raise ValueError(f"DSBD config: 'verify_budget' = {b} shrinks draft forests, and this engine has no forest "
+                             "source: leave 'verify_budget' out")
         if _is_int(b) and self.mode == "single":
             raise ValueError(f"DSBD config: 'verify_budget' = {b} with mode='single': that mode's output law depends "
                              "on the width and depth, so they are pinned (not load-aware); leave 'verify_budget' out")
@@ -188,9 +232,9 @@ class DSBDConfig:
             raise ValueError(f"DSBD config: 'cost_model' must be {AUTO_COST!r} (measured at start-up), null (off) or a "
                              "table {'target_ms': {tokens: ms}, 'draft_ms': {tokens: ms}, 'step_ms': ms} (token "
                              f"counts >= 1, times >= 0; 'step_ms' optional), got {c!r}")
-        if not self.draft or self.mode == "single":
+        if not self.drafting or self.mode == "single":
             raise ValueError("DSBD config: a 'cost_model' table chooses draft depths, and this engine "
-                             + ("has no draft model" if not self.draft else "is in mode 'single', whose shape is "
+                             + ("has no forest source" if not self.drafting else "is in mode 'single', whose shape is "
                                 "pinned") + ": leave 'cost_model' out")
         object.__setattr__(self, "cost_model", {k: ({str(n): float(v) for n, v in c[k].items()}
                                                     if k != "step_ms" else float(c[k])) for k in c})
@@ -203,8 +247,8 @@ class DSBDConfig:
 
     @property
     def load_aware(self) -> bool:
-        """Whether the draft shape follows the load (``engine/load.py``): a draft model, mode "sample", a budget."""
-        return self.draft and self.mode == "sample" and self.verify_budget is not None
+        """Whether the draft shape follows the load (``engine/load.py``): a forest source, mode "sample", a budget."""
+        return self.drafting and self.mode == "sample" and self.verify_budget is not None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -234,23 +278,24 @@ class DSBDConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict that :meth:`from_dict` accepts (what ``additional_config["dsbd"]`` holds)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
 
     @property
     def num_speculative_slots(self) -> int:
         """Speculative token slots the scheduler reserves per request, ``N * depth + width - 1``: one per forest node
         (``N`` = :attr:`max_beam_nodes` >= ``width`` per depth), plus the ``width - 1`` leaves a beam request schedules
-        before its forest; without a draft model ``max(1, width - 1)`` (the leaves; vLLM requires
+        before its forest; without a forest source ``max(1, width - 1)`` (the leaves; vLLM requires
         ``num_speculative_tokens >= 1``).
 
         This is what vLLM's ``SpeculativeConfig.num_speculative_tokens`` holds for method "dsbd".
         """
-        if not self.draft:
+        if not self.drafting:
             return max(1, self.width - 1)
         return self.max_beam_nodes * self.depth + self.width - 1
 
     def _slots_rule(self) -> str:
-        if not self.draft:
+        if not self.drafting:
             return f"max(1, width-1) = {self.num_speculative_slots} slots (width {self.width}, no draft model)"
         return (f"N*depth + width-1 = {self.num_speculative_slots} slots (N = beam_nodes or width = "
                 f"{self.max_beam_nodes}, width {self.width}, depth {self.depth})")
@@ -262,13 +307,13 @@ class DSBDConfig:
         leaves = f"a beam request's {self.width - 1} lea{'f' if self.width == 2 else 'ves'} after its first"
         slots = f"vLLM's num_spec_tokens={self.num_speculative_slots} is the scheduler's slots per request, " + (
             f"max(1, width-1): {leaves}" + (" (vLLM needs at least 1)" if self.width == 1 else "")
-            if not self.draft else
+            if not self.drafting else
             (f"width*depth + width-1: {self.width * self.depth} forest nodes + {leaves}"
              if self.max_beam_nodes == self.width else
              f"beam_nodes*depth + width-1: {self.max_beam_nodes * self.depth} beam-forest nodes + {leaves}"))
-        if not self.draft:
+        if not self.drafting:
             beams = f"{self.width} beam{'s' if self.width > 1 else ''}"
-            return (f"width {self.width}, no draft model: beam requests (up to {beams}) run beam search / beam "
+            return (f"width {self.width}, no draft model and no forest source: beam requests (up to {beams}) run beam search / beam "
                     f"sampling in the engine, other requests one target pass per token; {slots}")
         if self.mode == "sample":
             mode = ("mode sample: every request is sampled exactly from the target (greedy-identical at temperature "
@@ -280,7 +325,9 @@ class DSBDConfig:
                 f"{self.width_threshold})" if self.dynamic_width else f"always {self.width} (fixed width)"))
         load = ("the draft shape is pinned (verify_budget null)" if not self.load_aware else
                 f"forests shrink when a step's tokens exceed verify_budget {self.verify_budget!r} (load-aware)")
-        return (f"draft depth {self.depth} (num_speculative_tokens / --spec-tokens as given), width {self.width} "
+        src = "a draft model" if self.draft else "no draft model, draft-free sources " + "+".join(self.sources)
+        return (f"forests from {src}; draft depth {self.depth} (num_speculative_tokens / --spec-tokens as given), "
+                f"width {self.width} "
                 f"(draft nodes per depth): up to {self.width * self.depth} forest nodes verified per target pass and up to "
                 f"{self.depth + 1} tokens emitted per pass; {mode}; {load}; {slots}")
 

@@ -174,9 +174,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
     if extra.get(BEAM_KEY) is not None:
         # ValueError naming extra_args['dsbd_beam'][key]
         beam = BeamParams.parse(extra[BEAM_KEY], cfg.width, cfg.max_beam_nodes)
-        if not cfg.draft and beam.depth:
-            raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no draft model, "
-                             "so its beam requests have no draft forest; leave 'depth' out (or 0)")
+        if not cfg.drafting and beam.depth:
+            raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no forest source "
+                             "(no draft model, 'sources': []), so its beam requests have no draft forest; leave 'depth' "
+                             "out (or 0)")
         need, mt = beam.engine_tokens(), getattr(sampling_params, "max_tokens", None)
         if mt is not None and mt < need:
             raise ValueError(f"max_tokens: a beam request of width {beam.width} and {beam.max_tokens} tokens needs "

@@ -241,7 +241,7 @@ def main(argv=None) -> int:
 
     engines = {"plain": {}, "plain-nocache": {"enable_prefix_caching": False}, "dsbd": dsbd(draft),
                "dsbd-self": dsbd(target), "dsbd-pinned": dsbd(draft, True), "dsbd-self-pinned": dsbd(target, True),
-               "nodraft": dict(speculative_config={"method": "dsbd", "width": W})}
+               "nodraft": dict(speculative_config={"method": "dsbd", "width": W, "sources": []})}
     llm, current = None, None
     from vllm_dsbd.engine.state import RELAYOUT_ENV
 

@@ -1,4 +1,6 @@
-"""A DSBD engine without a draft model (``speculative_config={"method": "dsbd", "width": 4}``), real vLLM 0.26.0 on CPU.
+"""A DSBD engine without a draft model and without forest sources (``speculative_config={"method": "dsbd", "width": 4,
+"sources": []}``: the γ = 0 engine), real vLLM 0.26.0 on CPU. (Without ``"sources": []`` such an engine drafts from
+the draft-free sources: ``test_engine_sources.py``.)
 
 The target and the oracle are ``test_engine_beams.py``'s (its ``setup`` and ``plain`` fixtures and helpers are reused:
 the tiny random Llama with EOS moved to a token greedy decoding emits early, and vLLM's own ``LLM.beam_search`` and
@@ -70,7 +72,8 @@ def nodraft(setup, plain):  # after plain: one engine at a time
     with contextlib.ExitStack() as stack:
         try:
             llm = stack.enter_context(dsbd_llm(folder, max_num_seqs=8,
-                                               speculative_config={"method": "dsbd", "width": WIDTH}))
+                                               speculative_config={"method": "dsbd", "width": WIDTH,
+                                                                   "sources": []}))
         finally:
             log.removeHandler(records)
         out = {"log": records.messages, "runner": llm.collective_rpc(_runner_report)[0],
@@ -90,7 +93,7 @@ def nodraft(setup, plain):  # after plain: one engine at a time
         out["spec_drafts"] = metric(llm, "vllm:spec_decode_num_drafts") or 0
         out["seeded"] = [_seeded(llm, eos, 7), _seeded(llm, eos, 7), _seeded(llm, eos, 8)]
         bad = vllm.SamplingParams(max_tokens=40, extra_args={"dsbd_beam": {"width": 2, "max_tokens": 4, "depth": 2}})
-        with pytest.raises(ValueError, match=r"\['depth'\] = 2: this DSBD engine has no draft model") as err:
+        with pytest.raises(ValueError, match=r"\['depth'\] = 2: this DSBD engine has no forest source") as err:
             llm.generate([{"prompt_token_ids": SHORT[0]}], bad, use_tqdm=False)
         out["refused"] = str(err.value)
         out["after_refusal"] = _beam_search(llm, SHORT[:1], 2, 0.8)

@@ -37,7 +37,7 @@ from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
 ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
-           "cost_model", "full_cuda_graphs", "beam_nodes"]
+           "cost_model", "full_cuda_graphs", "beam_nodes", "sources"]
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +303,7 @@ def test_engine_args_dsbd(pair):
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
         "draft": True, "verify_budget": "auto", "cost_model": "auto", "full_cuda_graphs": False, "beam_nodes": None,
+        "sources": ["model"],
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -383,20 +384,20 @@ def test_dsbd_plain_layout_and_mutually_exclusive_flags(pair):
 
 @pytest.mark.parametrize("how", ["offline", "cli", "cli-additional-config"])
 def test_engine_without_a_draft_model(pair, how):
-    """No ``model``: an engine without a draft (depth 0, max(1, W - 1) slots for a beam request's leaves, no draft
-    config, not a draft-model engine), spelled offline and in `vllm serve`'s parser."""
+    """No ``model`` and ``"sources": []``: an engine without forests (depth 0, max(1, W - 1) slots for a beam
+    request's leaves, no draft config, not a draft-model engine), spelled offline and in `vllm serve`'s parser."""
     target, _ = pair
     if how == "offline":
         ea = EngineArgs(model=target, dtype="float32", enforce_eager=True, max_model_len=256,
-                        speculative_config={"method": "dsbd", "width": 4})
+                        speculative_config={"method": "dsbd", "width": 4, "sources": []})
     else:
-        extra = (["--speculative-config", '{"width": 4}'] if how == "cli"
-                 else ["--additional-config", '{"dsbd": {"width": 4}}'])
+        extra = (["--speculative-config", '{"width": 4, "sources": []}'] if how == "cli"
+                 else ["--additional-config", '{"dsbd": {"width": 4, "sources": []}}'])
         ea = engine_args_from_cli([target, "--speculative-method", "dsbd", *extra, "--dtype", "float32",
                                    "--enforce-eager", "--max-model-len", "256"])
     vc = ea.create_engine_config()
     spec = vc.speculative_config
-    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=0, draft=False)
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=0, draft=False, sources=[])
     assert vc.additional_config["dsbd"]["draft"] is False and vc.additional_config["dsbd"]["depth"] == 0
     assert spec.method == "dsbd" and spec.model is None and spec.draft_model_config is None
     assert spec.num_speculative_tokens == 3 and not spec.uses_draft_model()
@@ -407,30 +408,33 @@ def test_engine_without_a_draft_model(pair, how):
 
 def test_engine_without_a_draft_model_refuses_draft_settings(pair):
     target, draft = pair
-    _, vc = build(target, {"method": "dsbd", "width": 1})
+    _, vc = build(target, {"method": "dsbd", "width": 1, "sources": []})
     assert vc.speculative_config.num_speculative_tokens == 1  # W - 1 = 0 leaves, but vLLM needs >= 1
-    _, vc = build(target, {"method": "dsbd", "depth": 0, "width": 2}, additional_config={"dsbd": {"draft": False}})
-    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=2, draft=False)
+    _, vc = build(target, {"method": "dsbd", "depth": 0, "width": 2, "sources": []},
+                  additional_config={"dsbd": {"draft": False}})
+    assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=2, draft=False, sources=[])
     for spec, match in (
-        ({"method": "dsbd", "num_speculative_tokens": 3}, (r"= 3 needs a draft model, and none is given: set "
-                                                           r"speculative_config\['model'\] \(--spec-model\)")),
-        ({"method": "dsbd", "depth": 2}, r"= 2 needs a draft model"),
+        ({"method": "dsbd", "num_speculative_tokens": 3, "sources": []},
+         r"= 3 needs a forest source, and this engine has none \('sources': \[\]\)"),
+        ({"method": "dsbd", "depth": 2, "sources": []}, r"= 2 needs a forest source"),
+        ({"method": "dsbd", "sources": ["model"]}, r"names 'model' and this engine has no draft model"),
         ({"method": "dsbd", "mode": "single"}, r"'mode'='single' keeps beams in draft layers"),
         ({"method": "dsbd", "draft": True}, r"'draft'=True disagrees with speculative_config\['model'\]=None"),
         ({"method": "dsbd", "model": draft, "draft": False}, r"'draft'=False disagrees"),
     ):
         with pytest.raises(ValueError, match=match):
             build(target, spec)
-    with pytest.raises(ValueError, match=r"= 3 needs a draft model"):  # --spec-tokens without --spec-model
-        engine_args_from_cli([target, "--speculative-method", "dsbd", "--spec-tokens", "3", "--dtype", "float32",
-                              "--enforce-eager", "--max-model-len", "256"]).create_engine_config()
+    with pytest.raises(ValueError, match=r"= 3 needs a forest source"):  # --spec-tokens, no --spec-model, no source
+        engine_args_from_cli([target, "--speculative-method", "dsbd", "--spec-tokens", "3", "--speculative-config",
+                              '{"sources": []}', "--dtype", "float32", "--enforce-eager", "--max-model-len",
+                              "256"]).create_engine_config()
 
 
 def test_dsbd_config_without_a_draft():
-    cfg = DSBDConfig(width=4, draft=False)
-    assert (cfg.depth, cfg.num_speculative_slots) == (0, 3)
-    assert DSBDConfig(width=1, draft=False).num_speculative_slots == 1
-    assert DSBDConfig.from_dict(cfg.to_dict()) == cfg == DSBDConfig(width=4, depth=0, draft=False)
+    cfg = DSBDConfig(width=4, draft=False, sources=[])
+    assert (cfg.depth, cfg.num_speculative_slots, cfg.drafting) == (0, 3, False)
+    assert DSBDConfig(width=1, draft=False, sources=()).num_speculative_slots == 1
+    assert DSBDConfig.from_dict(cfg.to_dict()) == cfg == DSBDConfig(width=4, depth=0, draft=False, sources=[])
     assert (DSBDConfig().depth, DSBDConfig(depth=None).depth) == (3, 3)  # with a draft model: depth 3 by default
 
 
@@ -505,14 +509,20 @@ def test_dsbd_config_defaults_and_roundtrip():
         ({"dynamic_width": 1}, r"'dynamic_width' must be true or false, got 1"),
         ({"mode": None}, r"'mode' must be one of"),
         ({"draft": "no"}, r"'draft' must be true or false, got 'no'"),
-        ({"draft": False, "depth": 2}, r"'depth' \(num_speculative_tokens: the draft depth\) = 2 needs a draft model"),
+        ({"draft": False, "depth": 2, "sources": []},
+         r"'depth' \(num_speculative_tokens: the draft depth\) = 2 needs a forest source"),
+        ({"sources": "recycle"}, r"'sources' must be a list of distinct names"),
+        ({"draft": False, "sources": ["recycle", "recycle"]}, r"'sources' must be a list of distinct names"),
+        ({"draft": False, "sources": ["suffix"]}, r"'sources' must be a list of distinct names from \['model'"),
+        ({"sources": ["recycle"]}, r"leaves out 'model' and the engine has a draft model"),
+        ({"sources": ["model", "lookup"]}, r"the draft model is not mixed with the draft-free sources yet"),
         ({"draft": False, "mode": "single"}, r"'mode'='single' keeps beams in draft layers and needs a draft model"),
         ({"draft": False, "width": 0}, r"'width' must be an integer >= 1, got 0"),
         ({"verify_budget": 12.5}, r"'verify_budget' must be 'auto'.*got 12.5"),
         ({"verify_budget": True}, r"'verify_budget' must be 'auto'.*got True"),
         ({"verify_budget": -3}, r"'verify_budget' must be 'auto'.*got -3"),
-        ({"draft": False, "depth": 0, "verify_budget": 32}, r"'verify_budget' = 32 shrinks draft forests, and this "
-                                                            "engine has no draft model"),
+        ({"draft": False, "depth": 0, "verify_budget": 32, "sources": []},
+         r"'verify_budget' = 32 shrinks draft forests, and this engine has no forest source"),
         ({"cost_model": "on"}, r"'cost_model' must be 'auto' \(measured at start-up\), null \(off\) or a table"),
         ({"cost_model": {"target_ms": {1: 5}}}, r"'cost_model' must be 'auto'.*got \{'target_ms'"),
         ({"cost_model": {"target_ms": {0: 5}, "draft_ms": {1: 1}}}, r"'cost_model' must be 'auto'"),
@@ -521,8 +531,8 @@ def test_dsbd_config_defaults_and_roundtrip():
         ({"cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}, "other": 1}}, r"'cost_model' must be 'auto'"),
         ({"cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}}, "mode": "single"},
          r"a 'cost_model' table chooses draft depths, and this engine is in mode 'single'"),
-        ({"draft": False, "depth": 0, "cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}}},
-         r"a 'cost_model' table chooses draft depths, and this engine has no draft model"),
+        ({"draft": False, "depth": 0, "sources": [], "cost_model": {"target_ms": {1: 5}, "draft_ms": {1: 1}}},
+         r"a 'cost_model' table chooses draft depths, and this engine has no forest source"),
     ],
 )
 def test_dsbd_config_rejects(d, match):
@@ -543,8 +553,9 @@ def test_beam_nodes_setting_and_slots():
                        (8.0, r"'beam_nodes' must be an integer")):
         with pytest.raises(ValueError, match=match):
             DSBDConfig(width=4, beam_nodes=bad)
-    with pytest.raises(ValueError, match=r"'beam_nodes' = 8 sets the nodes per depth .* no draft model"):
-        DSBDConfig(width=4, draft=False, beam_nodes=8)
+    with pytest.raises(ValueError, match=r"'beam_nodes' = 8 sets the nodes per depth .* no forest source"):
+        DSBDConfig(width=4, draft=False, beam_nodes=8, sources=[])
+    assert DSBDConfig(width=4, draft=False, beam_nodes=8).num_speculative_slots == 8 * 3 + 3  # draft-free sources
 
 
 def test_beam_nodes_reach_the_engine_config(pair):
@@ -562,7 +573,8 @@ def test_verify_budget_settings_and_when_speculation_is_load_aware():
         assert cfg.load_aware and DSBDConfig.from_dict(cfg.to_dict()) == cfg
     assert not DSBDConfig(verify_budget=None).load_aware  # pinned
     assert not DSBDConfig(mode="single").load_aware  # "auto" (the default) in mode single: pinned
-    assert not DSBDConfig(width=4, draft=False).load_aware  # no draft model: nothing to shrink
+    assert not DSBDConfig(width=4, draft=False, sources=[]).load_aware  # no forest source: nothing to shrink
+    assert DSBDConfig(width=4, draft=False).load_aware  # draft-free sources: their forests shrink
     assert json.loads(json.dumps(DSBDConfig(verify_budget=None).to_dict()))["verify_budget"] is None
 
 
@@ -570,7 +582,8 @@ def test_cost_model_settings_and_when_it_chooses_depths():
     assert DSBDConfig().cost_model == "auto" and DSBDConfig().cost_aware  # on by default
     assert not DSBDConfig(cost_model=None).cost_aware and DSBDConfig(cost_model=None).load_aware  # off: budget only
     assert not DSBDConfig(verify_budget=None).cost_aware  # pinned shapes: the cost model is off too
-    assert not DSBDConfig(mode="single").cost_aware and not DSBDConfig(width=4, draft=False).cost_aware
+    assert not DSBDConfig(mode="single").cost_aware and not DSBDConfig(width=4, draft=False, sources=[]).cost_aware
+    assert DSBDConfig(width=4, draft=False).cost_aware  # draft-free sources: the cost model chooses their depths
     # a pinned table: token counts as JSON keys (strings), times as floats; it survives to_dict / JSON / from_dict
     cfg = DSBDConfig.from_dict({"cost_model": {"target_ms": {1: 5, 8: 6}, "draft_ms": {"1": 1}, "step_ms": 2}})
     assert cfg.cost_aware and cfg.cost_model == {"target_ms": {"1": 5.0, "8": 6.0}, "draft_ms": {"1": 1.0},
@@ -617,12 +630,12 @@ def test_from_vllm_config_checks():
     with pytest.raises(ValueError, match=r"\['draft'\] is False but the engine's speculative_config.model is 'd'"):
         DSBDConfig.from_vllm_config(VC())
     Spec.model = None
-    VC.additional_config = {"dsbd": {"width": 2, "draft": False}}
+    VC.additional_config = {"dsbd": {"width": 2, "draft": False, "sources": []}}
     with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs max\(1, width-1\) = 1 slots "
                                          r"\(width 2, no draft model\)"):
         DSBDConfig.from_vllm_config(VC())
     Spec.num_speculative_tokens = 1
-    assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, draft=False)
+    assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, draft=False, sources=[])
     Spec.method = "draft_model"
     assert not uses_dsbd(VC())
     with pytest.raises(ValueError, match="not a DSBD engine"):
@@ -679,12 +692,13 @@ def _beam_sp(beam, **kw):
 
 
 def test_beam_depth_on_an_engine_without_a_draft_is_refused():
-    cfg = DSBDConfig(width=4, draft=False)
+    cfg = DSBDConfig(width=4, draft=False, sources=[])
     beam = {"width": 4, "max_tokens": 8}
     assert check_request(_beam_sp(beam), cfg) == 4
     assert check_request(_beam_sp({**beam, "depth": 0}), cfg) == 4
-    with pytest.raises(ValueError, match=r"^extra_args\['dsbd_beam'\]\['depth'\] = 2: this DSBD engine has no draft"):
+    with pytest.raises(ValueError, match=r"^extra_args\['dsbd_beam'\]\['depth'\] = 2: this DSBD engine has no forest"):
         check_request(_beam_sp({**beam, "depth": 2}), cfg)
+    assert check_request(_beam_sp({**beam, "depth": 2}), DSBDConfig(width=4, draft=False)) == 4  # sources
     assert check_request(_beam_sp({**beam, "depth": 2}), DSBDConfig(width=4)) == 4
 
 

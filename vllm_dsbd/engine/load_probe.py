@@ -127,9 +127,12 @@ def measure_budget(runner) -> tuple[int, dict[int, float]]:
 
 def measure_costs(runner) -> cost.CostTable:
     """The cost model's table of this runner's engine: target and draft pass times (with LM heads) by tokens, each
-    the least of ``COST_ROUNDS`` rounds and made non-decreasing (:func:`monotone`)."""
+    the least of ``COST_ROUNDS`` rounds and made non-decreasing (:func:`monotone`). Draft-free sources have no draft
+    pass: their draft table is 0 (their host work is what the online correction measures, ``step_clock.py``)."""
     sizes = load.probe_sizes(min(int(runner.max_num_tokens), COST_MAX_TOKENS))
     drafter = runner.drafter
+    target = monotone(model_times(runner.model, runner.vllm_config, runner.device, sizes, rounds=COST_ROUNDS))
+    if drafter.model is None:
+        return cost.CostTable.from_times(target, {n: 0.0 for n in target})
     return cost.CostTable.from_times(
-        monotone(model_times(runner.model, runner.vllm_config, runner.device, sizes, rounds=COST_ROUNDS)),
-        monotone(model_times(drafter.model, drafter.vllm_config, drafter.device, sizes, rounds=COST_ROUNDS)))
+        target, monotone(model_times(drafter.model, drafter.vllm_config, drafter.device, sizes, rounds=COST_ROUNDS)))

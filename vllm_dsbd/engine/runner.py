@@ -23,6 +23,7 @@ from . import attention, chunks, cost, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
+from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts
 from .kv_commit import KVCommitMixin
 from .metrics import DSBDStats
 from .step_clock import StepClock
@@ -58,6 +59,9 @@ class DSBDRunnerMixin(KVCommitMixin):
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
+        self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
+        self._dsbd_recycle = self._dsbd_sources and "recycle" in cfg.sources
+        self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
                                     track_decisions=vllm_config.parallel_config.tensor_parallel_size > 1)
@@ -110,8 +114,8 @@ class DSBDRunnerMixin(KVCommitMixin):
                     table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
 
     def _make_dsbd_drafter(self, vllm_config, device):
-        if not self.dsbd_cfg.draft:
-            return NoDrafter()
+        if not self.dsbd_cfg.draft:  # draft-free sources, or no forests at all
+            return SourceDrafter(self, self.dsbd_cfg) if self.dsbd_cfg.free_sources else NoDrafter()
         return DSBDDrafter(vllm_config, device, self, self.dsbd_cfg, static_drafting=self.dsbd_env.static_draft)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -208,6 +212,8 @@ class DSBDRunnerMixin(KVCommitMixin):
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
+        if self._dsbd_recycle:  # draft-free sources: the prompt rows to recycle after the pass
+            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
@@ -255,7 +261,11 @@ class DSBDRunnerMixin(KVCommitMixin):
 
     def _model_forward(self, *args, **kwargs):
         with attention.forest_scope(self._dsbd_forest):
-            return super()._model_forward(*args, **kwargs)
+            out = super()._model_forward(*args, **kwargs)
+        rows, self._dsbd_prompt_rows = self._dsbd_prompt_rows, []
+        if rows and isinstance(out, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
+            recycle_prompt(self.model, out, rows)
+        return out
 
     def execute_model(self, *args, **kwargs):
         if self._dsbd_clock is not None:  # a step with a prefill is not measured
@@ -342,12 +352,15 @@ class DSBDRunnerMixin(KVCommitMixin):
                                     plan[k].forest.parents if plan[k].forest else [], *self._history(k),
                                     plan[k].state.penalties) if plan[k].state.penalties is not None else None
                for k in spec]
+        # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
+        recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
-        verified, _, _ = reads.run(reads.gather(
+        verified, *_ = reads.run(reads.gather(
+            harvest(logits, recycled) if recycled else None,
             sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
                            forest_static=self.dsbd_static, fused=self.dsbd_fused, budget=self.dsbd_verify_elements,
                            penalized=pen if any(p is not None for p in pen) else None) if spec else None,
-            *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))
+            *(self._beam_steps(plan, logits, ks, results, beam_moves) if ks else None for ks in kinds)))[1:]
         if spec:
             for k, res in zip(spec, verified):
                 results[k] = res
@@ -458,9 +471,11 @@ class DSBDRunnerMixin(KVCommitMixin):
                         beam_jobs.append(job)
                 continue
             res = results[i]
-            n_before = int(batch.num_tokens_no_spec[i])
+            # vLLM proposes before its bookkeeping for a draft model, after it (this step's tokens already in the
+            # batch) for other drafters: the draft-free sources'
+            n_before = int(batch.num_tokens_no_spec[i]) - (len(res.tokens) if self._dsbd_sources else 0)
             root_pos = n_before + len(res.tokens) - 1
-            n_out = len(self.requests[req_id].output_token_ids) + len(res.tokens)
+            n_out = int(n_before + len(res.tokens) - batch.num_prompt_tokens[i])
             depth = min(cfg.depth, levels[i].depth)
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)
@@ -479,8 +494,10 @@ class DSBDRunnerMixin(KVCommitMixin):
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
                                  width=min(st.width, levels[i].width), history=history))
         # plain and beam requests' forests side by side: one read of the device for both (``engine/reads.py``)
+        beam_forests = (self.drafter.propose_beam_forests if self._dsbd_sources
+                        else functools.partial(propose_beam_forests, self.drafter))
         forests, _ = reads.run(reads.gather(self.drafter.propose_forests(jobs) if jobs else None,
-                                            propose_beam_forests(self.drafter, beam_jobs) if beam_jobs else None))
+                                            beam_forests(beam_jobs) if beam_jobs else None))
         for job, pf in zip(jobs, forests or []):
             job.state.pending = pf
             job.state.forest_nodes = job.width or job.state.width
@@ -510,7 +527,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         levels = load.plan(shapes, self.dsbd_budget)
         if self.dsbd_cost is not None:
             levels = self._choose_depths(levels, shapes, states, discard)
-        if cfg.draft:
+        if cfg.drafting:
             self.dsbd_stats.record_levels(
                 [lv.depth for lv, s, skip in zip(levels, shapes, discard) if not skip and s.depth and not s.pinned])
         return levels
@@ -549,7 +566,7 @@ class DSBDRunnerMixin(KVCommitMixin):
         """The draft job of a beam request after a full step, or None: depth up to the steps left (and the request's
         ``depth``), nodes up to the draft slots left after the leaves and the KV blocks the request owns now (the
         drafter writes the forest's draft K/V and may not write past them)."""
-        if not self.dsbd_cfg.draft:  # an engine without a draft model drafts no forest
+        if not self.dsbd_cfg.drafting:  # an engine without a forest source drafts no forest
             return None
         beam = st.beam
         depth = min(self.dsbd_cfg.depth, beam.params.max_tokens - beam.steps - 1)

@@ -11,6 +11,7 @@ from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.params import BatchParams
+from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
 from .beams.trie import BeamRequest
@@ -60,6 +61,8 @@ class RequestState:
     # the cost model's estimate of its per-layer pass rate, from the forests it verified (engine/cost.py)
     acceptance: Acceptance = field(default_factory=Acceptance)
     forest_nodes: int = 0  # nodes per depth of its pending forest (the cost model's choice, or its width)
+    # an engine with draft-free sources: the request's recycle table and lookup index (engine/source_drafter.py)
+    sources: SourceIndex | None = None
 
 
 class Requests:

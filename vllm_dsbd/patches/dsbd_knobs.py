@@ -12,8 +12,9 @@ method "dsbd" the wrapper, before the original runs:
 3. takes depth = ``num_speculative_tokens`` (default 3) and builds the ``SpeculativeConfig`` with
    ``num_speculative_tokens = N * depth + width - 1`` (N = ``beam_nodes`` or ``width``): one scheduler slot per
    forest node and per beam leaf.
-   Without ``model`` the engine has no draft model (``DSBDConfig.draft`` False, depth 0, a depth given is an
-   error) and ``num_speculative_tokens = max(1, width - 1)`` (a beam request's leaves).
+   Without ``model`` the engine has no draft model (``DSBDConfig.draft`` False) and drafts from its draft-free
+   ``sources`` (default recycle + lookup, depth 3); with ``"sources": []`` it drafts nothing (depth 0, a depth given
+   is an error) and ``num_speculative_tokens = max(1, width - 1)`` (a beam request's leaves).
    Setting it here, before the ``VllmConfig`` exists, is the only safe place: the scheduler (``num_spec_tokens``, ``num_lookahead_tokens``,
    token budget), the worker's runner (buffers, rejection-sampler/metrics sizes) and the spec-decoding stats are
    built from the pickled config in other processes and must all agree;
@@ -31,7 +32,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, DEFAULT_DEPTH, METHOD, DSBDConfig
+from vllm_dsbd.config import ADDITIONAL_CONFIG_KEY, METHOD, DSBDConfig
 from vllm_dsbd.patches._patching import when_imported, wrap_method
 
 PATCH_ID = "dsbd_knobs"
@@ -106,8 +107,9 @@ def split_dsbd(spec: dict[str, Any], additional_config: Mapping[str, Any] | None
             f"DSBD 'depth'={knobs['depth']!r} disagrees with num_speculative_tokens={depth!r} (which is the DSBD "
             "draft depth); give one of them"
         )
-    # no depth given: DEFAULT_DEPTH with a draft model, 0 without (DSBDConfig refuses a depth without a draft)
-    knobs["depth"] = depth if depth is not None else knobs.get("depth", DEFAULT_DEPTH if draft else 0)
+    # no depth given: DEFAULT_DEPTH with a forest source (a draft model or draft-free sources), 0 without one
+    # (DSBDConfig decides; it refuses a depth without a source)
+    knobs["depth"] = depth if depth is not None else knobs.get("depth")
     cfg = DSBDConfig.from_dict(knobs)
 
     for key, off in UNSUPPORTED.items():

@@ -1,0 +1,63 @@
+"""The draft-free sources of one request (``vllm_dsbd.core.sources.SourceIndex``): what recycle and lookup propose
+after a context, merged and bounded. Pure Python, no vLLM."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_dsbd.core.sources import LOOKUP_LOGP, MAX_FOLLOWERS, SourceIndex
+
+
+def test_lookup_proposes_the_continuations_of_the_longest_suffix_newest_first():
+    src = SourceIndex(recycle=False)
+    src.index_text([1, 2, 3, 4, 9, 2, 3, 5, 1, 2])
+    # (1, 2) was followed by 3 (twice); (2,) by 3 twice too, but the longer match wins
+    assert src.propose([7, 1, 2]) == {3: pytest.approx(LOOKUP_LOGP[2])}
+    # (2, 3) was followed by 4, then (newer) by 5: newest first, one nat less for the older
+    assert src.propose([8, 2, 3]) == {5: pytest.approx(LOOKUP_LOGP[2]), 4: pytest.approx(LOOKUP_LOGP[2] - 1)}
+    assert src.propose([6, 9, 2, 3]) == {5: pytest.approx(LOOKUP_LOGP[3])}  # (9, 2, 3) -> 5 only
+    assert src.propose([42]) == {}  # never seen: nothing (its own last transition is no continuation)
+
+
+def test_index_text_goes_on_where_it_stopped_and_restarts_on_a_shorter_text():
+    src = SourceIndex(recycle=False)
+    src.index_text([1, 2, 3])
+    src.index_text([1, 2, 3, 1, 2, 4])
+    assert src.indexed == 6 and set(src.propose([1, 2])) == {3, 4}
+    src.index_text([5, 6])  # shorter: a new text (re-laid out), indexed from its start
+    assert src.indexed == 2 and 6 in src.propose([5])
+
+
+def test_recycle_keys_rows_by_the_last_two_tokens_with_the_last_one_as_fallback():
+    src = SourceIndex(lookup=False)
+    src.add_row([4, 5], [10, 11], [-0.1, -2.0])
+    src.add_row([6, 5], [12], [-0.3])  # same last token, another pair: the fallback key now points here
+    assert src.propose([9, 4, 5]) == {10: -0.1, 11: -2.0}
+    assert src.propose([9, 7, 5]) == {12: -0.3}
+    assert src.propose([5, 4]) == {}
+
+
+def test_sources_merge_by_token_keeping_the_larger_estimate():
+    src = SourceIndex()
+    src.index_text([1, 2, 3, 1, 2])
+    src.add_row([1, 2], [3, 8], [-3.0, -0.2])
+    got = src.propose([1, 2])
+    assert got == {3: pytest.approx(LOOKUP_LOGP[2]), 8: -0.2}
+    only = SourceIndex(recycle=False, lookup=False)
+    only.index_text([1, 2, 3, 1, 2])
+    only.add_row([1, 2], [3], [-1.0])
+    assert only.propose([1, 2]) == {}
+
+
+def test_structures_stay_bounded():
+    src = SourceIndex(max_keys=64)
+    for k in range(1000):
+        src.add_row([k, k + 1], [k], [-1.0])
+    assert len(src._rows) <= 64 + 1
+    src.index_text(list(range(5000)))
+    assert len(src._next) <= 64 + 4
+    many = SourceIndex(recycle=False)
+    many.index_text([t for k in range(50) for t in (7, k + 100)])
+    assert len(many.propose([7])) == MAX_FOLLOWERS and max(many.propose([7]).values()) == pytest.approx(
+        math.log(0.25))

@@ -1,0 +1,323 @@
+"""Forests without a draft model: nodes from the draft-free sources (``core/sources.py``: the target's own recycled
+rows and lookup in the request's text), for plain and beam requests alike.
+
+Each depth, every node of the frontier (the root or the live beams at depth 1) gets the sources' candidates with
+their estimated log-probabilities as a row of "draft logits" (-inf at every other token), and the engine's own draft
+step runs on those rows as it runs on a draft model's: plain requests ``core.beam_step`` (T = 0 the W best pairs, T > 0
+W draws without replacement from the joint Q, keyed by the request's seed and ``DRAFT_DRAW``), beam requests the N
+best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0, as ``beams.drafter._sampled_pairs``). So the
+proposal law Q is a function of the past only and each draw is a real draw from it: verification (which is told Q)
+stays exact, and a node with a single candidate is a point mass (Q one-hot: accepted with probability p(x)). Nothing
+runs on the model: a forest costs host work only.
+
+The rows the target computes feed the recycle table (:func:`harvest`, in the runner's read of the step); lookup
+indexes each request's text when it drafts. docs/design.md §3.4 (plain forests), §3.3 (beam drafting).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.core import rng
+from vllm_dsbd.core.forest import Forest
+from vllm_dsbd.core.sampling import beam_step
+from vllm_dsbd.core.sources import NMAX, RECYCLE_K, SourceIndex
+
+from . import reads
+from .beams import sampling as beam_sampling
+from .beams.drafter import BeamDraftJob, _grow
+from .beams.trie import BeamForest, beam_params
+from .drafter import DraftJob, _layout_np, _pad_cols
+
+from .state import PendingForest, RequestState, batch_params
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+
+def sources_of(st: RequestState, cfg: DSBDConfig) -> SourceIndex:
+    """The request's source index, made on first use."""
+    if st.sources is None:
+        st.sources = SourceIndex(recycle="recycle" in cfg.sources, lookup="lookup" in cfg.sources)
+    return st.sources
+
+
+class SourceDrafter:
+    """The drafter of an engine without a draft model whose ``sources`` are draft-free: no model, no K/V of its own
+    (``kv_cache_gid`` 0: the target's group, for the blocks a beam forest may use)."""
+
+    kv_cache_gid = 0
+    static_drafting = False
+    model = None  # no draft model (load_probe: its pass costs nothing)
+
+    def __init__(self, runner, cfg: DSBDConfig):
+        self.runner, self.cfg = runner, cfg
+        self.forward_passes = 0
+        self.static_misses = self.beam_static_misses = 0
+
+    def load_model(self, target_model) -> None:
+        logger.info("DSBD: engine without a draft model drafting from %s", "+".join(self.cfg.sources))
+
+    def propose(self, *args, **kwargs):  # what vLLM's custom-class proposer check asks for; never called
+        raise RuntimeError("DSBD engine without a draft model: vLLM's proposer is not used")
+
+    def block_table_host(self):
+        bt = self.runner.input_batch.block_table[self.kv_cache_gid]
+        return bt.block_table.cpu, bt.block_size, bt.num_blocks_per_row
+
+    # plain requests ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_forests(self, jobs: list[DraftJob]) -> reads.Reader[list[PendingForest | None]]:
+        """One forest per job (``job.tokens``: the whole text up to the root, since no draft K/V is ever kept), its
+        depth-d nodes ``core.beam_step``'s draws on the sources' rows; a reader with one host read per depth."""
+        if not jobs:
+            return []
+        dev = self.runner.device
+        R, W = len(jobs), self.cfg.width
+        G = max(j.depth for j in jobs)
+        params = batch_params([j.state for j in jobs], [j.depth for j in jobs], self.cfg)
+        if any(j.width is not None for j in jobs):
+            w = torch.tensor([j.state.width if j.width is None else j.width for j in jobs], dtype=torch.int64)
+            params = params.with_(width=w, min_width=torch.minimum(params.min_width, w))
+        params = params.to(dev)
+        root_pos = np.array([j.root_pos for j in jobs], dtype=np.int64)
+        L = torch.from_numpy(root_pos + 1).to(dev)
+        V = self.runner.model_config.get_vocab_size()
+        ctx = []  # per request, per slot: the slot's last tokens (None: no beam there)
+        for j in jobs:
+            src = sources_of(j.state, self.cfg)
+            src.index_text(j.tokens)
+            ctx.append([list(j.tokens[-NMAX:])] + [None] * (W - 1))
+        depth_np = np.array([j.depth for j in jobs], dtype=np.int64)
+        scores = torch.zeros(R, W, device=dev)
+        steps, valid_np, parent_np, token_np = [], [], [], []
+        eos = [j.state.eos for j in jobs]
+        for d in range(1, G + 1):
+            full, live = _rows([[None if c is None else jobs[r].state.sources.propose(c) for c in ctx[r]]
+                                for r in range(R)], V, dev)
+            live &= torch.from_numpy(depth_np >= d)[:, None].to(dev)
+            if d == 1:
+                depth_np = np.where(live.any(1).cpu().numpy(), depth_np, 0)  # no candidate at the root: no forest
+            if not live.any():
+                break
+            st = beam_step(full, scores, live, params.with_(depth=torch.from_numpy(depth_np.copy()).to(dev)),
+                           L + d - 1, rng.Stream.DRAFT_DRAW)
+            st.valid &= torch.from_numpy(depth_np >= d)[:, None].to(dev)
+            steps.append(st)
+            ws = st.valid.shape[1]
+            host, = yield [torch.cat([st.valid.long(), st.parent, st.token], 1)]
+            host = host.numpy()
+            v_np, p_np, t_np = host[:, :ws].astype(bool), host[:, ws : 2 * ws], host[:, 2 * ws :]
+            valid_np.append(_pad_cols(v_np, W, False))
+            parent_np.append(_pad_cols(p_np, W, 0))
+            token_np.append(_pad_cols(t_np, W, 0))
+            scores = torch.nn.functional.pad(st.score, (0, W - ws), value=-math.inf)
+            new = []
+            for r in range(R):
+                row = [None] * W
+                for s in range(ws):
+                    if v_np[r, s] and not (eos[r] >= 0 and t_np[r, s] == eos[r]):
+                        row[s] = (ctx[r][p_np[r, s]] + [int(t_np[r, s])])[-NMAX:]
+                new.append(row)
+            ctx = new
+            depth_np = np.where(v_np.any(1) | (depth_np < d), depth_np, d - 1)  # draws ended: the forest ends
+        depth_np = np.minimum(depth_np, len(steps))
+        if not steps:
+            return [None] * R
+        depth = torch.from_numpy(depth_np.copy()).to(dev)
+        forest = Forest.from_steps(steps, depth, W)
+        g = len(steps)
+        fv = np.stack(valid_np, 1) & (np.arange(g)[None, :] < depth_np[:, None])[:, :, None]
+        _, _, parents = _layout_np(fv, np.stack(parent_np, 1))
+        tokens = np.stack(token_np, 1)
+        fdepth = np.repeat(np.arange(1, g + 1)[:, None], W, 1)
+        out = []
+        for i, j in enumerate(jobs):
+            v = fv[i]
+            if depth_np[i] <= 0 or not v.any():
+                out.append(None)
+                continue
+            f = _one(forest, i, self.cfg.depth, W, V)
+            out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
+                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, depth=int(depth_np[i])))
+        return out
+
+    # beam requests -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_beam_forests(self, jobs: list[BeamDraftJob]) -> reads.Reader[None]:
+        """Every job's forest (``state.beam.forest``): depth by depth, T = 0 the N best (beam, token) pairs by
+        cumulative score + the sources' estimate (EOS excluded), T > 0 N draws without replacement from Q (the
+        sources' rows at the request's temperature, kept for the verification). A reader (no read at T = 0)."""
+        V = self.runner.model_config.get_vocab_size()
+        dev = self.runner.device
+        for job in jobs:
+            beam, src = job.state.beam, sources_of(job.state, self.cfg)
+            linear = job.prompt_tail  # the whole linear context (no draft K/V: the catch-up starts at 0)
+            src.index_text(linear)
+            t0 = beam.temperature <= 0.0
+            frontier = []  # (node, score, continues, last tokens)
+            for b in beam.live:
+                tail = beam_tail(beam, linear, b.node, NMAX + job.depth + 1)
+                src.add_transitions(tail, min(NMAX, len(tail)))  # the beam's newest tokens
+                frontier.append((b.node, b.score if t0 else b.sample_score, True, tail[-NMAX:]))
+            eos = None if beam.params.ignore_eos else beam.params.eos_token_id
+            f = BeamForest([], [], [], [])
+            for d in range(1, job.depth + 1):
+                if job.max_nodes <= len(f.tokens) or not any(c for _, _, c, _ in frontier):
+                    break
+                props = [src.propose(tail) if c else {} for _, _, c, tail in frontier]
+                if t0:  # the N best pairs by score (stable: beam order, then the sources' order)
+                    cands = [(sc + v, b, t) for b, ((_, sc, _, _), p) in enumerate(zip(frontier, props))
+                             for t, v in p.items() if t != eos]
+                    cands.sort(key=lambda c: c[0], reverse=True)
+                    pairs, q = [(b, t, v) for v, b, t in cands[: job.width]], None
+                else:
+                    rows, live = _rows([props], V, dev)
+                    live &= torch.tensor([[c for _, _, c, _ in frontier]], device=dev)
+                    if not live.any():
+                        break
+                    got, joint = yield from beam_sampling.sample(
+                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live.tolist(), beam_params([beam], dev, True),
+                        [beam.prompt_len + beam.steps + d - 1], rng.Stream.DRAFT_DRAW)
+                    pairs, q = [(p.beam, p.token, p.score) for p in got[0]], joint[0]
+                if not pairs:
+                    break
+                layer, deeper = _grow(job, f, [(nd, sc, c) for nd, sc, c, _ in frontier], pairs, q, d)
+                n = len(beam.tokens)
+                frontier = [(nd, sc, c, (frontier[f.slots[nd - n]][3] + [f.tokens[nd - n]])[-NMAX:])
+                            for nd, sc, c in layer]
+                if not deeper:
+                    break
+            f.nodes = job.width
+            beam.forest = f if f.tokens else None
+
+
+def _rows(props: list[list[dict[int, float] | None]], V: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft-logits rows [R, S, V] from the candidates of each slot (-inf elsewhere; a slot without candidates is a
+    row of zeros, not live) and the live mask [R, S]."""
+    R, S = len(props), max(len(p) for p in props)
+    full = torch.full((R, S, V), -math.inf)
+    live = torch.zeros(R, S, dtype=torch.bool)
+    r_i, s_i, t_i, v_i = [], [], [], []
+    for r, row in enumerate(props):
+        for s, p in enumerate(row):
+            if p:
+                live[r, s] = True
+                for t, v in p.items():
+                    if 0 <= t < V:
+                        r_i.append(r), s_i.append(s), t_i.append(t), v_i.append(v)
+    if r_i:
+        full[r_i, s_i, t_i] = torch.tensor(v_i, dtype=torch.float32)
+    full[~live] = 0.0
+    return full.to(dev), live.to(dev)
+
+
+def _one(forest: Forest, i: int, G: int, W: int, V: int) -> Forest:
+    """Request i's forest padded to [1, G, W] (joint [1, G, W * V])."""
+    g = forest.parent.shape[1]
+
+    def pad(t, fill):
+        t = t[i : i + 1]
+        return torch.nn.functional.pad(t, (0, W - t.shape[2], 0, G - g), value=fill)
+
+    qj = forest.q_joint[i : i + 1]
+    qj = torch.nn.functional.pad(qj, (0, W * V - qj.shape[2], 0, G - g), value=-math.inf)
+    return Forest(parent=pad(forest.parent, 0), token=pad(forest.token, 0), valid=pad(forest.valid, False),
+                  score=pad(forest.score, -math.inf), q_joint=qj, depth=forest.depth[i : i + 1].clone())
+
+
+def beam_tail(beam, linear: list[int], node: int, n: int) -> list[int]:
+    """The last ``n`` tokens of a beam request's sequence ending at trie node ``node`` (-1: the linear context)."""
+    path = []
+    while node >= 0 and len(path) < n:
+        path.append(beam.tokens[node])
+        node = beam.parents[node]
+    path.reverse()
+    if len(path) < n:
+        path = list(linear[len(linear) - (n - len(path)):]) + path if n > len(path) else path
+    return path[-n:]
+
+
+def row_contexts(plan: list, token_ids, discard) -> list[tuple[RequestState, int, list[int]]]:
+    """The step's target rows of requests with sources, before the step changes them: (state, logits row, the row's
+    last two tokens) for each plain root and forest node, and each leaf and forest node of a beam request's pass
+    (``token_ids``: the input batch's host token ids, row i = plan entry i; every request's index was made by
+    :func:`prompt_rows` when the step was planned)."""
+    out = []
+    for i, row in enumerate(plan):
+        st = row.state
+        if discard[i] or st.sources is None:
+            continue
+        if st.beam is None:
+            L = row.context_len
+            root = [int(t) for t in token_ids[i, max(0, L - 2):L]]
+            out.append((st, row.first_row, root))
+            if row.forest is not None:
+                toks, pars = row.forest.tokens, row.forest.parents
+                for c in range(row.num_nodes):
+                    prev = root[-1] if pars[c] < 0 else toks[pars[c]]
+                    out.append((st, row.first_row + 1 + c, [prev, toks[c]]))
+            continue
+        beam = st.beam
+        P = beam.prompt_len
+        linear = [int(t) for t in token_ids[i, max(0, P - 2):P]] + beam.prefix[-2:]
+        first = beam.fixed - 1
+        for j in range(row.leaves):
+            if first + j < len(beam.live):
+                out.append((st, row.first_row + j, beam_tail(beam, linear, beam.live[first + j].node, 2)))
+        f = beam.forest
+        if f is not None and row.forest_nodes:
+            n = len(beam.tokens)
+            for c in range(min(row.forest_nodes, len(f.tokens))):
+                p = f.parents[c]
+                prev = beam_tail(beam, linear, p, 1) if p < n else [f.tokens[p - n]]
+                out.append((st, row.first_row + row.leaves + c, prev[-1:] + [f.tokens[c]]))
+    return out
+
+
+PROMPT_ROWS = 1024  # the most prompt rows of a request recycled (its last ones)
+PROMPT_CHUNK = 256  # prompt rows per LM-head call (bounds the [rows, V] logits block)
+
+
+def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig) -> list[tuple[RequestState, int,
+                                                                                          list[int]]]:
+    """The prefill rows of this pass worth recycling: (state, row in the pass, the row's last two tokens) for each
+    prompt token before the last (whose row vLLM computes anyway: the root's), within the prompt's last
+    ``PROMPT_ROWS`` (``batch``: vLLM's input batch, row i = plan entry i)."""
+    out, token_ids = [], batch.token_ids_cpu
+    for i, row in enumerate(plan):
+        st, c, P = sources_of(row.state, cfg), int(computed[i]), int(batch.num_prompt_tokens[i])
+        if c >= P - 1:
+            continue
+        lo, hi = max(c, P - 1 - PROMPT_ROWS), min(c + int(scheduled[i]), P - 1)
+        toks = token_ids[i, max(0, lo - 1):hi].tolist()
+        for pos in range(lo, hi):
+            j = pos - max(0, lo - 1)
+            out.append((row.state, int(qsl[i]) + pos - c, toks[max(0, j - 1):j + 1]))
+    return out
+
+
+def recycle_prompt(model, hidden: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> None:
+    """The recycle source's intake of prompt rows: the target's LM head over their hidden states (which vLLM leaves
+    without logits), in chunks, each row's ``RECYCLE_K`` best tokens into its request's table."""
+    for a in range(0, len(rows), PROMPT_CHUNK):
+        part = rows[a : a + PROMPT_CHUNK]
+        idx = torch.tensor([r for _, r, _ in part], dtype=torch.int64, device=hidden.device)
+        reads.run(harvest(model.compute_logits(hidden[idx]), [(st, k, ctx) for k, (st, _, ctx) in enumerate(part)]))
+
+
+def harvest(logits: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> reads.Reader[None]:
+    """The recycle source's intake: each row's ``RECYCLE_K`` best tokens and raw log-probabilities (one ``topk`` for
+    all rows, one read) into its request's table, keyed by the row's last tokens."""
+    if not rows:
+        return
+    idx = torch.tensor([r for _, r, _ in rows], dtype=torch.int64, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    vals, ids = torch.topk(lp, RECYCLE_K, dim=-1)
+    host, = yield [torch.stack([vals.double(), ids.double()])]
+    vals_l, ids_l = host.tolist()
+    for (st, _, ctx), v, t in zip(rows, vals_l, ids_l):
+        st.sources.add_row(ctx, [int(x) for x in t], v)
