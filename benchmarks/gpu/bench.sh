@@ -8,7 +8,8 @@
 #                 ($OUT/large_model/README.md). LARGE_ENGINES picks the engines: two calls, "plain draft_model"
 #                 (the default) then "dsbd" with the same $OUT content carried back (rows.jsonl is kept unless
 #                 LARGE_FRESH=1), and "dsbd_chain" (a width-1 engine with full CUDA graphs) if time is left; each
-#                 engine compiles and captures its graphs cold (~1-2 min for the 8B shape).
+#                 engine compiles and captures its graphs cold (~1-2 min for the 8B shape). "dsbd_free": the dsbd
+#                 rows on an engine without a draft model (draft-free sources).
 #   DSBD_GPU_STEPS="step_profile" benchmarks/gpu/step_profile.py: where a step's time goes (target, draft,
 #                 verification, the rest) and the host synchronisations per step, batch 1 and 32.
 #   DSBD_GPU_STEPS="harness"      benchmarks/harness/harness.py --profile gpu: the CPU harness's table on SmolLM2-135M
@@ -28,6 +29,7 @@ LM=(python benchmarks/gpu/large_model.py --out "$OUT/large_model" ${LM_ARGS:-})
 if [[ " $STEPS " == *" large_model "* ]]; then
   [[ ${LARGE_FRESH:-0} == 1 ]] && rm -f "$OUT/large_model/rows.jsonl"
   declare -A LIMIT=([plain]=${DSBD_PLAIN_S:-270} [draft_model]=${DSBD_DRAFT_MODEL_S:-270} [dsbd]=${DSBD_DSBD_S:-540}
+                   [dsbd_free]=${DSBD_FREE_S:-540}
                    [dsbd_chain]=${DSBD_CHAIN_S:-270})
   for engine in ${LARGE_ENGINES:-plain draft_model}; do
     t0=$(date +%s)

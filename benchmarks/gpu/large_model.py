@@ -20,6 +20,8 @@ size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in
                verified at the set rate) with the cost model's depth and with the request pinning depth
                ``--depth``; in-engine beam search and beam sampling without drafts (depth 0) at
                ``--beam-batches``
+  dsbd_free    the ``dsbd`` rows on an engine without a draft model (forests from the draft-free sources, recycle
+               + lookup; what ``vllm serve TARGET --speculative-method dsbd`` runs), labelled "draft-free"
   dsbd_chain   a width-1 DSBD engine with ``full_cuda_graphs`` (every forest a chain: its decode passes have no
                forest attention and replay vLLM's full graphs): plain requests at each rate
 CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
@@ -278,15 +280,19 @@ def draft_model_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
         shutdown(llm)
 
 
-def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
+def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict) -> None:
+    """The DSBD engine's rows; ``draft`` None: an engine without a draft model, its forests from the draft-free sources
+    (recycle + lookup: no draft pass, the forest's own host and device work counted), rows labelled "draft-free"."""
     import vllm
     from vllm.sampling_params import BeamSearchParams
 
     from vllm_dsbd.patches.beam_search_route import beam_request_params
 
     args = bench.args
-    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": args.depth,
-            "width": max(args.widths + [args.beam_width]), "dynamic_width": False}
+    spec = {"method": "dsbd", "num_speculative_tokens": args.depth,
+            "width": max(args.widths + [args.beam_width]), "dynamic_width": False,
+            **({"model": str(draft)} if draft is not None else {})}
+    tag = "" if draft is not None else "draft-free "
     llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
     cfg = llm.llm_engine.vllm_config
 
@@ -311,28 +317,28 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
             set_acceptance.set_rate(rate)
             for w in args.widths:
                 for b in args.batches:  # the user's engine: the cost model picks each request's depth (recorded)
-                    bench.run(llm, "DSBD plain requests, cost model (set rate)", b, plain_requests(w),
+                    bench.run(llm, f"DSBD {tag}plain requests, cost model (set rate)", b, plain_requests(w),
                               counter="vllm:dsbd_target_passes", width=w, rate=rate, depth="cost model")
                 if args.pinned:
                     with cost_model_off(llm):
                         for b in args.batches:
-                            bench.run(llm, f"DSBD plain requests, depth {args.depth} pinned (set rate)", b,
+                            bench.run(llm, f"DSBD {tag}plain requests, depth {args.depth} pinned (set rate)", b,
                                       plain_requests(w), counter="vllm:dsbd_target_passes", width=w, rate=rate,
                                       depth=args.depth)
             for b in args.beam_batches:
                 for temperature, kind in ((0.0, "beam search"), (1.0, "beam sampling T=1")):
-                    bench.run(llm, f"DSBD {kind}, cost model (set rate)", b,
+                    bench.run(llm, f"DSBD {tag}{kind}, cost model (set rate)", b,
                               lambda g, t=temperature: beams(g, None, t), counter="vllm:dsbd_beam_target_passes",
                               width=args.beam_width, rate=rate, depth="cost model")
                     if args.pinned:  # the request pins its depth: the cost model leaves it alone
-                        bench.run(llm, f"DSBD {kind}, depth {args.depth} pinned (set rate)", b,
+                        bench.run(llm, f"DSBD {tag}{kind}, depth {args.depth} pinned (set rate)", b,
                                   lambda g, t=temperature: beams(g, args.depth, t),
                                   counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate,
                                   depth=args.depth)
         for b in args.beam_batches:
-            bench.run(llm, "in-engine beam search (depth 0)", b, lambda g: beams(g, 0),
+            bench.run(llm, f"{tag}in-engine beam search (depth 0)", b, lambda g: beams(g, 0),
                       counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None, depth=0)
-            bench.run(llm, "in-engine beam sampling T=1 (depth 0)", b, lambda g: beams(g, 0, 1.0),
+            bench.run(llm, f"{tag}in-engine beam sampling T=1 (depth 0)", b, lambda g: beams(g, 0, 1.0),
                       counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=None, depth=0)
     finally:
         set_acceptance.uninstall()
@@ -419,7 +425,7 @@ def main() -> int:
     args.batches, args.beam_batches, args.widths = ints(args.batches), ints(args.beam_batches), ints(args.widths)
     args.rates = [float(r) for r in args.rates.split(",")]
     engines = [] if args.report else [e for e in args.engines.split(",") if e]
-    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_chain"}:
+    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_free", "dsbd_chain"}:
         ap.error(f"unknown engines {sorted(unknown)}")
 
     import torch
@@ -439,6 +445,7 @@ def main() -> int:
     steps = {"plain": lambda: plain_rows(bench, target, kw),
              "draft_model": lambda: draft_model_rows(bench, target, draft, kw),
              "dsbd": lambda: dsbd_rows(bench, target, draft, kw),
+             "dsbd_free": lambda: dsbd_rows(bench, target, None, kw),
              "dsbd_chain": lambda: dsbd_chain_rows(bench, target, draft, kw)}
     for e in engines:
         t0 = time.perf_counter()
