@@ -1,0 +1,89 @@
+"""Which shape each request drafts this step: the load budget's levels (``load.plan``) and, with the cost model, each
+request's depth and nodes per depth within them (``cost.choose_shapes``), the table the model works from with its
+online correction (``step_clock.py``), and what each verified forest tells the estimates. A mixin of the DSBD runner
+(``runner.py``), which holds the state it reads (``dsbd_cfg``, ``dsbd_budget``, ``dsbd_cost``, ``dsbd_pass_rates``,
+``dsbd_stats``, ``dsbd_requests``). docs/design/cost-model.md §3.6.
+"""
+from __future__ import annotations
+
+import logging
+
+from . import cost, load
+from .step_clock import StepClock
+
+logger = logging.getLogger("vllm.vllm_dsbd.engine")
+
+
+class ShapePlanMixin:
+    def set_cost_table(self, table: cost.CostTable, origin: str) -> None:
+        """Switches the cost model on with ``table`` (logged once with the rule); a measured table is corrected by the
+        steps' own timings (``step_clock.py``) without tensor or pipeline parallelism."""
+        self.dsbd_cost = self._dsbd_cost_base = table
+        self._dsbd_clock = (StepClock() if origin.startswith("measured") and self.parallel_config.world_size == 1
+                            else None)
+        logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
+                    "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
+                    "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
+                    "layers; T = 0 beam requests: per N, from W up); depth 0 where drafting does not pay", origin,
+                    table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
+
+    def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
+        """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
+        a T = 0 beam forest's subforests), the engine-wide rates and the metrics, under the draft's source."""
+        st.acceptance.observe(passed, depth, sub, None if sub is not None else nodes)
+        self.dsbd_pass_rates.observe((cost.DRAFT, kind), nodes, passed, depth)
+        self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
+
+    def _load_levels(self, discard) -> list[load.Level]:
+        """The draft limits of every request of the batch this step (``load.plan``: from the batch's shapes and the
+        budget; with the cost model, each request's depth within them, ``cost.choose_shapes``; never from a draw of
+        this step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
+        cfg, shapes, states = self.dsbd_cfg, [], []
+        for req_id in self.input_batch.req_ids:
+            st = self.dsbd_requests.get(req_id)
+            states.append(st)
+            if st is None:
+                shapes.append(load.Shape(leaves=1, width=0, depth=0))
+            elif st.beam is not None:
+                p = st.beam.params
+                depth = cfg.depth if p.depth is None else min(cfg.depth, p.depth)
+                shapes.append(load.Shape(leaves=p.width, width=st.beam.nodes, depth=depth, pinned=p.depth is not None))
+            else:
+                shapes.append(load.Shape(leaves=1, width=st.width, depth=cfg.depth))
+        levels = load.plan(shapes, self.dsbd_budget)
+        if self.dsbd_cost is not None:
+            levels = self._choose_depths(levels, shapes, states, discard)
+        if cfg.drafting:
+            self.dsbd_stats.record_levels(
+                [lv.depth for lv, s, skip in zip(levels, shapes, discard) if not skip and s.depth and not s.pinned])
+        return levels
+
+    def _choose_depths(self, levels, shapes, states, discard) -> list[load.Level]:
+        """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
+        request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
+        ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
+        engine-wide rates (a try's floor)."""
+        rows, cands, lows = [], [], []
+        for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
+            if st is None or discard[i]:
+                continue
+            w, b = min(lv.width, s.width), st.beam
+            low = b.params.width if b is not None else 1  # the fewest nodes per depth: a beam request's W, else 1
+            lows.append(low if w >= low else None)
+            rows.append(i)
+            pool = self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w)
+            cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool))
+        out, chosen = list(levels), []
+        shapes = cost.choose_shapes(cands, self.dsbd_cost)
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes))
+        for i, c, low, (w, d) in zip(rows, cands, lows, shapes):
+            if not c.pinned:
+                if c.depth > 0 and c.width > 0:
+                    states[i].acceptance.chose(d)
+                n = w if low is not None and d > 0 else None  # w nodes per depth: a plain request's width, a beam's N
+                beam = states[i].beam is not None
+                out[i] = load.Level(levels[i].width if beam or n is None else n, d, n if beam else None)
+                chosen += [n] if beam and n is not None else []
+        self.dsbd_stats.record_nodes(chosen)
+        return out
