@@ -182,10 +182,8 @@ class Bench:
         delta = {k: metric(llm, k) - v for k, v in before.items()}
         passes = delta[counter] if counter else tokens - delta[accepted] if accepted else tokens
         if chosen0 is not None:  # a DSBD engine: the depths its decoding requests drafted (cost model or pinned)
-            extra["depths"] = {k: v - chosen0["depths"].get(k, 0) for k, v in chosen_depths(llm)["depths"].items()
-                               if v - chosen0["depths"].get(k, 0)}
-            extra["beam_nodes"] = {k: v - chosen0["nodes"].get(k, 0) for k, v in chosen_depths(llm)["nodes"].items()
-                                   if v - chosen0["nodes"].get(k, 0)}
+            since = chosen_since(chosen0, chosen_depths(llm))
+            extra["depths"], extra["beam_nodes"] = since["depths"], since["nodes"]
         row = dict(method=method, batch=batch, tokens=tokens, seconds=secs, passes=passes, **extra)
         self.rows.append(row)
         print("row:", row, flush=True)
@@ -219,6 +217,12 @@ def chosen_depths(llm) -> dict | None:
         return None
     return {"depths": {str(k): v for k, v in stats.draft_depths.items()},
             "nodes": {str(k): v for k, v in stats.beam_nodes_chosen.items()}}
+
+
+def chosen_since(before: dict, after: dict) -> dict:
+    """``chosen_depths`` counts made between two readings (zero counts left out)."""
+    return {key: {k: v - before[key].get(k, 0) for k, v in after[key].items() if v - before[key].get(k, 0)}
+            for key in ("depths", "nodes")}
 
 
 @contextlib.contextmanager

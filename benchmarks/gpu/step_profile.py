@@ -155,9 +155,7 @@ def measure(args, name: str, llm, batch: int, extra_args: dict | None) -> dict:
         plain.append(time.perf_counter() - t0)
     split = [phases.step(engine) for _ in range(args.steps)]
     syncs, sites = count_syncs(engine, args.steps) if cuda else ([], collections.Counter())
-    chosen1 = lm.chosen_depths(llm)
-    depths = {} if chosen0 is None else {k: v - chosen0["depths"].get(k, 0) for k, v in chosen1["depths"].items()
-                                         if v - chosen0["depths"].get(k, 0)}
+    depths = {} if chosen0 is None else lm.chosen_since(chosen0, lm.chosen_depths(llm))["depths"]
     engine.abort_request([f"{name}-{batch}-{i}" for i in range(batch)])
     while engine.has_unfinished_requests():
         engine.step()

@@ -18,7 +18,7 @@ import torch
 from mem_peak import peak_bytes
 from test_verify_forest_static import _random_req, build_wide_step
 from vllm_dsbd.core.forest import compact_index
-from vllm_dsbd.engine import chunks, memory, penalties, reads, sampler
+from vllm_dsbd.engine import chunks, penalties, reads, sampler
 
 G, W, V, R = 3, 4, 800, 24
 
@@ -52,11 +52,11 @@ def test_chunked_verification_stays_under_its_budget(step, static):
 
 
 def test_verify_chunk_arithmetic():
-    assert memory.verify_blocks(3) == 4 + 3 + memory.LAYER_BLOCKS
-    assert memory.verify_blocks(0) == memory.verify_blocks(1)  # no draft model: one layer of rows
-    assert memory.verify_chunk(3, 4, 1000, 10 * memory.verify_blocks(3) * 4000 + 1) == 10
-    assert memory.verify_chunk(3, 4, 128_000, 1) == 1  # at least one request
-    assert memory.verify_chunk(3, 4, 128_000) == memory.VERIFY_BUDGET // (memory.verify_blocks(3) * 4 * 128_000)
+    assert chunks.verify_blocks(3) == 4 + 3 + chunks.LAYER_BLOCKS
+    assert chunks.verify_blocks(0) == chunks.verify_blocks(1)  # no draft model: one layer of rows
+    assert chunks.verify_chunk(3, 4, 1000, 10 * chunks.verify_blocks(3) * 4000 + 1) == 10
+    assert chunks.verify_chunk(3, 4, 128_000, 1) == 1  # at least one request
+    assert chunks.verify_chunk(3, 4, 128_000) == chunks.VERIFY_BUDGET // (chunks.verify_blocks(3) * 4 * 128_000)
 
 
 # ---- penalties: the penalized rows chunk by chunk, sparse -------------------------------------------------------
@@ -100,8 +100,8 @@ def test_penalized_verification_stays_under_its_budget(step, static):
     over it."""
     logits, plans, cfg = step
     targets = _targets(plans, 6)
-    budget = 2 * memory.verify_blocks(G, penalties=True) * W * V
-    assert memory.verify_chunk(G, W, V, budget, penalties=True) == 2
+    budget = 2 * chunks.verify_blocks(G, penalties=True) * W * V
+    assert chunks.verify_chunk(G, W, V, budget, penalties=True) == 2
 
     def chunked():
         return reads.run(sampler.verify(logits, plans, cfg, chain_static=static, forest_static=static, budget=budget,

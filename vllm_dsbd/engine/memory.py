@@ -38,9 +38,6 @@ logger = logging.getLogger("vllm.vllm_dsbd.engine")
 # the dummy step in the profiling run on the CPU too (tests; on the CPU vLLM does not size the KV cache from the
 # profile)
 PROFILE_CPU = False
-# the bound lives in chunks.py (a leaf); its names here too, for the account's readers
-from .chunks import (FREE_FRACTION, LAYER_BLOCKS, MAX_VERIFY_BUDGET, MIN_VERIFY_BUDGET, VERIFY_BUDGET,  # noqa: E402,F401
-                     verify_blocks, verify_budget, verify_chunk)
 
 
 # ---------------------------------------------------------------------------------------------------------------
