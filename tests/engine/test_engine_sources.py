@@ -9,7 +9,9 @@ One plain engine (vLLM's own ``LLM.beam_search`` and greedy decoding, the oracle
 * ``LLM.beam_search`` (W = 4, T = 0) returns vLLM's beams token for token, with forest nodes verified, layers passed
   and fewer target passes than beam steps (the engine's counters);
 * plain greedy requests equal plain vLLM greedy token for token, at >= 2 tokens per target pass on these prompts
-  (the engine's counts; deterministic at T = 0 with pinned shapes: measured 2.3 and 2.9).
+  (the engine's counts; deterministic at T = 0 with pinned shapes: measured 2.3 and 2.9);
+* the engine as a user gets it (cost model on): greedy equal to plain vLLM, and forests verified with more tokens
+  than target passes (the engine's counts).
 """
 from __future__ import annotations
 
@@ -84,6 +86,14 @@ def runs(setup):
             after = llm.collective_rpc("dsbd_decisions")[0]
             per.append((g, {k: after[k] - before[k] for k in ("iterations", "tokens", "forest_iterations")}))
         out["greedy"] = per
+    # the engine as a user gets it: the same, cost model on (nothing overridden)
+    user = {"method": "dsbd", "width": WIDTH, "cost_model": "auto"}  # "auto" is the default; named for engine_utils
+    with dsbd_llm(folder, **kw, speculative_config=user) as llm:
+        before = llm.collective_rpc("dsbd_decisions")[0]
+        out["user_greedy"] = _greedy(llm, prompts)
+        after = llm.collective_rpc("dsbd_decisions")[0]
+        out["user_counts"] = {k: after[k] - before[k] for k in ("iterations", "tokens", "forest_iterations")}
+        out["user_depths"] = llm.collective_rpc("dsbd_load")[0]["depths"]
     return out
 
 
@@ -107,3 +117,11 @@ def test_greedy_equals_plain_vllm_at_two_tokens_per_pass(runs):
         assert got == want
         assert c["tokens"] == GREEDY_TOKENS and c["forest_iterations"] > 0
         assert c["tokens"] >= 2.0 * c["iterations"]
+
+
+def test_the_users_engine_drafts_from_the_sources_and_equals_plain_vllm(runs):
+    """Cost model on: the sources cost no draft pass, so on these prompts it drafts (the engine's counts)."""
+    c = runs["user_counts"]
+    print("user's engine greedy counts:", c, "depths chosen:", runs["user_depths"])
+    assert runs["user_greedy"] == runs["vllm_greedy"]
+    assert c["forest_iterations"] > 0 and c["tokens"] > c["iterations"]
