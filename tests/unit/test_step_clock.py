@@ -1,8 +1,12 @@
 """The cost model's online correction (``engine/step_clock.py``): measured window surpluses, classed by whether the
-window verified and drafted forests, enter the table as ``draft_step``; a forest is charged to both windows that hold
+window verified and drafted forests, enter the table as ``draft_step`` (a drafting step's extra) and ``step`` (every
+step's surplus); a forest is charged to both windows that hold
 its costs; medians ignore a slow first window and expire; and a drafting step's host cost the start-up table did not
 see switches drafting off where it does not pay (the batch-1 CPU case of results/cost-model-2026-11-26), while drafting
-that pays stays on."""
+that pays stays on; and a bare step's own surplus, charged to ``step``, switches drafting on where it pays (the H100
+case of results/gpu/2026-11-27, run 3)."""
+import dataclasses
+
 import pytest
 
 from vllm_dsbd.engine import cost, step_clock
@@ -33,18 +37,19 @@ def test_draft_step_is_the_drafting_surplus_over_the_bare_one():
     assert t.draft_step == pytest.approx(0.010) and t.step == 0.0
     _observe(c, 0.030, 0.040, N, step_clock.MIN_STEPS)  # bare windows 10 ms under the table: drafting's extra is 20 ms
     t = c.corrected(TABLE)
-    assert t.step == 0.0 and t.draft_step == pytest.approx(0.020)
+    assert t.step == 0.0 and t.draft_step == pytest.approx(0.020)  # a surplus below 0 is not charged to every step
     d = StepClock()
     for _ in range(5):
         _observe(d, 0.046, 0.040, N)
         _observe(d, 0.056, 0.040, B)
-    t = d.corrected(TABLE)  # every window 6 ms over the table, drafting ones 10 ms more: only the 10 ms enter
-    assert t.step == 0.0 and t.draft_step == pytest.approx(0.010)
+    t = d.corrected(TABLE)  # every window 6 ms over the table, drafting ones 10 ms more: 6 ms to every step, 10 to drafting
+    assert t.step == pytest.approx(0.006) and t.draft_step == pytest.approx(0.010)
     e = StepClock()
     for _ in range(5):
         _observe(e, 0.060, 0.040, N)
         _observe(e, 0.050, 0.040, B)
-    assert e.corrected(TABLE) is TABLE  # drafting windows no dearer than bare ones: nothing to add
+    t = e.corrected(TABLE)  # drafting windows no dearer than bare ones: nothing added to drafting, 20 ms to every step
+    assert t.draft_step == 0.0 and t.step == pytest.approx(0.020)
 
 
 def test_a_forest_is_charged_to_both_windows_that_hold_it():
@@ -129,3 +134,24 @@ def test_start_planned_finish_measure_one_step(monkeypatch):
     c.start(None)  # a step with a prefill: not measured
     c.finish(TABLE)
     assert c.steps == 1
+
+
+def test_a_bare_steps_surplus_switches_drafting_on_where_it_pays():
+    """The H100 default-config run (results/gpu/2026-11-27 run 3): target 1.44 ms flat, draft 1.08 ms; bare steps
+    12.1 ms over the table, drafting-only windows 21.3 ms, verifying-only windows 18.1 ms. A bare step costs 13.5 ms, a
+    step drafting depth 2 at width 4 13.5 + 15.2 + 2 x 1.08 = 30.9 ms: drafting pays where a forest emits more than
+    30.9 / 13.5 = 2.28 tokens (a rate above ~0.87 at depth 2). With the bare surplus charged nowhere (the old
+    correction) a bare step looked like 1.44 ms and drafting never paid (it would need 13 tokens per pass)."""
+    table = cost.CostTable.from_times({1: 0.00144, 1024: 0.00144}, {1: 0.00108, 1024: 0.00108})
+    c = StepClock()
+    _observe(c, 0.0121 + 0.00144, 0.00144, N, 32)
+    _observe(c, 0.0213 + 0.00144, 0.00144, D, 3)
+    _observe(c, 0.0181 + 0.00144, 0.00144, V, 3)
+    t = c.corrected(table)
+    assert t.step == pytest.approx(0.0121) and t.draft_step == pytest.approx(0.0152)
+    one = [cost.Candidate(leaves=1, width=4, depth=2, rate=0.95, catch_up=1)]
+    assert cost.choose(one, t) == [2]
+    assert cost.choose(one, dataclasses.replace(t, step=0.0)) == [0]  # the surplus charged nowhere: never drafts
+    assert cost.choose([dataclasses.replace(one[0], rate=0.5)], t) == [0]  # 1.75 tokens for 2.28x the time
+    # the step's surplus is what the summary reports beside the drafting extra
+    assert c.summary()["step"] == pytest.approx(0.0121)

@@ -62,8 +62,8 @@ def _points(times: Mapping, what: str) -> tuple[tuple[int, float], ...]:
 @dataclass(frozen=True, slots=True)
 class CostTable:
     """Seconds of one target pass and of one draft pass by the tokens they run (each with its LM head), and a fixed
-    cost per step (``step``: what a step costs besides both, 0 when unknown, which only makes drafting look
-    dearer), plus ``draft_step``: what a step in which any request drafts costs beyond its passes (the host work of
+    cost per step (``step``: what a step costs besides both; pinned, or measured while serving by
+    ``step_clock.StepClock``; 0 when unknown, which only makes drafting look dearer), plus ``draft_step``: what a step in which any request drafts costs beyond its passes (the host work of
     drafting and verifying forests; 0 unless measured while serving, ``step_clock.StepClock``)."""
 
     target: tuple[tuple[int, float], ...]

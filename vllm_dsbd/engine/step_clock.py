@@ -8,7 +8,9 @@ the step before) to the end of drafting the next ones. Each window is classed by
 drafted forests: four kinds) and its surplus over the table kept per kind; :meth:`StepClock.corrected` adds to the
 table, as ``draft_step``, what a step that drafts costs over both windows: ``(drafted and verified) - neither``, or
 ``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then (``neither`` from the other three
-where it is not measured: the surpluses add up). Per kind the median of the last
+where it is not measured: the surpluses add up), and to ``step`` what every step costs beyond its passes
+(``neither``: the engine's own work per step, 12.1 ms on an H100 beside a 1.4 ms target pass; a step that emits more
+tokens spreads it over them, which is what drafting buys). Per kind the median of the last
 ``WINDOW`` surpluses (every sample weighs alike; a slow outlier moves nothing), none older than ``HORIZON`` measured
 steps: a measurement that switched drafting off expires, and the next forests measure it again. Only timings of past
 steps enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with
@@ -86,9 +88,8 @@ class StepClock:
         both estimates weighed by their windows where both exist. Without ``MIN_STEPS`` windows that did neither,
         their surplus is the additive model's ``drafted + verified - both`` where those are measured, else 0 (which
         only makes drafting look dearer)."""
-        (base, n0), (d, nd), (v, nv), (b, nb) = (self.median(k) for k in range(len(KINDS)))
-        if n0 < MIN_STEPS:
-            base = d + v - b if min(nd, nv, nb) >= MIN_STEPS else 0.0
+        _, (d, nd), (v, nv), (b, nb) = medians = [self.median(k) for k in range(len(KINDS))]
+        base = self._bare(medians)
         est = []
         if nb >= MIN_STEPS:
             est.append((nb, b - base))
@@ -98,16 +99,33 @@ class StepClock:
             return 0.0
         return max(0.0, sum(w * x for w, x in est) / sum(w for w, _ in est))
 
+    def base(self) -> float:
+        """What every step costs beyond the table (never below 0): the median surplus of the windows that neither
+        drafted nor verified, or the additive model's ``drafted + verified - both`` where those are measured and bare
+        windows are not; 0 until measured (which only makes drafting look dearer)."""
+        return max(0.0, self._bare([self.median(k) for k in range(len(KINDS))]))
+
+    @staticmethod
+    def _bare(medians) -> float:
+        """The bare windows' surplus from the (median, count) of every kind (see :meth:`base`; may be below 0)."""
+        (base, n0), (d, nd), (v, nv), (b, nb) = medians
+        if n0 < MIN_STEPS:
+            base = d + v - b if min(nd, nv, nb) >= MIN_STEPS else 0.0
+        return base
+
     def corrected(self, table: CostTable) -> CostTable:
-        """``table`` with a drafting step's measured extra added to ``draft_step`` (:meth:`extra`). The surplus every
-        step has is not added to ``step``: a fixed cost per step spread over a forest's tokens would make drafting look
-        cheaper, and as the table's own ``step`` of 0 the correction errs only towards drafting less."""
-        extra = self.extra()
-        return dataclasses.replace(table, draft_step=table.draft_step + extra) if extra else table
+        """``table`` with a drafting step's measured extra added to ``draft_step`` (:meth:`extra`) and every step's
+        measured surplus to ``step`` (:meth:`base`): a bare step is then predicted at what it measured and a drafting
+        step at what its windows measured, so the choice weighs both steps' measured costs (with the surplus charged
+        nowhere, a bare step on an H100 looked 9x cheaper than it was: results/gpu/2026-11-27, run 3)."""
+        extra, base = self.extra(), self.base()
+        if not extra and not base:
+            return table
+        return dataclasses.replace(table, step=table.step + base, draft_step=table.draft_step + extra)
 
     def summary(self) -> dict:
         """The medians and counts by kind of window (``dsbd_load``'s ``clock``), and the extra they give."""
-        out = {"steps": self.steps, "draft_step": self.extra()}
+        out = {"steps": self.steps, "draft_step": self.extra(), "step": self.base()}
         for k, name in enumerate(KINDS):
             out[name], out[f"n_{name}"] = self.median(k)
         return out
