@@ -168,12 +168,13 @@ class Bench:
 
     def run(self, llm, method: str, batch: int, call, counter: str | None = None, accepted: str | None = None,
             **extra) -> dict:
-        """Times ``call(prompts) -> new tokens`` over the batch's groups (one warm-up call first) and records a row.
+        """Times ``call(prompts) -> new tokens`` over the batch's groups (a warm-up call of the first whole group first:
+        the batch's own shapes; with one prompt only, the first batch-32 row ran 5x slower on an H100) and records a row.
         Target passes, counted by the engine: the increase of ``counter``, or tokens minus the increase of the
         ``accepted`` draft tokens counter (each pass emits one token plus the drafts it accepted), else one per
         token."""
         groups = self.groups(batch)
-        call(groups[0][:1])  # warm-up (graphs, allocator) for this request shape
+        call(groups[0])  # warm-up (graphs, allocator, the forests' shapes) at this batch
         before = {k: metric(llm, k) for k in (counter, accepted) if k}
         chosen0 = chosen_depths(llm)
         t0 = time.perf_counter()
