@@ -131,23 +131,25 @@ def request_width(sampling_params: Any, cfg: DSBDConfig) -> int:
     return value
 
 
-# Penalties: applied to plain requests per forest node (engine/penalties.py); a beam request takes none, as vLLM's beam
-# search has none (BeamSearchParams), so a beam request that sets one is refused (``_BEAM_REFUSED``).
+# Penalties and logits rules: applied to plain requests per forest node (engine/penalties.py, engine/processors.py); a
+# beam request takes none, as vLLM's beam search has none (BeamSearchParams: beam width, max_tokens, ignore_eos,
+# temperature, length_penalty), so a beam request that sets one is refused.
 _PENALTIES = (
     ("presence_penalty", lambda v: (v or 0.0) != 0.0),
     ("frequency_penalty", lambda v: (v or 0.0) != 0.0),
     ("repetition_penalty", lambda v: (1.0 if v is None else v) != 1.0),
 )
-# SamplingParams a DSBD request may not set: (attribute, what counts as set). The DSBD sampler draws from the target's
-# and the draft's joints with temperature, top-k, top-p and the penalties only; these would have to act on every
-# forest node with that node's own history (and on the draft alike, for exactness), which is not built. Refused, never
-# ignored.
-_REFUSED = (
+_RULES = (
     ("min_p", lambda v: (v or 0.0) > 0.0),
     ("min_tokens", lambda v: (v or 0) > 0),
     ("logit_bias", bool),
     ("allowed_token_ids", lambda v: v is not None),
     ("bad_words", bool),
+)
+# SamplingParams a DSBD request may not set: (attribute, what counts as set). Each would have to act on every forest
+# node with that node's own history or grammar state (and on the draft alike, for exactness), which is not built.
+# Refused, never ignored.
+_REFUSED = (
     ("structured_outputs", lambda v: v is not None),
     ("logprob_token_ids", lambda v: v is not None),
     ("prompt_logprobs", lambda v: v is not None),
@@ -163,8 +165,9 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
-            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``, or
-            ``logprobs`` or a penalty.
+            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``,
+            ``logprobs``, a penalty, or ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or
+            ``bad_words``.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -199,6 +202,12 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                              "beam search applies no penalties; set the neutral value in the request "
                              "(repetition_penalty 1, presence_penalty and frequency_penalty 0), or start the engine "
                              "with --generation-config vllm when the model's generation_config.json sets it")
+        rules = [name for name, is_set in _RULES if is_set(getattr(sampling_params, name, None))]
+        if rules:
+            raise ValueError(f"{', '.join(rules)}: not applied to a beam request (extra_args[{BEAM_KEY!r}]), as vLLM's "
+                             "beam search has no such setting (BeamSearchParams); leave "
+                             f"{'it' if len(rules) == 1 else 'them'} unset on beam requests (plain requests take "
+                             f"{'it' if len(rules) == 1 else 'them'})")
         if getattr(sampling_params, "logprobs", None) is not None:
             raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
                              "are its beams' settled prefix, then the best beam; each beam's per-token "
@@ -208,7 +217,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         names = ", ".join(bad)
         raise ValueError(
             f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
-            "top_p, the repetition, presence and frequency penalties, seed, stop conditions and logprobs only); leave "
+            "top_p, min_p, the repetition, presence and frequency penalties, logit_bias, allowed_token_ids, bad_words, "
+            "min_tokens, seed, stop conditions and logprobs only); leave "
             f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
         )
     return request_width(sampling_params, cfg)

@@ -9,8 +9,7 @@ random Llama pair of ``vllm_dsbd.testing.models.tiny_llama_pair``, then fires a 
   temperature 0 and 1 (temperature 1 with a per-request seed), some with ``logprobs``, most with ``ignore_eos``;
 * vLLM's front-end beam search (``use_beam_search: true``, ``n = 2``, temperature 0);
 * clients that read a couple of stream chunks and then close the connection (the server must abort the request);
-* bad requests (~10%): a width above the engine's, and settings DSBD refuses (``logit_bias``, ``min_tokens``,
-  ``allowed_token_ids``, ``prompt_logprobs``).
+* bad requests (~10%): a width above the engine's, and a setting DSBD refuses (``prompt_logprobs``).
 
 Checks (any failure makes the exit status non-zero):
 

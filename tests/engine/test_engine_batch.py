@@ -67,7 +67,7 @@ def dsbd_runs(tiny_pair):
                     temperature=0, max_tokens=4, extra_args={"dsbd_width": value}))
             bad.append(str(err.value))
         # so is a setting the DSBD sampler does not apply (named in the message), never silently ignored
-        for name, value in (("allowed_token_ids", [1, 2, 3]), ("min_tokens", 2), ("bad_words", ["x"])):
+        for name, value in (("prompt_logprobs", 1),):
             with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'") as err:
                 llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
                     temperature=0, max_tokens=4, **{name: value}))

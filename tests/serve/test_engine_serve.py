@@ -272,9 +272,9 @@ def test_use_beam_search_equals_plain_vllm(server, plain_texts):
 def test_unsupported_setting_is_400_and_server_survives(server):
     base, _, _ = server
     with pytest.raises(urllib.error.HTTPError) as err:
-        _completion(base, min_tokens=2)
+        _completion(base, prompt_logprobs=1)
     assert err.value.code == 400, err.value.code
-    assert "min_tokens: not supported with speculative method 'dsbd'" in err.value.read().decode()
+    assert "prompt_logprobs: not supported with speculative method 'dsbd'" in err.value.read().decode()
     assert _completion(base)["choices"][0]["text"]
 
 

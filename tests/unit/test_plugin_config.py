@@ -655,10 +655,12 @@ def test_request_width():
 
 
 REFUSED_SETTINGS = {
-    "min_p": 0.1, "min_tokens": 3,
-    "logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2, 3], "bad_words": ["x"], "prompt_logprobs": 1,
-    "structured_outputs": StructuredOutputsParams(regex="[ab]+"), "thinking_token_budget": 8,
+    "prompt_logprobs": 1, "structured_outputs": StructuredOutputsParams(regex="[ab]+"), "thinking_token_budget": 8,
 }
+# applied to plain requests per forest node (engine/processors.py), refused on beam requests (vLLM's beam search has
+# none)
+RULE_SETTINGS = {"min_p": 0.1, "min_tokens": 3, "logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2, 3],
+                 "bad_words": ["x"]}
 
 
 def test_check_request_refuses_what_dsbd_does_not_apply():
@@ -671,8 +673,12 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
     for name, value in REFUSED_SETTINGS.items():
         with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'"):
             check_request(SamplingParams(**{name: value}), cfg)
-    with pytest.raises(ValueError, match=r"^min_p, min_tokens: not supported"):
-        check_request(SamplingParams(presence_penalty=1.0, min_p=0.2, min_tokens=1), cfg)
+    with pytest.raises(ValueError, match=r"^prompt_logprobs, thinking_token_budget: not supported"):
+        check_request(SamplingParams(presence_penalty=1.0, min_p=0.2, prompt_logprobs=1, thinking_token_budget=4), cfg)
+    assert check_request(SamplingParams(temperature=0.5, **RULE_SETTINGS), cfg) == 4
+    for name, value in RULE_SETTINGS.items():
+        with pytest.raises(ValueError, match=rf"^{name}: not applied to a beam request .*vLLM's beam search has no"):
+            check_request(_beam_sp({"width": 2, "max_tokens": 8}, **{name: value}), cfg)
     # penalties are applied to plain requests (engine/penalties.py), refused on beam requests (vLLM's beam search has
     # none), with the way out named
     pens = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)

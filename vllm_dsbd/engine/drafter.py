@@ -29,6 +29,7 @@ from vllm_dsbd.core.sampling import beam_step
 from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
 from .penalties import DraftPenalties
+from .processors import DraftRows, DraftRules
 from .reads import Reader
 from .state import PendingForest, RequestState, batch_params
 
@@ -92,7 +93,8 @@ class DraftJob:
     root_pos: int
     depth: int  # >= 1
     width: int | None = None  # nodes per depth at most (load-aware speculation); None: the request's width
-    history: tuple[list[int], list[int]] | None = None  # with penalties: prompt and output tokens, root included
+    # with penalties or logits rules: prompt and output tokens, root included
+    history: tuple[list[int], list[int]] | None = None
 
 
 class DSBDDrafter(DraftModelProposer):
@@ -200,11 +202,8 @@ class DSBDDrafter(DraftModelProposer):
         V = root_logits.shape[-1]
         full = torch.zeros(R, W, V, device=dev)
         full[:, 0] = root_logits
-        pen = None  # requests with penalties: each slot's rows penalized by its own history before each beam step
-        if any(j.history is not None for j in jobs):
-            sel = [k for k, j in enumerate(jobs) if j.history is not None]
-            pen = DraftPenalties(sel, [jobs[k].history[0] for k in sel], [jobs[k].history[1] for k in sel],
-                                 [jobs[k].state.penalties for k in sel], W, V, dev)
+        # requests with penalties or logits rules: each slot's rows processed by its own history before each beam step
+        pen = draft_rows(jobs, W, V, dev)
         scores = torch.zeros(R, W, device=dev)
         live = torch.zeros(R, W, dtype=torch.bool, device=dev)
         live[:, 0] = True
@@ -324,7 +323,7 @@ class DSBDDrafter(DraftModelProposer):
         return out
 
     def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows,
-                      pen: DraftPenalties | None = None):
+                      pen: DraftRows | None = None):
         """The depth loop at width 1 with no host read until the end (draws and token ids stay on the device); an ended
         chain is masked, not skipped: the same draws, bit for bit. Returns (steps, valid, parent, token slots per depth
         as numpy [R, W], the final depths in numpy and on the device)."""
@@ -366,7 +365,7 @@ class DSBDDrafter(DraftModelProposer):
 
 
     def _draft_static(self, full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np, bs, owned,
-                      block_rows, pen: DraftPenalties | None = None):
+                      block_rows, pen: DraftRows | None = None):
         """The depth loop at any width with one host read at the end, on a bet that every request's draws fill its width
         (``widths``) wherever a pass runs, so the layout is known in advance. None when the bet failed (the caller runs
         the general loop: the same keyed draws), else what :meth:`_draft_chains` returns."""
@@ -442,6 +441,20 @@ class DSBDDrafter(DraftModelProposer):
         return (steps, [_pad_cols(p[:, :ws].astype(bool), W, False) for p in per],
                 [_pad_cols(p[:, ws : 2 * ws], W, 0) for p in per], [_pad_cols(p[:, 2 * ws :], W, 0) for p in per],
                 final, depth)
+
+
+def draft_rows(jobs: list[DraftJob], width: int, vocab: int, device) -> DraftRows | None:
+    """The processing of one drafting call's draft rows (``processors.DraftRows``: the penalties of the jobs whose
+    requests have them, the logits rules of those that have rules), or None when no job has either."""
+    pen_sel = [k for k, j in enumerate(jobs) if j.history is not None and j.state.penalties is not None]
+    rule_sel = [k for k, j in enumerate(jobs) if j.history is not None and j.state.rules is not None]
+    if not pen_sel and not rule_sel:
+        return None
+    pen = DraftPenalties(pen_sel, [jobs[k].history[0] for k in pen_sel], [jobs[k].history[1] for k in pen_sel],
+                         [jobs[k].state.penalties for k in pen_sel], width, vocab, device) if pen_sel else None
+    rules = DraftRules(rule_sel, [jobs[k].history[1] for k in rule_sel], [jobs[k].state.rules for k in rule_sel],
+                       width, vocab, device) if rule_sel else None
+    return DraftRows(pen, rules)
 
 
 def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:

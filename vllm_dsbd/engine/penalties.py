@@ -11,9 +11,12 @@ recorded for verification is the law it drew from. Beam requests take none (vLLM
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .processors import RequestRules
 
 __all__ = ["DraftPenalties", "RequestPenalties", "TargetRows", "apply", "node_paths", "penalize_rows_",
            "penalize_target"]
@@ -97,7 +100,8 @@ class TargetRows:
     parents: list[int]  # their compact parents (-1: a child of the root)
     prompt: list[int]
     output: list[int]  # the tokens emitted so far (the root is the last, or the prompt's last token is)
-    penalties: RequestPenalties
+    penalties: RequestPenalties | None
+    rules: RequestRules | None = None  # min_p, min_tokens, logit_bias, ... (``engine/processors.py``)
 
 
 # entries (rows x gathered columns) one batch of :func:`penalize_rows_` holds: its int64 columns and counts, float32
@@ -115,6 +119,8 @@ def penalize_rows_(logits: torch.Tensor, requests: list[TargetRows], budget: int
     batch: list[tuple[TargetRows, list[int]]] = []
     rows = width = 0
     for r in requests:
+        if r.penalties is None:
+            continue
         cols = sorted({t for t in (*r.prompt, *r.output, *r.tokens) if 0 <= t < V})
         if not cols:
             continue
@@ -161,6 +167,7 @@ def penalize_target(logits: torch.Tensor, requests: list[TargetRows]) -> torch.T
     the root's row by prompt + output, node c's row by prompt + output + :func:`node_paths`' path of c. Dense over all
     rows (the reference :func:`penalize_rows_` equals; the engine penalizes chunk by chunk in ``sampler.verify``)."""
     out = logits.to(torch.float32, copy=True)
+    requests = [r for r in requests if r.penalties is not None]
     if not requests:
         return out
     V, dev = out.shape[1], out.device

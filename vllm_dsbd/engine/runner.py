@@ -334,11 +334,12 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
                 results[k] = sampler.RowResult(tokens=[0], path=[], passed=0, rows=[row.first_row])
             else:
                 kinds[row.state.beam.temperature > 0.0].append(k)
-        # plain requests with penalties verify their rows penalized by each row's history, chunk by chunk on a copy
-        # (raw rows stay for logprobs)
+        # plain requests with penalties or logits rules (min_p, logit_bias, ...) verify their rows processed by each
+        # row's history, chunk by chunk on a copy (raw rows stay for logprobs)
         pen = [penalties.TargetRows(plan[k].first_row, plan[k].forest.tokens if plan[k].forest else [],
                                     plan[k].forest.parents if plan[k].forest else [], *self._history(k),
-                                    plan[k].state.penalties) if plan[k].state.penalties is not None else None
+                                    plan[k].state.penalties, plan[k].state.rules)
+               if plan[k].state.penalties is not None or plan[k].state.rules is not None else None
                for k in spec]
         # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
         recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
@@ -469,7 +470,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
             old = batch.token_ids_cpu[i, start:n_before].tolist() if start < n_before else []
             tokens = old + res.tokens[max(0, start - n_before):]
             history = None
-            if st.penalties is not None:  # the draft's rows take the target's penalties (drafter.DraftPenalties)
+            # the draft's rows take the target's penalties and rules (drafter: processors.DraftRows)
+            if st.penalties is not None or st.rules is not None:
                 prompt, output = self._history(i, n_before)
                 history = (prompt, output + res.tokens)
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,

@@ -17,6 +17,7 @@ from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 from .beams.trie import BeamRequest
 from .cost import Acceptance
 from .penalties import RequestPenalties
+from .processors import RequestRules
 
 _EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it are greedy
 # "0": beam requests keep their dead trie slots and their common prefix in the trie (no re-layout); for comparisons
@@ -54,6 +55,7 @@ class RequestState:
     pending: PendingForest | None = None
     beam: BeamRequest | None = None  # a beam request (extra_args["dsbd_beam"]): its trie and live beams
     penalties: RequestPenalties | None = None  # a plain request's repetition / presence / frequency penalties
+    rules: RequestRules | None = None  # a plain request's min_p, min_tokens, logit_bias, allowed_token_ids, bad_words
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -109,6 +111,7 @@ class Requests:
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is None:
             st.penalties = RequestPenalties.of(sp)
+            st.rules = RequestRules.of(sp)
         else:
             bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
             # N, the forest's nodes per depth: the request's, else the engine's beam_nodes, else the request's width

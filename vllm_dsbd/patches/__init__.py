@@ -85,7 +85,9 @@ to add a speculative method with its own config keys and proposer; no such regis
    its own runner hooks).
 
 9. ``request_validation`` - target ``vllm.v1.engine.input_processor.InputProcessor._validate_params``.
-   What: for a "dsbd" engine, also validate ``SamplingParams.extra_args["dsbd_width"]`` (``requests.request_width``).
+   What: for a "dsbd" engine, also validate ``SamplingParams.extra_args["dsbd_width"]`` (``requests.request_width``)
+   and the settings DSBD refuses (``requests.check_request``), and skip vLLM's refusal of ``min_p`` and ``logit_bias``
+   with speculative decoding (DSBD applies them per forest node: ``engine/processors.py``).
    Why: checked only in the worker, a bad width raised inside the engine core and killed it (HTTP 500, server down);
    in the front end it is a ``ValueError``: 400 from the server, an exception offline, and the engine keeps serving.
    How: wrap the method; other methods and pooling params pass through unchanged. When it can go: vLLM lets a

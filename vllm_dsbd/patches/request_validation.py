@@ -1,7 +1,11 @@
 """Patch: a DSBD engine rejects a bad request in the front end, before the request reaches the engine: a bad
-per-request width, or a sampling setting the DSBD sampler does not apply (``requests.check_request``: min_p,
-min_tokens, penalties on beam requests, logit_bias, allowed_token_ids, bad_words, structured outputs, prompt
-logprobs, ...).
+per-request width, or a sampling setting the DSBD sampler does not apply (``requests.check_request``: structured
+outputs, prompt logprobs, ...; on beam requests the penalties, min_p, min_tokens, logit_bias, allowed_token_ids and
+bad_words, which vLLM's beam search has not).
+
+vLLM's own checks run first, without its refusal of ``min_p`` and ``logit_bias`` under any speculative method
+(``SamplingParams._validate_spec_decode``, which it reaches through ``speculative_config``): DSBD applies both per
+forest node (``engine/processors.py``).
 
 ``InputProcessor._validate_params`` (v1/engine/input_processor.py) is where vLLM raises ``ValueError`` for bad
 ``SamplingParams``: offline ``LLM.generate`` raises it to the caller, the OpenAI server answers 400, and the engine
@@ -30,10 +34,17 @@ def _patch(mod: types.ModuleType) -> None:
 
     def make(orig):
         def _validate_params(self, params, supported_tasks):
-            orig(self, params, supported_tasks)
             spec = self.speculative_config
             if spec is None or spec.method != METHOD or not isinstance(params, SamplingParams):
+                orig(self, params, supported_tasks)
                 return
+            # vLLM's own checks, but its refusal of min_p and logit_bias with speculative decoding (the only use of
+            # speculative_config there, SamplingParams._validate_spec_decode): DSBD applies both per forest node
+            self.speculative_config = None
+            try:
+                orig(self, params, supported_tasks)
+            finally:
+                self.speculative_config = spec
             cfg = getattr(self, "_dsbd_config", None)
             if cfg is None:
                 cfg = self._dsbd_config = DSBDConfig.from_vllm_config(self.vllm_config)
