@@ -138,6 +138,10 @@ _PENALTIES = (
     ("frequency_penalty", lambda v: (v or 0.0) != 0.0),
     ("repetition_penalty", lambda v: (1.0 if v is None else v) != 1.0),
 )
+# Structured outputs (``structured_outputs``: JSON, regex, choice, grammar; the OpenAI server's response_format and
+# forced tool calls) are served on plain requests: such a request drafts no forest (engine/runner.py), so its one target
+# row per step is the row vLLM's scheduler computed the grammar bitmask for, and vLLM masks it before DSBD samples. A
+# beam request with them is refused in :func:`check_request`.
 # SamplingParams a DSBD request may not set: (attribute, what counts as set). The DSBD sampler draws from the target's
 # and the draft's joints with temperature, top-k, top-p and the penalties only; these would have to act on every
 # forest node with that node's own history (and on the draft alike, for exactness), which is not built. Refused, never
@@ -148,7 +152,6 @@ _REFUSED = (
     ("logit_bias", bool),
     ("allowed_token_ids", lambda v: v is not None),
     ("bad_words", bool),
-    ("structured_outputs", lambda v: v is not None),
     ("logprob_token_ids", lambda v: v is not None),
     ("prompt_logprobs", lambda v: v is not None),
     ("thinking_token_budget", lambda v: v is not None),
@@ -163,8 +166,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
-            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``, or
-            ``logprobs`` or a penalty.
+            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``,
+            ``structured_outputs``, ``logprobs`` or a penalty.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -193,6 +196,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                 raise ValueError(f"{name}: not supported on a beam request (extra_args[{BEAM_KEY!r}]): vLLM checks it "
                                  "on the request's trie slots and settled text, not on each beam; a beam ends at "
                                  f"extra_args[{BEAM_KEY!r}]['eos_token_id'] or its max_tokens")
+        if getattr(sampling_params, "structured_outputs", None) is not None:
+            raise ValueError(f"structured_outputs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): the "
+                             "grammar would need a state per beam, advanced along every trie and forest path; a plain "
+                             "request (no beam) with structured outputs is served, without a draft forest")
         pens = [name for name, is_set in _PENALTIES if is_set(getattr(sampling_params, name, None))]
         if pens:
             raise ValueError(f"{', '.join(pens)}: not applied to a beam request (extra_args[{BEAM_KEY!r}]), as vLLM's "
@@ -208,7 +215,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         names = ", ".join(bad)
         raise ValueError(
             f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
-            "top_p, the repetition, presence and frequency penalties, seed, stop conditions and logprobs only); leave "
+            "top_p, the repetition, presence and frequency penalties, seed, stop conditions, logprobs and structured "
+            "outputs only); leave "
             f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
         )
     return request_width(sampling_params, cfg)

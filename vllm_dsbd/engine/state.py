@@ -54,6 +54,9 @@ class RequestState:
     pending: PendingForest | None = None
     beam: BeamRequest | None = None  # a beam request (extra_args["dsbd_beam"]): its trie and live beams
     penalties: RequestPenalties | None = None  # a plain request's repetition / presence / frequency penalties
+    # structured outputs (a grammar): the request drafts no forest, so its one row per step is the row vLLM's
+    # scheduler computed the grammar bitmask for (vLLM masks it before DSBD samples: docs/deviations.md)
+    structured: bool = False
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -105,6 +108,7 @@ class Requests:
             eos=-1 if (sp.ignore_eos or eos is None) else int(eos),
             max_tokens=sp.max_tokens,
             draft_len=0,  # prefix-cache hits have the target's K/V, not necessarily the draft's
+            structured=getattr(sp, "structured_outputs", None) is not None,
         )
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is None:

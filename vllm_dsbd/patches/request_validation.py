@@ -1,7 +1,7 @@
 """Patch: a DSBD engine rejects a bad request in the front end, before the request reaches the engine: a bad
 per-request width, or a sampling setting the DSBD sampler does not apply (``requests.check_request``: min_p,
-min_tokens, penalties on beam requests, logit_bias, allowed_token_ids, bad_words, structured outputs, prompt
-logprobs, ...).
+min_tokens, penalties on beam requests, logit_bias, allowed_token_ids, bad_words, structured outputs on beam
+requests, prompt logprobs, ...).
 
 ``InputProcessor._validate_params`` (v1/engine/input_processor.py) is where vLLM raises ``ValueError`` for bad
 ``SamplingParams``: offline ``LLM.generate`` raises it to the caller, the OpenAI server answers 400, and the engine
