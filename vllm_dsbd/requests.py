@@ -146,11 +146,14 @@ _RULES = (
     ("allowed_token_ids", lambda v: v is not None),
     ("bad_words", bool),
 )
+# Structured outputs (``structured_outputs``: JSON, regex, choice, grammar; the OpenAI server's response_format and
+# forced tool calls) are served on plain requests: such a request drafts no forest (engine/runner.py), so its one target
+# row per step is the row vLLM's scheduler computed the grammar bitmask for, and vLLM masks it before DSBD samples. A
+# beam request with them is refused in :func:`check_request`.
 # SamplingParams a DSBD request may not set: (attribute, what counts as set). Each would have to act on every forest
 # node with that node's own history or grammar state (and on the draft alike, for exactness), which is not built.
 # Refused, never ignored.
 _REFUSED = (
-    ("structured_outputs", lambda v: v is not None),
     ("logprob_token_ids", lambda v: v is not None),
     ("prompt_logprobs", lambda v: v is not None),
     ("thinking_token_budget", lambda v: v is not None),
@@ -166,8 +169,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
             ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``,
-            ``logprobs``, a penalty, or ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or
-            ``bad_words``.
+            ``structured_outputs``, ``logprobs``, a penalty, or ``min_p``, ``min_tokens``, ``logit_bias``,
+            ``allowed_token_ids`` or ``bad_words``.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -196,6 +199,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                 raise ValueError(f"{name}: not supported on a beam request (extra_args[{BEAM_KEY!r}]): vLLM checks it "
                                  "on the request's trie slots and settled text, not on each beam; a beam ends at "
                                  f"extra_args[{BEAM_KEY!r}]['eos_token_id'] or its max_tokens")
+        if getattr(sampling_params, "structured_outputs", None) is not None:
+            raise ValueError(f"structured_outputs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): the "
+                             "grammar would need a state per beam, advanced along every trie and forest path; a plain "
+                             "request (no beam) with structured outputs is served, without a draft forest")
         pens = [name for name, is_set in _PENALTIES if is_set(getattr(sampling_params, name, None))]
         if pens:
             raise ValueError(f"{', '.join(pens)}: not applied to a beam request (extra_args[{BEAM_KEY!r}]), as vLLM's "
@@ -218,7 +225,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         raise ValueError(
             f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
             "top_p, min_p, the repetition, presence and frequency penalties, logit_bias, allowed_token_ids, bad_words, "
-            "min_tokens, seed, stop conditions and logprobs only); leave "
+            "min_tokens, seed, stop conditions, logprobs and structured outputs only); leave "
             f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
         )
     return request_width(sampling_params, cfg)

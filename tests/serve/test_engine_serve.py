@@ -10,7 +10,8 @@ Separately, a misspelt DSBD key makes ``serve`` exit non-zero naming it (in-proc
 
 Temperature-0 texts are compared with plain vLLM on the same weights (an offline engine run before the server
 starts, same prompts as token ids). Requests that used to take the server down (logprobs, ``use_beam_search``) are
-answered, a setting DSBD does not apply is a 400 naming it, and a good request afterwards still succeeds.
+answered, a setting DSBD does not apply is a 400 naming it, and a good request afterwards still succeeds. Structured
+outputs (``response_format`` ``json_schema`` and ``json_object``) give plain vLLM's greedy text.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _serve_cmd(target, draft, port, spec_config, chat_template=None) -> list[str
            "--speculative-method", "dsbd", "--spec-model", str(draft), "--spec-tokens", "2",
            "--speculative-config", spec_config,
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--seed", "0",
-           "--max-num-seqs", "8"]
+           "--max-num-seqs", "8", "--structured-outputs-config", json.dumps(STRUCTURED_CONFIG)]
     if chat_template is not None:
         cmd += ["--chat-template", str(chat_template)]
     return cmd
@@ -50,6 +51,13 @@ def _serve_cmd(target, draft, port, spec_config, chat_template=None) -> list[str
 
 PROMPT_IDS = [[5, 6, 7, 8, 9], [100, 101, 102], [250, 3, 77, 12]]
 MAX_TOKENS = 12
+# structured outputs: xgrammar without whitespace between JSON tokens (a random model's greedy JSON is otherwise all
+# whitespace), a schema with a finite language (the object closes)
+STRUCTURED_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["x", "yy", "zzz"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +66,10 @@ def plain_texts(tiny_pair):
     from engine_utils import dsbd_llm
     from vllm.sampling_params import BeamSearchParams
 
-    with dsbd_llm(tiny_pair[0], enable_prefix_caching=None, disable_log_stats=True) as llm:  # vLLM's defaults for these
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with dsbd_llm(tiny_pair[0], enable_prefix_caching=None, disable_log_stats=True,  # vLLM's defaults for these
+                  structured_outputs_config=STRUCTURED_CONFIG) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPT_IDS],
                             vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
         texts = [o.outputs[0].text for o in outs]
@@ -69,7 +80,13 @@ def plain_texts(tiny_pair):
         for seq in beams[0].sequences:  # the server's choice text: generated tokens without a final EOS
             gen = seq.tokens[len(PROMPT_IDS[0]):]
             beam_texts.append(tok.decode(gen[:-1] if gen and gen[-1] == tok.eos_token_id else gen))
-    return texts, beam_texts
+        structured = {}
+        for name, so, n in (("json_schema", StructuredOutputsParams(json=SCHEMA), 40),
+                            ("json_object", StructuredOutputsParams(json_object=True), MAX_TOKENS)):
+            (o,) = llm.generate([{"prompt_token_ids": PROMPT_IDS[0]}], vllm.SamplingParams(
+                temperature=0, max_tokens=n, structured_outputs=so), use_tqdm=False)
+            structured[name] = o.outputs[0].text
+    return texts, beam_texts, structured
 
 
 def _request(url, payload=None, timeout=120):
@@ -83,8 +100,7 @@ def server(tiny_pair, plain_texts, tmp_path_factory):  # plain_texts first: its 
     target, draft = tiny_pair
     tmp = tmp_path_factory.mktemp("serve")
     template = tmp / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    template.write_text(CHAT_TEMPLATE)
     port = free_port()
     # the cost model off: the metrics test needs forests, which it would switch off for this tiny draft
     spec = '{"width": 2, "cost_model": null}'
@@ -267,6 +283,21 @@ def test_use_beam_search_equals_plain_vllm(server, plain_texts):
     base, _, _ = server
     out = _completion(base, prompt=PROMPT_IDS[0], max_tokens=6, use_beam_search=True, n=2)
     assert [c["text"] for c in out["choices"]] == plain_texts[1]
+
+
+def test_structured_outputs_equal_plain_vllm(server, plain_texts):
+    """OpenAI ``response_format`` (``json_schema``, ``json_object``) on the DSBD server: the
+    same greedy text as plain vLLM with the same structured outputs (such a request drafts no forest:
+    docs/deviations.md D22), the schema's objects valid."""
+    base, _, _ = server
+    plain = plain_texts[2]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    text = _completion(base, prompt=PROMPT_IDS[0], max_tokens=40, response_format=fmt)["choices"][0]["text"]
+    assert text == plain["json_schema"]
+    assert set(json.loads(text)) == {"ok", "tag"}
+    out = _completion(base, prompt=PROMPT_IDS[0], max_tokens=MAX_TOKENS, response_format={"type": "json_object"})
+    assert out["choices"][0]["text"] == plain["json_object"]
+    assert _completion(base)["choices"][0]["text"]  # and a plain request still drafts and is served
 
 
 def test_unsupported_setting_is_400_and_server_survives(server):

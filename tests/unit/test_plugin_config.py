@@ -655,7 +655,7 @@ def test_request_width():
 
 
 REFUSED_SETTINGS = {
-    "prompt_logprobs": 1, "structured_outputs": StructuredOutputsParams(regex="[ab]+"), "thinking_token_budget": 8,
+    "prompt_logprobs": 1, "thinking_token_budget": 8,
 }
 # applied to plain requests per forest node (engine/processors.py), refused on beam requests (vLLM's beam search has
 # none)
@@ -690,6 +690,11 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
     assert check_request(_beam_sp({"width": 2, "max_tokens": 8}, **neutral), cfg) == 4
     with pytest.raises(ValueError, match=r"dsbd_width"):
         check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)
+    # structured outputs: served on a plain request (it drafts no forest), refused on a beam request with the reason
+    so = StructuredOutputsParams(regex="[ab]+")
+    assert check_request(SamplingParams(structured_outputs=so), cfg) == 4
+    with pytest.raises(ValueError, match=r"^structured_outputs: not supported on a beam request .*a plain request"):
+        check_request(_beam_sp({"width": 2, "max_tokens": 8}, structured_outputs=so), cfg)
 
 
 def _beam_sp(beam, **kw):

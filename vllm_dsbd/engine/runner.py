@@ -462,7 +462,7 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)
             depth = min(depth, (self.max_model_len - 2 - root_pos) // max(st.width, 1))
-            if st.eos >= 0 and st.eos in res.tokens:
+            if (st.eos >= 0 and st.eos in res.tokens) or st.structured:  # a grammar: no forest (state.py)
                 depth = 0
             if depth <= 0:
                 continue

@@ -56,6 +56,9 @@ class RequestState:
     beam: BeamRequest | None = None  # a beam request (extra_args["dsbd_beam"]): its trie and live beams
     penalties: RequestPenalties | None = None  # a plain request's repetition / presence / frequency penalties
     rules: RequestRules | None = None  # a plain request's min_p, min_tokens, logit_bias, allowed_token_ids, bad_words
+    # structured outputs (a grammar): the request drafts no forest, so its one row per step is the row vLLM's
+    # scheduler computed the grammar bitmask for (vLLM masks it before DSBD samples: docs/deviations.md)
+    structured: bool = False
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -107,6 +110,7 @@ class Requests:
             eos=-1 if (sp.ignore_eos or eos is None) else int(eos),
             max_tokens=sp.max_tokens,
             draft_len=0,  # prefix-cache hits have the target's K/V, not necessarily the draft's
+            structured=getattr(sp, "structured_outputs", None) is not None,
         )
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is None:

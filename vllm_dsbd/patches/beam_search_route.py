@@ -53,7 +53,9 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
     if getattr(params, "structured_outputs", None) is not None:
-        raise ValueError("structured_outputs: not supported for beam search on a DSBD engine")
+        raise ValueError("structured_outputs: not supported for beam search on a DSBD engine (each beam would need its "
+                         "own grammar state along the trie and forest paths: not built); a plain request (no beam "
+                         "search) with structured outputs is served")
     bp = BeamParams.parse({"width": params.beam_width, "max_tokens": params.max_tokens,
                            "length_penalty": params.length_penalty, "ignore_eos": params.ignore_eos,
                            "eos_token_id": eos_token_id, "rank_by_score": rank_by_score}, max_width)

@@ -1,6 +1,6 @@
 """Patch: a DSBD engine rejects a bad request in the front end, before the request reaches the engine: a bad
-per-request width, or a sampling setting the DSBD sampler does not apply (``requests.check_request``: structured
-outputs, prompt logprobs, ...; on beam requests the penalties, min_p, min_tokens, logit_bias, allowed_token_ids and
+per-request width, or a sampling setting the DSBD sampler does not apply (``requests.check_request``: prompt
+logprobs, ...; on beam requests structured outputs, the penalties, min_p, min_tokens, logit_bias, allowed_token_ids and
 bad_words, which vLLM's beam search has not).
 
 vLLM's own checks run first, without its refusal of ``min_p`` and ``logit_bias`` under any speculative method
