@@ -31,7 +31,7 @@ def _is_int(value: Any) -> bool:
 
 
 _BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width",
-                "rank_by_score", "nodes")
+                "rank_by_score", "nodes", "stop_token_ids", "stop", "include_stop_str_in_output")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,11 @@ class BeamParams:
     # rule of vLLM's OpenAI server loop. The two differ only for EOS candidates with ignore_eos.
     rank_by_score: bool = False
     nodes: int | None = None  # N, draft forest nodes per depth, width <= N (default: the engine's beam_nodes)
+    # T = 0: a beam whose new token is one of these ids, or whose generated text now contains one of these strings,
+    # finishes ("stop"), as a beam ending in EOS does (engine/beams/stops.py)
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the returned text keeps the stop string (front ends cut it otherwise)
 
     @staticmethod
     def parse(value: Any, max_width: int, max_nodes: int | None = None) -> "BeamParams":
@@ -90,7 +95,9 @@ class BeamParams:
             raise ValueError(f"{name}['length_penalty'] must be a finite number, got {lp!r}")
         ign, dyn = value.get("ignore_eos", False), value.get("dynamic_width", False)
         rank = value.get("rank_by_score", False)
-        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn), ("rank_by_score", rank)):
+        inc = value.get("include_stop_str_in_output", False)
+        for key, v in (("ignore_eos", ign), ("dynamic_width", dyn), ("rank_by_score", rank),
+                       ("include_stop_str_in_output", inc)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
         nodes = value.get("nodes")
@@ -98,10 +105,18 @@ class BeamParams:
             raise ValueError(f"{name}['nodes'] = {nodes} is above the engine's {max_nodes} draft nodes per depth "
                              "(start the engine with a larger 'beam_nodes')")
         nodes = integer("nodes", width, max_nodes, required=False)
+        ids = value.get("stop_token_ids") or []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"{name}['stop_token_ids'] must be a list of token ids (integers >= 0), got {ids!r}")
+        stop = value.get("stop") or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"{name}['stop'] must be a string or a list of non-empty strings, got {stop!r}")
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
                           ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
                           depth=integer("depth", 0, required=False), dynamic_width=dyn, rank_by_score=rank,
-                          nodes=nodes)
+                          nodes=nodes, stop_token_ids=tuple(ids), stop=tuple(stop), include_stop_str_in_output=inc)
 
     def engine_tokens(self) -> int:
         """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
@@ -109,7 +124,7 @@ class BeamParams:
         return self.max_tokens * (self.width + 1) + 2
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _BEAM_FIELDS}
+        return {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in _BEAM_FIELDS}
 
 
 def request_width(sampling_params: Any, cfg: DSBDConfig) -> int:
@@ -196,9 +211,12 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                              "returns any beam)")
         for name in ("stop", "stop_token_ids"):
             if getattr(sampling_params, name, None):
-                raise ValueError(f"{name}: not supported on a beam request (extra_args[{BEAM_KEY!r}]): vLLM checks it "
-                                 "on the request's trie slots and settled text, not on each beam; a beam ends at "
-                                 f"extra_args[{BEAM_KEY!r}]['eos_token_id'] or its max_tokens")
+                raise ValueError(f"{name}: not supported on a beam request's SamplingParams (vLLM would check it on "
+                                 "the request's trie slots and settled text, not on each beam); set it in "
+                                 f"extra_args[{BEAM_KEY!r}][{name!r}] (temperature 0), which each beam obeys")
+        if (beam.stop or beam.stop_token_ids) and (getattr(sampling_params, "temperature", 0.0) or 0.0) >= 1e-5:
+            raise ValueError(f"extra_args[{BEAM_KEY!r}]['stop'] / ['stop_token_ids']: served at temperature 0 only "
+                             "(beam search); beam sampling (temperature > 0) with stops is not built")
         if getattr(sampling_params, "structured_outputs", None) is not None:
             raise ValueError(f"structured_outputs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): the "
                              "grammar would need a state per beam, advanced along every trie and forest path; a plain "

@@ -22,7 +22,7 @@ import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip i
 from vllm_dsbd import plugin  # noqa: E402
 from vllm_dsbd.testing import models  # noqa: E402
 from vllm_dsbd.config import DSBDConfig, uses_dsbd  # noqa: E402
-from vllm_dsbd.requests import check_request, request_width  # noqa: E402
+from vllm_dsbd.requests import BeamParams, check_request, request_width  # noqa: E402
 
 plugin.register()  # as vLLM's plugin loader would; everything below runs with the patches applied
 
@@ -788,3 +788,20 @@ def test_dsbd_environment_variables_are_known_to_vllm(monkeypatch):
     monkeypatch.setenv("VLLM_DSBD_NOT_A_SETTING", "1")  # the check is live: a name nobody declared still fails
     with pytest.raises(ValueError, match="VLLM_DSBD_NOT_A_SETTING"):
         envs.validate_environ(hard_fail=True)
+
+
+def test_beam_stops_are_parsed_and_refused_at_temperature_above_zero():
+    """``extra_args['dsbd_beam']`` ``stop_token_ids`` / ``stop`` / ``include_stop_str_in_output``: parsed (a string is
+    one stop string), bad values named, and refused on beam sampling (temperature > 0), served at temperature 0."""
+    cfg = DSBDConfig(width=4)
+    beam = {"width": 2, "max_tokens": 4, "stop_token_ids": [7, 9], "stop": "end", "include_stop_str_in_output": True}
+    bp = BeamParams.parse(beam, 4)
+    assert (bp.stop_token_ids, bp.stop, bp.include_stop_str_in_output) == ((7, 9), ("end",), True)
+    assert BeamParams.parse(bp.to_dict(), 4) == bp
+    assert check_request(_beam_sp(beam, temperature=0.0), cfg) == 4
+    with pytest.raises(ValueError, match=r"served at temperature 0 only"):
+        check_request(_beam_sp(beam, temperature=0.7), cfg)
+    for key, value in (("stop_token_ids", [-1]), ("stop_token_ids", 7), ("stop", [""]), ("stop", [3]),
+                       ("include_stop_str_in_output", 1)):
+        with pytest.raises(ValueError, match=rf"\['{key}'\]"):
+            BeamParams.parse({"width": 2, "max_tokens": 4, key: value}, 4)

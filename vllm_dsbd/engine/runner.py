@@ -62,7 +62,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
         self._dsbd_recycle = self._dsbd_sources and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
-        self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed)
+        self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed,
+                                      load_tokenizer=lambda: _tokenizer(vllm_config.model_config))
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
                                     track_decisions=vllm_config.parallel_config.tensor_parallel_size > 1)
         self._dsbd_plan: list[sampler.RowPlan] | None = None
@@ -553,3 +554,10 @@ def gpu_runner_class() -> type:
         pass
 
     return DSBDGPUModelRunner
+
+
+def _tokenizer(model_config):
+    """The model's tokenizer in the worker (beam requests' stop strings are checked per beam here)."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(model_config)

@@ -14,6 +14,7 @@ from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
+from .beams.stops import StopRule
 from .beams.trie import BeamRequest
 from .cost import Acceptance
 from .penalties import RequestPenalties
@@ -73,8 +74,10 @@ class RequestState:
 class Requests:
     """The engine's per-request states, keyed by request id."""
 
-    def __init__(self, cfg: DSBDConfig, seed: int | None):
+    def __init__(self, cfg: DSBDConfig, seed: int | None, load_tokenizer=None):
         self.cfg = cfg
+        # the model's tokenizer, loaded on first use (beam requests' stop strings): a callable returning it
+        self._load_tokenizer, self._tokenizer = load_tokenizer, None
         self._rng = random.Random(0 if seed is None else seed)
         self._states: dict[str, RequestState] = {}
 
@@ -122,9 +125,22 @@ class Requests:
             nodes = bp.nodes if bp.nodes is not None else max(bp.width, self.cfg.beam_nodes or 0)
             st.beam = BeamRequest(bp, prompt_len, st.temperature, st.seed, st.top_k, st.top_p,
                                   self.cfg.width_threshold, self.cfg.min_width,
-                                  relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout, nodes=nodes)
+                                  relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout, nodes=nodes,
+                                  stops=self._stops(bp))
         self._states[req_id] = st
         return st
+
+    def _stops(self, bp: BeamParams) -> StopRule | None:
+        """A beam request's stop token ids and stop strings (the tokenizer is loaded for the first stop strings)."""
+        if not (bp.stop_token_ids or bp.stop):
+            return None
+        decode = None
+        if bp.stop:
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+            tok = self._tokenizer
+            decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (vLLM's default)
+        return StopRule(bp.stop_token_ids, bp.stop, decode)
 
     def drop(self, req_ids) -> None:
         for r in req_ids:

@@ -16,6 +16,7 @@ from vllm_dsbd.requests import BEAM_KEY, BeamParams
 from .. import reads
 from ..cost import Subforest
 from .sampling import TopRows, top_rows
+from .stops import StopRule
 
 MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
 @dataclass
@@ -23,10 +24,11 @@ class Finished:
     tokens: list[int]
     cum_logprob: float
     logprobs: list[float]
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS, a stop token id or a stop string) or "length"
     # T = 0: per token, the 2W best (token, raw log-probability) of the row it was chosen from, best first (the
     # candidates vLLM's beam search saw there); None where not known (T > 0)
     top: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    stop_reason: int | str | None = None  # "stop": the EOS or stop token id, or the stop string (stops.StopRule)
 
 
 @dataclass
@@ -79,8 +81,9 @@ class BeamRequest:
 
     def __init__(self, params: BeamParams, prompt_len: int, temperature: float, seed: int, top_k: int = 0,
                  top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True,
-                 nodes: int | None = None):
+                 nodes: int | None = None, stops: StopRule | None = None):
         self.params = params
+        self.stops = stops if stops else None  # stop token ids and strings (T = 0; requests.check_request)
         # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design/beams.md §3.3
         self.nodes = max(params.width, nodes or 0)
         self.relayout = relayout  # re-layout after every step (False: dead slots stay as holes, the prefix in the trie)
@@ -278,11 +281,15 @@ class BeamRequest:
         return lambda c: c[2] / ((n - 1 if c[1] == eos else n) ** lp)
 
     def pair(self, b: int, t: int, v: float, sample_score: float, eos: int | None):
-        """Live beam b extended by token t (raw log-probability v): a pair ending in EOS finishes the beam (None);
+        """Live beam b extended by token t (raw log-probability v): a pair ending in EOS, a stop token id or a stop
+        string finishes the beam (None);
         any other is a candidate ``(beam, token, cumulative raw score, v, sampling score)``."""
         beam = self.live[b]
         if eos is not None and t == eos:
-            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b))
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), t)
+            return None
+        if self.stops is not None and (why := self.stops.check(lambda k: self._tail(beam.node, k), t)) is not None:
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), why)
             return None
         return (b, t, beam.score + v, v, sample_score)
 
@@ -407,19 +414,29 @@ class BeamRequest:
             node = self.parents[node]
         return self.prefix + toks[::-1], self.prefix_logprobs + lps[::-1], self.prefix_top + tops[::-1]
 
+    def _tail(self, node: int, k: int) -> list[int]:
+        """The last (up to) ``k`` generated tokens of the beam ending at trie node ``node`` (stop strings)."""
+        toks = []
+        while node >= 0 and len(toks) < k:
+            toks.append(self.tokens[node])
+            node = self.parents[node]
+        more = k - len(toks)
+        return (self.prefix[-more:] if more > 0 and self.prefix else []) + toks[::-1]
+
     def _finish(self, beam: LiveBeam, extra: list[int], extra_lp: list[float], cum: float, reason: str,
-                extra_top=None) -> None:
+                extra_top=None, stop_reason: int | str | None = None) -> None:
         toks, lps, tops = self._path(beam.node)
-        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top]))
+        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top], stop_reason))
 
     # the answer ------------------------------------------------------------------------------------------------
     def best(self) -> list[Finished]:
         """The n best beams by vLLM's length-normalised score (``get_beam_search_score``: the sequence length
-        counts the prompt, minus one when the last token is EOS)."""
+        counts the prompt, minus one when the last token is EOS or a stop token id that finished the beam)."""
         eos, lp, P = getattr(self, "_eos_score", None), self.params.length_penalty, self.prompt_len
 
         def key(f: Finished) -> float:
-            n = P + len(f.tokens) - (1 if f.tokens and eos is not None and f.tokens[-1] == eos else 0)
+            by_id = f.finish_reason == "stop" and isinstance(f.stop_reason, int)
+            n = P + len(f.tokens) - (1 if f.tokens and (by_id or (eos is not None and f.tokens[-1] == eos)) else 0)
             return f.cum_logprob / (n ** lp)
 
         ranked = sorted(self.finished, key=key, reverse=True)
@@ -454,7 +471,8 @@ class BeamRequest:
     def payload(self) -> dict[str, Any]:
         """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``)."""
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
-                            "top_logprobs": f.top, "finish_reason": f.finish_reason} for f in self.best()],
+                            "top_logprobs": f.top, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason}
+                           for f in self.best()],
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
 
 
