@@ -88,8 +88,7 @@ def _beam_cmpl(prompt, width, **kw):
 BAD = [  # (path, payload, parameter named): DSBD server only
     (*_cmpl(n=8), "n"),
     (*_cmpl(n=WIDTH, max_tokens=100), "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
-    # never silently ignored: stop strings (vLLM's loop ignores them) and top-logprob alternatives
-    (*_cmpl(n=2, stop=["\n"]), "stop"),
+    # never silently ignored: top-logprob alternatives (stop strings and ids are served: test_beam_serving_stops.py)
     (*_cmpl(n=2, logprobs=2), "logprobs"),
     ("/v1/chat/completions", {**REQUESTS[4][2], "top_logprobs": 2}, "top_logprobs"),
 ]

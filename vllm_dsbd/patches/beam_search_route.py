@@ -40,14 +40,15 @@ def apply() -> None:
 
 
 def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
-                        temperature: float | None = None, rank_by_score: bool = False):
+                        temperature: float | None = None, rank_by_score: bool = False, stops: dict | None = None):
     """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request).
 
     ``temperature``: the engine request's; None takes ``params.temperature`` (above 0: beam sampling, the explicit
     ``dsbd_beam`` route). The ``LLM.beam_search`` and ``use_beam_search`` routes pass 0: vLLM's beam search ranks
     raw log-probabilities at every temperature. ``rank_by_score``: ``BeamParams.rank_by_score``, how the
     ``LLM.beam_search`` route ranks (vLLM's offline loop sorts candidates by the length-normalised score, its server
-    loop by cumulative log-probability)."""
+    loop by cumulative log-probability). ``stops``: ``dsbd_beam`` stop keys (``stop``, ``stop_token_ids``; the
+    ``use_beam_search`` route's, from the OpenAI request), with ``params.include_stop_str_in_output``."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_dsbd.requests import BEAM_KEY, BeamParams
@@ -58,7 +59,9 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
                          "search) with structured outputs is served")
     bp = BeamParams.parse({"width": params.beam_width, "max_tokens": params.max_tokens,
                            "length_penalty": params.length_penalty, "ignore_eos": params.ignore_eos,
-                           "eos_token_id": eos_token_id, "rank_by_score": rank_by_score}, max_width)
+                           "eos_token_id": eos_token_id, "rank_by_score": rank_by_score, **(stops or {}),
+                           "include_stop_str_in_output": bool(getattr(params, "include_stop_str_in_output", False))},
+                          max_width)
     need = prompt_len + bp.engine_tokens()
     if need > max_model_len:
         raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "

@@ -60,6 +60,7 @@ MODULE = "vllm.entrypoints.generate.beam_search.online"
 REQUEST_MODULES = {"vllm.entrypoints.openai.completion.protocol": "CompletionRequest",
                    "vllm.entrypoints.openai.chat_completion.protocol": "ChatCompletionRequest"}
 UNSUPPORTED_ATTR = "_dsbd_unsupported"
+STOPS_ATTR = "_dsbd_stops"  # the request's stop strings and stop token ids, for the beams (``beam_request_params``)
 
 
 def apply() -> None:
@@ -69,25 +70,34 @@ def apply() -> None:
 
 
 def unsupported_fields(request) -> list[tuple[str, object]]:
-    """The (field, value) pairs of an OpenAI completion or chat request that a DSBD beam search refuses: stop strings,
-    stop token ids, and top-logprob alternatives (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0). The chosen
-    tokens' log-probabilities (completions ``logprobs: 0``, chat ``logprobs: true``) are served, equal to vLLM's."""
+    """The (field, value) pairs of an OpenAI completion or chat request that a DSBD beam search refuses: top-logprob
+    alternatives (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0). The chosen tokens' log-probabilities
+    (completions ``logprobs: 0``, chat ``logprobs: true``) are served, equal to vLLM's; stop strings and stop token
+    ids are served (each beam obeys them, :func:`request_stops`), where vLLM's loop ignores them."""
     out = []
-    for name in ("stop", "stop_token_ids", "logprobs", "top_logprobs"):
+    for name in ("logprobs", "top_logprobs"):
         value = getattr(request, name, None)
-        if name in ("stop", "stop_token_ids"):
-            refuse = bool(value)
-        else:  # chat's logprobs is a bool (the chosen tokens only); an int above 0 asks for alternatives
-            refuse = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if refuse:
+        # chat's logprobs is a bool (the chosen tokens only); an int above 0 asks for alternatives
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out.append((name, value))
     return out
 
 
-_STOP_WHY = "vLLM's beam search ignores it: a beam ends at EOS or max_tokens"
+def request_stops(request) -> dict:
+    """The ``dsbd_beam`` stop keys of an OpenAI request's ``stop`` and ``stop_token_ids`` (empty when none)."""
+    stop = getattr(request, "stop", None) or []
+    ids = getattr(request, "stop_token_ids", None) or []
+    out = {}
+    if stop:
+        out["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if ids:
+        out["stop_token_ids"] = list(ids)
+    return out
+
+
 _LOGPROBS_WHY = ("the in-engine beams carry the chosen tokens' log-probabilities only, not the alternatives vLLM's "
                  "beam search takes from its 2 * n candidates per step; 0 gives the chosen tokens' log-probabilities")
-_WHY = {"stop": _STOP_WHY, "stop_token_ids": _STOP_WHY, "logprobs": _LOGPROBS_WHY, "top_logprobs": _LOGPROBS_WHY}
+_WHY = {"logprobs": _LOGPROBS_WHY, "top_logprobs": _LOGPROBS_WHY}
 
 
 def _patch_request(cls: type) -> None:
@@ -95,6 +105,7 @@ def _patch_request(cls: type) -> None:
         def to_beam_search_params(self, *args, **kwargs):
             params = orig(self, *args, **kwargs)
             setattr(params, UNSUPPORTED_ATTR, unsupported_fields(self))  # read by the DSBD route only
+            setattr(params, STOPS_ATTR, request_stops(self))
             return params
 
         return to_beam_search_params
@@ -120,10 +131,13 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
 
     ``prompt``: the original's (decoder-only token) engine input; ``params``: its ``BeamSearchParams``. Mirrors the
     end of ``BeamSearchOnlineMixin.beam_search``: an EOS-finished beam's tokens keep the EOS only with
-    ``include_stop_str_in_output`` while its logprobs always have the EOS step; the text skips a final EOS."""
+    ``include_stop_str_in_output`` while its logprobs always have the EOS step; the text skips a final EOS. A beam
+    finished by a stop token id is treated as by EOS; one finished by a stop string keeps its tokens, and its text is
+    cut at the stop string (kept with ``include_stop_str_in_output``), as vLLM cuts a plain request's."""
     from vllm import CompletionOutput, RequestOutput
     from vllm.logprobs import Logprob
 
+    from vllm_dsbd.engine.beams.stops import cut_at_stop
     from vllm_dsbd.patches.beam_search_route import finished_beams
 
     eos = tokenizer.eos_token_id
@@ -133,7 +147,20 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
     for i, b in enumerate(finished_beams(out)):
         gen = list(b["token_ids"])
         stop = b["finish_reason"] == "stop"
+        reason = b.get("stop_reason", eos) if stop else None
         logprobs = [{t: Logprob(logprob=lp)} for t, lp in zip(gen, b["logprobs"])]
+        if isinstance(reason, str):  # a stop string: the tokens stay, the text is cut
+            outputs.append(CompletionOutput(
+                index=i, text=cut_at_stop(tokenizer.decode(gen), reason, params.include_stop_str_in_output),
+                token_ids=gen, cumulative_logprob=b["cum_logprob"], logprobs=logprobs, finish_reason="stop",
+                stop_reason=reason))
+            continue
+        if stop and reason != eos:  # a stop token id: vLLM's rule for a plain request's (kept with include...)
+            gen = gen if params.include_stop_str_in_output else gen[:-1]
+            outputs.append(CompletionOutput(index=i, text=tokenizer.decode(gen), token_ids=gen,
+                                            cumulative_logprob=b["cum_logprob"], logprobs=logprobs,
+                                            finish_reason="stop", stop_reason=reason))
+            continue
         if stop and not params.include_stop_str_in_output:
             gen = gen[:-1]  # vLLM's completed beam: the tokens before EOS (its logprobs keep the EOS step)
         tokens = prompt_token_ids + gen
@@ -143,7 +170,7 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
             text = tokenizer.decode(tokens[n_prompt:])
         outputs.append(CompletionOutput(index=i, text=text, token_ids=gen, cumulative_logprob=b["cum_logprob"],
                                         logprobs=logprobs, finish_reason=b["finish_reason"] or "length",
-                                        stop_reason=eos if stop else None))
+                                        stop_reason=reason))
     return RequestOutput(request_id=request_id, prompt=prompt.get("prompt"), outputs=outputs, finished=True,
                          prompt_token_ids=prompt_token_ids, prompt_logprobs=None)
 
@@ -175,7 +202,8 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     prompt_token_ids = prompt["prompt_token_ids"]
     try:
         sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
-                                 cfg.model_config.max_model_len, width, temperature=0.0)
+                                 cfg.model_config.max_model_len, width, temperature=0.0,
+                                 stops=getattr(params, STOPS_ATTR, None))
     except ValueError as e:
         raise _validation_error(str(e)) from e
     sp.output_kind = RequestOutputKind.FINAL_ONLY
