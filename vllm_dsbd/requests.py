@@ -183,7 +183,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
-            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids``,
+            ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids`` on its
+            SamplingParams (the beams take them in ``dsbd_beam``, at T = 0 only),
             ``structured_outputs``, ``logprobs``, a penalty, or ``min_p``, ``min_tokens``, ``logit_bias``,
             ``allowed_token_ids`` or ``bad_words``.
     """
