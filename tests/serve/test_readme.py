@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parents[2] / "README.md"
 TEXT = README.read_text()
 STARTUP_TIMEOUT_S = 360
-LOG_LINE = re.compile(r"^(\([^)]*pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d ")
+LOG_LINE = re.compile(r"^(\([^)]*pid=\d+\) )*(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d ")  # "(Worker pid=..) (EngineCore pid=..) INFO"
 
 
 def _python_blocks() -> list[str]:
