@@ -153,7 +153,9 @@ def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, ch
         # root slot's tokens (slot * V + token), so the narrow shapes give the same tokens as [G + 1, W, V] at a
         # W (G + 1)-th of the work and memory
         G, W = 1, 1
-    forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V, dev) for row in rows]
+    # the requests without a forest share one empty forest (the cat below copies it: R x [G, W V] q_joint rows)
+    empty = empty_forest(G, W, V, dev) if any(row.forest is None for row in rows) else None
+    forests = [row.forest.forest if row.forest is not None else empty for row in rows]
     forest = Forest(parent=torch.cat([f.parent for f in forests]).to(dev),
                     token=torch.cat([f.token for f in forests]).to(dev),
                     valid=torch.cat([f.valid for f in forests]).to(dev),
