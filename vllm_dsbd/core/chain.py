@@ -119,6 +119,17 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     return ChainResult(last=last_l, passed=passed_l, token=token_l)
 
 
+def greedy_roots(logits: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_chains` (or ``chain_static``) at L = 1 (no request has a draft) when every request is
+    deterministic: each request's top-1 of its root row's joint, by the same float operations (``_Setup.logp`` with
+    temperature 1 and score 0, then ``topk``). logits: [N, V]; first: [R] int64 root rows. Returns (value, token), [R]
+    each; a value that is not finite is a row the chain cores decline."""
+    R, V = first.shape[0], logits.shape[1]
+    joint = torch.log_softmax(logits[first].float()[:, None], dim=-1).reshape(R, V) + 0.0  # T = 1: x / 1 is x
+    vals, idx = torch.topk(joint - (-0.0), 1, dim=-1)  # the score shift of a deterministic row, s = 0
+    return vals[:, 0], idx[:, 0]
+
+
 @dataclass
 class _Setup:
     """What both chain paths (this module's and ``chain_static``'s) prepare once per call."""

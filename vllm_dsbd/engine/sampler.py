@@ -16,7 +16,7 @@ import torch
 
 from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.core.chain import ChainResult, verify_chains
+from vllm_dsbd.core.chain import ChainResult, greedy_roots, verify_chains
 from vllm_dsbd.core.chain_static import verify_chains_static
 from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.joint import NEG_INF
@@ -272,6 +272,13 @@ def _bare_chains(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     and concatenate an empty forest per request and (static) verify one more, masked, layer. None: declined."""
     R, V, dev = len(rows), logits.shape[-1], logits.device
     i64 = dict(dtype=torch.int64, device=dev)
+    if all(r.state.temperature == 0.0 for r in rows):  # every request greedy: its root row's top-1, one read
+        vals, token = greedy_roots(logits, torch.tensor([r.first_row for r in rows], dtype=torch.int64).to(dev))
+        host, = yield [torch.stack([token, (~torch.isfinite(vals)).long()])]
+        token, declined = host.tolist()
+        if any(declined):
+            return None
+        return [RowResult(tokens=[t], path=[], passed=0, widths=[]) for t in token]
     none = torch.zeros(R, 0, 1, **i64)
     forest = Forest(parent=none, token=none, valid=torch.zeros(R, 0, 1, dtype=torch.bool, device=dev),
                     score=torch.zeros(R, 0, 1, device=dev), q_joint=torch.zeros(R, 0, V, device=dev),
