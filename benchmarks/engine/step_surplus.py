@@ -14,8 +14,10 @@ a random-weight Llama (``load_format="dummy"``, config and a word-level tokenize
 * ``dsbd none``: ``{"method": "dsbd", "sources": []}``, nothing drafted, ever.
 
 Each row: the median ``LLMEngine.step`` wall time over the decode steps (the prefill and the last step left out;
-``--repeats`` rounds of requests, the first a warm-up), the median target forward time (a forward hook), and the
-ratio of the step time to plain vLLM's at the same batch. ``--profile``: one more round per DSBD row under cProfile,
+``--repeats`` rounds of requests, the first a warm-up) and its ratio to plain vLLM's at the same batch, the same for
+the step's CPU time (``time.thread_time``: the engine runs in this thread, torch on one thread; on a shared machine
+it moves less than the wall time), the median target forward time (a forward hook), and the median time of the
+runner's ``_sample`` (DSBD: verification) and ``propose_draft_token_ids`` calls (the last three quarters of them). ``--profile``: one more round per DSBD row under cProfile,
 printing the functions of vllm_dsbd with the most cumulative and self time, in ms per step.
 """
 from __future__ import annotations
@@ -50,9 +52,9 @@ def _rounds(llm, batch: int, max_tokens: int, repeats: int, fwd: list[float], pr
         while engine.has_unfinished_requests():
             if profile is not None:
                 profile.enable()
-            t0, f0 = time.perf_counter(), fwd[0]
+            t0, c0, f0 = time.perf_counter(), time.thread_time(), fwd[0]
             engine.step()
-            body.append((time.perf_counter() - t0, fwd[0] - f0))
+            body.append((time.perf_counter() - t0, fwd[0] - f0, time.thread_time() - c0))
             if profile is not None:
                 profile.disable()
         if r > 0 or repeats == 1:
@@ -72,10 +74,14 @@ def measure(target, draft, name: str, batch: int, args) -> dict:
         fwd, start = [0.0], []
         runner.model.register_forward_pre_hook(lambda *_: start.append(time.perf_counter()))
         runner.model.register_forward_hook(lambda *_: fwd.__setitem__(0, fwd[0] + time.perf_counter() - start.pop()))
+        # the runner's sampling (DSBD: verification) and drafting, timed per call (wrapped on the instance)
+        phases = {name: _timed(runner, name) for name in ("_sample", "propose_draft_token_ids")}
         steps = _rounds(llm, batch, args.max_tokens, args.repeats, fwd, None)
         row = {"engine": name, "batch": batch, "steps": len(steps),
-               "step_ms": 1e3 * statistics.median(s for s, _ in steps),
-               "target_fwd_ms": 1e3 * statistics.median(f for _, f in steps)}
+               "step_ms": 1e3 * statistics.median(s for s, _, _ in steps),
+               "cpu_ms": 1e3 * statistics.median(c for _, _, c in steps),
+               "target_fwd_ms": 1e3 * statistics.median(f for _, f, _ in steps),
+               **{f"{k.strip('_')}_ms": 1e3 * statistics.median(v[len(v) // 4:] or [0.0]) for k, v in phases.items()}}
         stats = getattr(runner, "dsbd_stats", None)
         if stats is not None:
             row["depths"] = dict(stats.draft_depths)
@@ -88,6 +94,21 @@ def measure(target, draft, name: str, batch: int, args) -> dict:
         from vllm_dsbd.testing.engines import shutdown
 
         shutdown(llm)
+
+
+def _timed(obj, name: str) -> list[float]:
+    """Wraps ``obj.name`` (an instance attribute over the method) to append each call's seconds to the list."""
+    acc, fn = [], getattr(obj, name)
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc.append(time.perf_counter() - t0)
+
+    setattr(obj, name, timed)
+    return acc
 
 
 def _top(prof: cProfile.Profile, steps: int, top: int) -> dict:
@@ -126,12 +147,17 @@ def main(argv=None) -> int:
     draft = dummy_llama_folder(work / "draft", dict(SHAPE, num_hidden_layers=1), "float32")
     rows = [measure(target, draft, name, b, args) for b in args.batches for name in args.engines]
     plain = {r["batch"]: r["step_ms"] for r in rows if r["engine"] == "plain"}
-    print("| engine | batch | steps | step ms | target fwd ms | step / plain | depths chosen (depth: req x steps) |")
-    print("|---|---|---|---|---|---|---|")
+    cpu = {r["batch"]: r["cpu_ms"] for r in rows if r["engine"] == "plain"}
+    print("| engine | batch | steps | step ms | / plain | step CPU ms | / plain | target fwd ms | _sample ms | "
+          "propose ms | depths chosen (depth: req x steps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = f"{r['step_ms'] / plain[r['batch']]:.2f}" if r["batch"] in plain else "-"
-        print(f"| {r['engine']} | {r['batch']} | {r['steps']} | {r['step_ms']:.2f} | {r['target_fwd_ms']:.2f} | "
-              f"{ratio} | {r.get('depths', '-')} |")
+        b = r["batch"]
+        ratio = f"{r['step_ms'] / plain[b]:.2f}" if b in plain else "-"
+        cratio = f"{r['cpu_ms'] / cpu[b]:.2f}" if b in cpu else "-"
+        print(f"| {r['engine']} | {b} | {r['steps']} | {r['step_ms']:.2f} | {ratio} | {r['cpu_ms']:.2f} | {cratio} | "
+              f"{r['target_fwd_ms']:.2f} | {r['sample_ms']:.2f} | {r['propose_draft_token_ids_ms']:.2f} | "
+              f"{r.get('depths', '-')} |")
     for r in rows:
         if "profile" in r:
             p = r["profile"]
