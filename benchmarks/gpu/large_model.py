@@ -48,6 +48,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # set_acceptance must act in the engine's process
 
 from vllm_dsbd.testing import set_acceptance  # noqa: E402
+from vllm_dsbd.testing.models import dummy_llama_folder  # noqa: E402
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False)
@@ -58,34 +59,12 @@ TINY_T = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_a
 TINY_D = dict(TINY_T, num_hidden_layers=1, tie_word_embeddings=True)
 
 
-def write_config(folder: Path, shape: dict, dtype: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
-               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, torch_dtype=dtype, **shape)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    return folder
-
-
-def write_tokenizer(folder: Path, vocab: int) -> None:
-    """A word-level tokenizer with exactly ``vocab`` tokens ("t0", "t1", ...): decodes every id the model can emit."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
-        folder)
-
-
 def model_folders(work: Path, tiny: bool) -> tuple[Path, Path, dict]:
     """(target folder, draft folder, target shape): config files and a tokenizer, the tiny shapes or the 8B / 1B."""
     dtype = "float32" if tiny else "bfloat16"
     tshape, dshape = (TINY_T, TINY_D) if tiny else (LLAMA_8B, LLAMA_1B)
-    target, draft = write_config(work / "target", tshape, dtype), write_config(work / "draft", dshape, dtype)
-    for folder in (target, draft):
-        if not (folder / "tokenizer.json").exists():
-            write_tokenizer(folder, tshape["vocab_size"])
-    return target, draft, tshape
+    target = dummy_llama_folder(work / "target", tshape, dtype)
+    return target, dummy_llama_folder(work / "draft", dshape, dtype), tshape
 
 
 def draft_model_spec(draft: Path, depth: int, rate: float | None) -> dict:

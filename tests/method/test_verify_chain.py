@@ -8,6 +8,7 @@ fast path itself). The static chain path (``core/chain_static.py``: every row an
 synchronisation; what a GPU runs) is compared on the same steps and must answer them all itself."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -108,6 +109,21 @@ def test_chain_fast_path_uniform_steps(fast_calls):
     assert fast_calls["called"] == fast_calls["answered"] == 5
     assert fast_calls["static called"] == fast_calls["static answered"] == 5
     assert seen["full passes"] and seen["rejected"], seen
+
+
+def test_chain_paths_all_greedy_steps(fast_calls):
+    """Steps where every request is greedy (T = 0): the static path then draws nothing (``chain_static``: no row
+    samples, the top-1 decides every layer); the same results as the other paths, drafts accepted and rejected, EOS
+    hit, depth 0 rows among them."""
+    rnd = random.Random(5)
+    seen = Counter()
+    for step in range(12):
+        G, V = rnd.choice([(1, 11), (3, 50), (2, 400)])
+        reqs = [dataclasses.replace(_random_req(rnd, G, V), temperature=0.0) for _ in range(rnd.choice([1, 3, 8]))]
+        logits, plans, cfg = build_step(reqs, G, V, seed=step)
+        _compare(logits, plans, cfg, seen)
+    assert fast_calls["static called"] == fast_calls["static answered"] == 12
+    assert seen["greedy rows"] == seen["rows"] and seen["rejected"] and seen["full passes"] and seen["depth 0"], seen
 
 
 def test_double_q_fallback_passes_by_a_draw(fast_calls):

@@ -271,3 +271,25 @@ def test_a_step_without_forests_narrows_to_one_slot(G, W, V, static):
             [(b.tokens, b.path, b.passed, b.widths, b.rows) for b in full]
         tokens.update(r.tokens[0] for r, p in zip(narrow, plans) if p.state.temperature > 0)
     assert len(tokens) >= 5, tokens
+
+
+@pytest.mark.parametrize("G,W,V", [(1, 1, 11), (3, 4, 40), (2, 3, 400)])
+def test_an_all_greedy_step_without_forests_takes_the_root_top1(G, W, V):
+    """A chunk without forests whose requests are all greedy (``chain.greedy_roots``: one top-1 per root row) gives
+    the tokens of the full [G + 1, W, V] shapes, EOS and top-k / top-p settings included; a NaN row declines to the
+    general path, which fails as at the full shapes."""
+    rnd = random.Random(G + 10 * W + V)
+    for step in range(8):
+        reqs = [dataclasses.replace(_random_req(rnd, G, V), depth=0, temperature=0.0)
+                for _ in range(rnd.choice([1, 3, 8]))]
+        logits, plans, cfg = build_wide_step(reqs, G, W, V, seed=step)
+        if step == 7:  # the general path has no output for a NaN row, at both shapes (it asserts one)
+            logits[plans[0].first_row] = float("nan")
+            for narrow in (True, False):
+                with pytest.raises(AssertionError, match="exactly one beam"):
+                    reads.run(sampler.verify(logits, plans, cfg, narrow_bare=narrow))
+            continue
+        fast = reads.run(sampler.verify(logits, plans, cfg))
+        full = reads.run(sampler.verify(logits, plans, cfg, narrow_bare=False))
+        assert [(a.tokens, a.path, a.passed, a.widths, a.rows) for a in fast] == \
+            [(b.tokens, b.path, b.passed, b.widths, b.rows) for b in full]

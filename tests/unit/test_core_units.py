@@ -8,6 +8,7 @@ import torch
 
 from vllm_dsbd.core import BatchParams, Forest, beam_step, forest_layout, joint_logprobs, reference
 from vllm_dsbd.core import rng
+from vllm_dsbd.core.params import HostFacts
 from vllm_dsbd.core.synthetic import NGramLM, draft_of, random_table
 from vllm_dsbd.core.width import acceptance_count_law
 
@@ -229,3 +230,13 @@ def test_host_facts_are_the_settings_values(seed):
     sf = sub.facts
     assert (sf.width_max, sf.any_deterministic, sf.all_deterministic, sf.top_k_max, sf.any_top_p,
             sf.any_eos_rule) == expected(sub)
+    # from the host values (``engine.state.batch_params``): the same facts, float32 edges included (a top-p just
+    # under 1 that float32 rounds to 1)
+    top_p = torch.where(torch.rand(R, generator=g) < 0.3, 1.0 - 1e-9, top_p.double()).tolist()
+    q = BatchParams.make(R, temperature=temp, top_k=top_k, top_p=top_p, width=width, eos=eos, single=single)
+    assert HostFacts.of_values(temp.tolist(), top_k.tolist(), top_p, width.tolist(), eos.tolist(),
+                               single.tolist()) == HostFacts.of(q)
+    assert HostFacts.of_values([], [], [], [], [], []) == HostFacts.of(BatchParams.make(0))
+    p8 = p.to("meta")  # another device: one copy per dtype, row views, the same values and facts
+    assert p8.facts is f and all(getattr(p8, n).dtype == getattr(p, n).dtype and getattr(p8, n).shape == (R,)
+                                 for n in ("temperature", "seed", "single", "tau"))

@@ -26,6 +26,7 @@ and is made after the loop, all layers' integer noise at once; a layer whose dra
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     G = L - 1
     dev = logits.device
     c = _Setup.of(params, token, valid, context_len, L)
-    det, sampling, greedy, base, coin = c.det, c.sampling, c.greedy, c.base, c.coin
+    det, sampling, greedy = c.det, c.sampling, c.greedy  # c.base, c.coin: computed when a row draws
     st = _Progress.start(R, dev)
     later = []  # (layer, rows, T) of the draws made after the loop
     for d in range(L):
@@ -81,7 +82,8 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
         if bool(samp.any()):
             every = bool(samp.all())
             take = (lambda t: t) if every else (lambda t: t[samp])
-            got = _layer(take(logp), take(z), take(dval), take(coin[:, d]), q_joint[:, d] if d < G else None,
+            got = _layer(take(logp), take(z), take(dval), take(c.coin[:, d]) if d < G else None,
+                         q_joint[:, d] if d < G else None,
                          None if every else samp)
             if got is None:
                 return None
@@ -93,7 +95,7 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
                 passes = torch.zeros(R, dtype=torch.bool, device=dev).index_put_((idx,), acc)
                 at = idx[need]  # the rows that draw, in batch order
             if now:  # the draw may land on the draft: made now, and it passes the layer when it does
-                y = _draw([tn], rng.stream_key(base[at, d], rng.Stream.RESIDUAL))[0]
+                y = _draw([tn], rng.stream_key(c.base[at, d], rng.Stream.RESIDUAL))[0]
                 out[at] = y
                 passes[at] = y == z[at]
             elif at.numel():
@@ -111,9 +113,21 @@ def verify_chains(logits: torch.Tensor, src: torch.Tensor, token: torch.Tensor, 
     if later:
         at = torch.cat([a for _, a, _ in later])
         lay = torch.cat([torch.full_like(a, d) for d, a, _ in later])
-        st.final[at] = torch.cat(_draw([t for _, _, t in later], rng.stream_key(base[at, lay], rng.Stream.RESIDUAL)))
+        keys = rng.stream_key(c.base[at, lay], rng.Stream.RESIDUAL)
+        st.final[at] = torch.cat(_draw([t for _, _, t in later], keys))
     last_l, passed_l, token_l = torch.stack([st.last, st.passed, st.final]).tolist()  # one copy to the host
     return ChainResult(last=last_l, passed=passed_l, token=token_l)
+
+
+def greedy_roots(logits: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_chains` (or ``chain_static``) at L = 1 (no request has a draft) when every request is
+    deterministic: each request's top-1 of its root row's joint, by the same float operations (``_Setup.logp`` with
+    temperature 1 and score 0, then ``topk``). logits: [N, V]; first: [R] int64 root rows. Returns (value, token), [R]
+    each; a value that is not finite is a row the chain cores decline."""
+    R, V = first.shape[0], logits.shape[1]
+    joint = torch.log_softmax(logits[first].float()[:, None], dim=-1).reshape(R, V) + 0.0  # T = 1: x / 1 is x
+    vals, idx = torch.topk(joint - (-0.0), 1, dim=-1)  # the score shift of a deterministic row, s = 0
+    return vals[:, 0], idx[:, 0]
 
 
 @dataclass
@@ -132,8 +146,18 @@ class _Setup:
     has_draft: torch.Tensor  # [R, L] layer d has a draft
     z_all: torch.Tensor  # [R, L] the draft token of layer d (0 on the bonus layer)
     eos: torch.Tensor  # [R] the EOS id, -1 (never a token) when there is none
-    base: torch.Tensor  # [R, L] the key base of layer d's random streams
-    coin: torch.Tensor  # [R, L] the acceptance uniform of layer d's draft
+    seed: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R, L] int64 the position of layer d's token (context_len + d)
+
+    @functools.cached_property
+    def base(self) -> torch.Tensor:  # [R, L] the key base of layer d's random streams (only when a row draws)
+        return rng.key_base(self.seed[:, None], self.positions)
+
+    @functools.cached_property
+    def coin(self) -> torch.Tensor:  # [R, L] the acceptance uniform of layer d's draft (only where there are drafts)
+        # keys and acceptance coins of every layer at once (integer hashing and exact float steps: the bits of the
+        # per-layer calls of verify_layer on any subset of rows)
+        return rng.uniform(rng.stream_key(self.base, rng.Stream.ACCEPT), torch.zeros_like(self.base))
 
     @staticmethod
     def of(params: BatchParams, token: torch.Tensor, valid: torch.Tensor, context_len: torch.Tensor,
@@ -146,16 +170,13 @@ class _Setup:
         else:  # the same tensors' values
             temp, top_k, top_p = params.temperature, params.top_k, params.top_p
         layers = torch.arange(L, device=token.device)
-        # keys and acceptance coins of every layer at once (integer hashing and exact float steps: the bits of the
-        # per-layer calls of verify_layer on any subset of rows)
-        base = rng.key_base(params.seed[:, None], context_len[:, None] + layers)
         return _Setup(
             greedy=facts.any_deterministic, truncated=facts.top_k_max > 0 or facts.any_top_p, facts=facts, det=det,
             sampling=sampling, temp=temp[:, None, None], top_k=top_k, top_p=top_p,
             in_depth=layers[None, :] <= params.depth[:, None],
             has_draft=torch.nn.functional.pad(valid, (0, 1)) & (layers[None, :] < params.depth[:, None]),
             z_all=torch.nn.functional.pad(token, (0, 1)), eos=torch.where(params.eos >= 0, params.eos, -1),
-            base=base, coin=rng.uniform(rng.stream_key(base, rng.Stream.ACCEPT), torch.zeros_like(base)))
+            seed=params.seed, positions=context_len[:, None] + layers)
 
     def logp(self, rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """``joint.joint_logprobs`` of every row with its one live beam (score s: s - s = 0 on the joint), from the
@@ -164,6 +185,8 @@ class _Setup:
         joint = torch.log_softmax(rows.float()[:, None] / self.temp, dim=-1).reshape(R, V) + 0.0
         if self.truncated:
             joint = _top_k_top_p(joint, self.top_k, self.top_p, self.facts.top_k_max, self.facts.any_top_p)
+        if self.facts.all_deterministic:  # the where below takes -s on every row: no normaliser to compute
+            return joint - (-s)
         norm = torch.logsumexp(joint, dim=-1, keepdim=True)
         if self.greedy:
             return joint - torch.where(self.sampling[:, None] & torch.isfinite(norm), norm, -s)
@@ -198,8 +221,8 @@ class _Progress:
         self.alive = ok & (out != c.eos)
 
 
-def _layer(logp: torch.Tensor, z: torch.Tensor, dval: torch.Tensor, coin: torch.Tensor, logq: torch.Tensor | None,
-           sel: torch.Tensor | None):
+def _layer(logp: torch.Tensor, z: torch.Tensor, dval: torch.Tensor, coin: torch.Tensor | None,
+           logq: torch.Tensor | None, sel: torch.Tensor | None):
     """``verify_layer`` with k = 1 and at most one draft per row, on its n sampling rows (``sel`` their mask over the
     batch, None: every row). logp: [n, V]; z, dval, coin: [n] draft token, whether there is one, acceptance uniform;
     logq: [R, V] log Q of the layer (None: no drafts). Returns (accepted [n], need [m] int64 rows of the n that draw,

@@ -53,32 +53,18 @@ def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.T
     V = logits.shape[1]
     dev = logits.device
     c = _Setup.of(params, token, valid, context_len, L)
-    residual_key = rng.stream_key(c.base, rng.Stream.RESIDUAL)
+    draws = not c.facts.all_deterministic  # every row deterministic: no row draws (its top-1 decides)
+    residual_key = rng.stream_key(c.base, rng.Stream.RESIDUAL) if draws else None
     st = _Progress.start(R, dev)
     declined = torch.zeros(R, dtype=torch.bool, device=dev)
     for d in range(L):
         rows = st.alive & c.in_depth[:, d]
         logp = c.logp(logits[src[:, d]], st.s)
         z, dval = c.z_all[:, d], c.has_draft[:, d] & st.alive
-        zi = z[:, None]
-        p = torch.exp(logp)
-        if d < G:
-            q = torch.exp(q_joint[:, d])
-            hit = (c.coin[:, d, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)
-            acc = dval & hit
-            res = (p - q).clamp(min=0.0)
-            tot = res.sum(1, keepdim=True)
-            tr = torch.where(tot > _TINY, res / tot, p)
-            tn = torch.where((dval & ~hit)[:, None], tr, p)  # rejected: the residual; no draft: P
+        if not draws:  # out and passes are the top-1's on every row (below)
+            out, passes = z, torch.zeros_like(dval)
         else:
-            acc = torch.zeros_like(dval)
-            tn = p
-        samp = rows & c.sampling
-        declined |= samp & ~acc & torch.isnan(tn).any(1)  # the chain core's decline: a row that draws, NaN in T
-        tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, p)  # no mass left: P
-        y = torch.argmax(torch.log(tn) + rng.gumbel(residual_key[:, d], V), dim=-1)
-        out = torch.where(acc, z, y)
-        passes = acc | (y == z)
+            out, passes = _draw_layer(c, d, G, logp, q_joint, z, dval, rows, residual_key, declined, V)
         if c.greedy:
             vals, idx = torch.topk(logp, 1, dim=-1)
             declined |= rows & c.det & ~torch.isfinite(vals[:, 0])
@@ -86,3 +72,27 @@ def verify_chains_static(logits: torch.Tensor, src: torch.Tensor, token: torch.T
             passes = torch.where(c.det, idx[:, 0] == z, passes)
         st.advance(c, d, rows, dval & passes, out, logp)
     return ChainTensors(last=st.last, passed=st.passed, token=st.final, declined=declined)
+
+
+def _draw_layer(c: _Setup, d: int, G: int, logp: torch.Tensor, q_joint: torch.Tensor, z: torch.Tensor,
+                dval: torch.Tensor, rows: torch.Tensor, residual_key: torch.Tensor, declined: torch.Tensor,
+                V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer d's sampling decisions on every row: (output, passes); ``declined`` is updated in place."""
+    zi = z[:, None]
+    p = torch.exp(logp)
+    if d < G:
+        q = torch.exp(q_joint[:, d])
+        hit = (c.coin[:, d, None] * q.gather(1, zi) < p.gather(1, zi)).squeeze(1)
+        acc = dval & hit
+        res = (p - q).clamp(min=0.0)
+        tot = res.sum(1, keepdim=True)
+        tr = torch.where(tot > _TINY, res / tot, p)
+        tn = torch.where((dval & ~hit)[:, None], tr, p)  # rejected: the residual; no draft: P
+    else:
+        acc = torch.zeros_like(dval)
+        tn = p
+    samp = rows & c.sampling
+    declined |= samp & ~acc & torch.isnan(tn).any(1)  # the chain core's decline: a row that draws, NaN in T
+    tn = torch.where(tn.sum(1, keepdim=True) > _TINY, tn, p)  # no mass left: P
+    y = torch.argmax(torch.log(tn) + rng.gumbel(residual_key[:, d], V), dim=-1)
+    return torch.where(acc, z, y), acc | (y == z)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 
@@ -30,6 +31,20 @@ class HostFacts:
                              (samp & (p.top_p < 1.0)).any(), (det & (p.eos >= 0) & ~p.single).any()])
         w, a, al, k, tp, e = parts.tolist()
         return HostFacts(int(w), bool(a), bool(al), int(k), bool(tp), bool(e))
+
+
+    @staticmethod
+    def of_values(temperature: list[float], top_k: list[int], top_p: list[float], width: list[int], eos: list[int],
+                  single: list[bool]) -> "HostFacts":
+        """What :meth:`of` gives for params made from these per-request host values (no tensor operation): the
+        comparisons are made on the values as float32, the dtype of the tensors."""
+        if not temperature:
+            return HostFacts(0, False, True, 0, False, False)
+        det = [float(np.float32(t)) == 0.0 for t in temperature]
+        samp = [not d for d in det]
+        return HostFacts(max(width), any(det), all(det), max(k if s else 0 for k, s in zip(top_k, samp)),
+                         any(s and float(np.float32(p)) < 1.0 for p, s in zip(top_p, samp)),
+                         any(d and e >= 0 and not g for d, e, g in zip(det, eos, single)))
 
 
 _FACT_FIELDS = {"temperature", "top_k", "top_p", "width", "eos", "single"}
@@ -116,8 +131,20 @@ class BatchParams:
 
     def to(self, device) -> "BatchParams":
         """The same params on ``device`` (tensors already there are kept as they are), with their :attr:`facts`
-        computed before they leave the host."""
+        computed before they leave the host. From the host to another device, the fields go as one tensor per dtype
+        (three copies instead of twelve) and come back as row views of it."""
         if self.temperature.device.type == "cpu":
             self.facts  # noqa: B018  (computed on the host, carried)
-        new = replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
-        return self._carry(new)
+        device = torch.device(device)
+        names = [f.name for f in fields(self)]
+        if device.type == "cpu" or any(getattr(self, n).device.type != "cpu" for n in names):
+            new = replace(self, **{n: getattr(self, n).to(device, non_blocking=True) for n in names})
+            return self._carry(new)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in names:
+            by_dtype.setdefault(getattr(self, n).dtype, []).append(n)
+        moved = {}
+        for dtype, group in by_dtype.items():
+            packed = torch.stack([getattr(self, n) for n in group]).to(device, non_blocking=True)
+            moved.update(zip(group, packed.unbind(0)))
+        return self._carry(replace(self, **moved))

@@ -124,16 +124,29 @@ class DSBDStats:
                 prom["beam_blocks"].observe(blocks)
 
     def record(self, row, res) -> None:
+        """One plain request's verified iteration (``row``: its ``sampler.RowPlan``, ``res``: its ``RowResult``)."""
+        self.record_all([(row, res)])
+
+    def record_all(self, pairs) -> None:
+        """:meth:`record` of every (row, result) of a step, the collectors looked up and the per-step counters
+        incremented once."""
+        if not pairs:
+            return
+        prom = self._prometheus()
+        tokens = sum(len(res.tokens) for _, res in pairs)
+        self.iterations += len(pairs)
+        self.tokens += tokens
+        if prom is not None:
+            prom["passes"].inc(len(pairs))
+            prom["tokens"].inc(tokens)
+        for row, res in pairs:
+            self._record_row(row, res, prom)
+
+    def _record_row(self, row, res, prom) -> None:
         if self.decisions is not None:
             self.decisions.update(repr((row.state.req_id, row.context_len,
                                         list(row.forest.tokens) if row.forest is not None else None,
                                         list(res.tokens), list(res.path), [int(k) for k in res.widths])).encode())
-        prom = self._prometheus()
-        self.iterations += 1
-        self.tokens += len(res.tokens)
-        if prom is not None:
-            prom["passes"].inc()
-            prom["tokens"].inc(len(res.tokens))
         if row.forest is None:
             return
         self.forest_iterations += 1

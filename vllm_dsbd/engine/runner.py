@@ -356,11 +356,12 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
                 results[k] = res
             self._commit_kv(plan, results)  # beam rows have no forest: skipped
         self._move_kv(beam_moves)  # the kept beam nodes' K/V to their compacted slots
-        for row, res, skip in zip(plan, results, discard):
-            if not skip and row.state.beam is None:
-                self.dsbd_stats.record(row, res)
-                if row.forest is not None:  # the cost model's estimates, for the next steps' choices
-                    self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
+        verified_rows = [(row, res) for row, res, skip in zip(plan, results, discard)
+                         if not skip and row.state.beam is None]
+        self.dsbd_stats.record_all(verified_rows)
+        for row, res in verified_rows:
+            if row.forest is not None:  # the cost model's estimates, for the next steps' choices
+                self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
         self._dsbd_results = results
         self._dsbd_last_plan = plan
         ids = sampler.sampled_token_ids(results, len(plan))

@@ -16,7 +16,7 @@ import torch
 
 from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
-from vllm_dsbd.core.chain import ChainResult, verify_chains
+from vllm_dsbd.core.chain import ChainResult, greedy_roots, verify_chains
 from vllm_dsbd.core.chain_static import verify_chains_static
 from vllm_dsbd.core.forest import Forest, compact_index
 from vllm_dsbd.core.joint import NEG_INF
@@ -142,14 +142,23 @@ def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, ch
     """:func:`verify` of one chunk of requests (``narrow_bare`` False: a chunk without forests at the full shapes,
     for the tests that compare the two)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
-    if narrow_bare and all(r.forest is None for r in rows):
-        # no forest in the chunk (the cost model drafted nothing): one parent slot and one layer. The layer's joint,
-        # and the noise of every draw from it, are indexed from the root slot's tokens (slot * V + token), so the
-        # narrow shapes give the same tokens as [G + 1, W, V] at a W (G + 1)-th of the work and memory
-        G, W = 1, 1
     V = logits.shape[-1]
     dev = logits.device
-    forests = [row.forest.forest if row.forest is not None else empty_forest(G, W, V, dev) for row in rows]
+    bare = narrow_bare and all(r.forest is None for r in rows)
+    if bare and chain_fast_path and cfg.mode == "sample":
+        # no forest in the chunk (the cost model drafted nothing): the chain path at no depth, one layer (the root's
+        # draw), without a forest to build (``_bare_chains``)
+        out = yield from _bare_chains(logits, rows, cfg, chain_static)
+        if out is not None:
+            return out
+    if bare:
+        # one parent slot and one layer. The layer's joint, and the noise of every draw from it, are indexed from the
+        # root slot's tokens (slot * V + token), so the narrow shapes give the same tokens as [G + 1, W, V] at a
+        # W (G + 1)-th of the work and memory
+        G, W = 1, 1
+    # the requests without a forest share one empty forest (the cat below copies it: R x [G, W V] q_joint rows)
+    empty = empty_forest(G, W, V, dev) if any(row.forest is None for row in rows) else None
+    forests = [row.forest.forest if row.forest is not None else empty for row in rows]
     forest = Forest(parent=torch.cat([f.parent for f in forests]).to(dev),
                     token=torch.cat([f.token for f in forests]).to(dev),
                     valid=torch.cat([f.valid for f in forests]).to(dev),
@@ -256,6 +265,31 @@ def _verify_static(logits: torch.Tensor, rows: list[RowPlan], forest: Forest, co
         out.append(RowResult(tokens=tokens[: last + 1], path=pth[:last], passed=passed,
                              widths=widths[: min(last + 1, depth[i])]))
     return out
+
+
+def _bare_chains(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
+                 static: bool | None) -> Reader[list[RowResult] | None]:
+    """A chunk without forests, mode "sample": every request's chain has no node (its one layer is the root's draw,
+    drafts or not the same tokens as at any depth: the layer's joint and noise are indexed from the root's slot), so
+    :func:`_verify_chains` runs on zero-size forest tensors at L = 1, where the narrowed forest path would allocate
+    and concatenate an empty forest per request and (static) verify one more, masked, layer. None: declined."""
+    R, V, dev = len(rows), logits.shape[-1], logits.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    if all(r.state.temperature == 0.0 for r in rows):  # every request greedy: its root row's top-1, one read
+        vals, token = greedy_roots(logits, torch.tensor([r.first_row for r in rows], dtype=torch.int64).to(dev))
+        host, = yield [torch.stack([token, (~torch.isfinite(vals)).long()])]
+        token, declined = host.tolist()
+        if any(declined):
+            return None
+        return [RowResult(tokens=[t], path=[], passed=0, widths=[]) for t in token]
+    none = torch.zeros(R, 0, 1, **i64)
+    forest = Forest(parent=none, token=none, valid=torch.zeros(R, 0, 1, dtype=torch.bool, device=dev),
+                    score=torch.zeros(R, 0, 1, device=dev), q_joint=torch.zeros(R, 0, V, device=dev),
+                    depth=torch.zeros(R, **i64))
+    params = batch_params([r.state for r in rows], [0] * R, cfg).to(dev)
+    ctx = torch.tensor([r.context_len for r in rows], **i64)
+    static = static_default(dev) if static is None else static
+    return (yield from _verify_chains(logits, rows, forest, none, params, ctx, [0] * R, static))
 
 
 def _depths(rows: list[RowPlan], forest: Forest) -> list[int]:

@@ -96,12 +96,13 @@ class SourceDrafter:
         steps, valid_np, parent_np, token_np = [], [], [], []
         eos = [j.state.eos for j in jobs]
         for d in range(1, G + 1):
-            full, live = _rows([[None if c is None else jobs[r].state.sources.propose(c) for c in ctx[r]]
-                                for r in range(R)], V, dev)
+            full, live, live_np = _rows([[None if c is None else jobs[r].state.sources.propose(c) for c in ctx[r]]
+                                         for r in range(R)], V, dev)
             live &= torch.from_numpy(depth_np >= d)[:, None].to(dev)
+            live_np &= (depth_np >= d)[:, None]  # the same mask on the host
             if d == 1:
-                depth_np = np.where(live.any(1).cpu().numpy(), depth_np, 0)  # no candidate at the root: no forest
-            if not live.any():
+                depth_np = np.where(live_np.any(1), depth_np, 0)  # no candidate at the root: no forest
+            if not live_np.any():
                 break
             st = beam_step(full, scores, live, params.with_(depth=torch.from_numpy(depth_np.copy()).to(dev)),
                            L + d - 1, rng.Stream.DRAFT_DRAW)
@@ -175,12 +176,12 @@ class SourceDrafter:
                     cands.sort(key=lambda c: c[0], reverse=True)
                     pairs, q = [(b, t, v) for v, b, t in cands[: job.width]], None
                 else:
-                    rows, live = _rows([props], V, dev)
-                    live &= torch.tensor([[c for _, _, c, _ in frontier]], device=dev)
-                    if not live.any():
+                    rows, _, live_np = _rows([props], V, dev)
+                    live_np &= np.array([[c for _, _, c, _ in frontier]], dtype=bool)
+                    if not live_np.any():
                         break
                     got, joint = yield from beam_sampling.sample(
-                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live.tolist(), beam_params([beam], dev, True),
+                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(), beam_params([beam], dev, True),
                         [beam.prompt_len + beam.steps + d - 1], rng.Stream.DRAFT_DRAW)
                     pairs, q = [(p.beam, p.token, p.score) for p in got[0]], joint[0]
                 if not pairs:
@@ -195,12 +196,12 @@ class SourceDrafter:
             beam.forest = f if f.tokens else None
 
 
-def _rows(props: list[list[dict[int, float] | None]], V: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(props: list[list[dict[int, float] | None]], V: int, dev) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """Draft-logits rows [R, S, V] from the candidates of each slot (-inf elsewhere; a slot without candidates is a
-    row of zeros, not live) and the live mask [R, S]."""
+    row of zeros, not live), made on ``dev`` from the candidates alone (no [R, S, V] host tensor to copy), and the live
+    mask [R, S] on ``dev`` and on the host (the callers' branches read the host one: no read of the device)."""
     R, S = len(props), max(len(p) for p in props)
-    full = torch.full((R, S, V), -math.inf)
-    live = torch.zeros(R, S, dtype=torch.bool)
+    live = np.zeros((R, S), dtype=bool)
     r_i, s_i, t_i, v_i = [], [], [], []
     for r, row in enumerate(props):
         for s, p in enumerate(row):
@@ -209,10 +210,13 @@ def _rows(props: list[list[dict[int, float] | None]], V: int, dev) -> tuple[torc
                 for t, v in p.items():
                     if 0 <= t < V:
                         r_i.append(r), s_i.append(s), t_i.append(t), v_i.append(v)
+    full = torch.full((R, S, V), -math.inf, device=dev)
     if r_i:
-        full[r_i, s_i, t_i] = torch.tensor(v_i, dtype=torch.float32)
-    full[~live] = 0.0
-    return full.to(dev), live.to(dev)
+        idx = torch.tensor([r_i, s_i, t_i], dtype=torch.int64).to(dev)
+        full[idx[0], idx[1], idx[2]] = torch.tensor(v_i, dtype=torch.float32).to(dev)
+    live_t = torch.from_numpy(live.copy()).to(dev)
+    full[~live_t] = 0.0
+    return full, live_t, live
 
 
 def _one(forest: Forest, i: int, G: int, W: int, V: int) -> Forest:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.forest import Forest
-from vllm_dsbd.core.params import BatchParams
+from vllm_dsbd.core.params import BatchParams, HostFacts
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
@@ -151,9 +151,12 @@ class Requests:
 
 
 def batch_params(states: list[RequestState], depth: list[int], cfg: DSBDConfig) -> BatchParams:
-    """The core's per-request parameters of plain requests (drafting and verification alike)."""
-    return BatchParams.make(
-        len(states), temperature=[s.temperature for s in states], top_k=[s.top_k for s in states],
-        top_p=[s.top_p for s in states], width=[s.width for s in states], seed=[s.seed for s in states],
-        eos=[s.eos for s in states], depth=depth, min_width=[min(cfg.min_width, s.width) for s in states],
+    """The core's per-request parameters of plain requests (drafting and verification alike), with their host facts
+    from the same values (no reduction over the tensors)."""
+    temperature, top_k, top_p = [s.temperature for s in states], [s.top_k for s in states], [s.top_p for s in states]
+    width, eos = [s.width for s in states], [s.eos for s in states]
+    params = BatchParams.make(
+        len(states), temperature=temperature, top_k=top_k, top_p=top_p, width=width, seed=[s.seed for s in states],
+        eos=eos, depth=depth, min_width=[min(cfg.min_width, s.width) for s in states],
         tau=cfg.width_threshold, dynamic=cfg.dynamic_width, single=True, max_k=1 if cfg.mode == "sample" else 0)
+    return params.with_(facts=HostFacts.of_values(temperature, top_k, top_p, width, eos, [True] * len(states)))

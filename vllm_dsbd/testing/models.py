@@ -9,6 +9,8 @@
 * :func:`next_token_logits_fn` - a reference "next-token logits" callable over a HF model.
 * :func:`truncated_draft` - the "simple draft" of any HF Llama: its first layers, untrained.
 * :func:`load_hf` / :func:`load_tokenizer` - offline loading of a model folder.
+* :func:`dummy_llama_folder` - a Llama folder of config and tokenizer only, for vLLM's ``load_format="dummy"``
+  (random weights of any shape without writing them).
 
 torch and transformers are imported lazily inside the functions; this module never imports vLLM.
 """
@@ -379,6 +381,27 @@ def tiny_llama_pair(
         raise
     _publish(tmp, final, args)
     return target_dir, draft_dir
+
+
+def dummy_llama_folder(folder: str | os.PathLike, shape: dict, dtype: str) -> pathlib.Path:
+    """A Llama folder with ``config.json`` (``shape``: hidden_size, intermediate_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, vocab_size, rope_theta, tie_word_embeddings) and a word-level tokenizer
+    of exactly ``vocab_size`` tokens ("t0", "t1", ...: it decodes every id the model can emit), no weights: vLLM
+    loads it with ``load_format="dummy"``. The tokenizer is written once; the config every time."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, torch_dtype=dtype, **shape)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    if not (folder / "tokenizer.json").exists():
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape["vocab_size"])}, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                eos_token="t2").save_pretrained(folder)
+    return folder
 
 
 # ----------------------------------------------------------------------------------------------------------------
