@@ -29,6 +29,7 @@ from vllm_dsbd.core.sampling import beam_step
 from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
 from .penalties import DraftPenalties
+from .grammar import DraftGrammar
 from .processors import DraftRows, DraftRules
 from .reads import Reader
 from .state import PendingForest, RequestState, batch_params
@@ -445,16 +446,19 @@ class DSBDDrafter(DraftModelProposer):
 
 def draft_rows(jobs: list[DraftJob], width: int, vocab: int, device) -> DraftRows | None:
     """The processing of one drafting call's draft rows (``processors.DraftRows``: the penalties of the jobs whose
-    requests have them, the logits rules of those that have rules), or None when no job has either."""
+    requests have them, the logits rules and grammar masks of those that have them), or None when no job has any."""
     pen_sel = [k for k, j in enumerate(jobs) if j.history is not None and j.state.penalties is not None]
     rule_sel = [k for k, j in enumerate(jobs) if j.history is not None and j.state.rules is not None]
-    if not pen_sel and not rule_sel:
+    gram_sel = [k for k, j in enumerate(jobs) if j.history is not None and j.state.grammar is not None]
+    if not pen_sel and not rule_sel and not gram_sel:
         return None
     pen = DraftPenalties(pen_sel, [jobs[k].history[0] for k in pen_sel], [jobs[k].history[1] for k in pen_sel],
                          [jobs[k].state.penalties for k in pen_sel], width, vocab, device) if pen_sel else None
     rules = DraftRules(rule_sel, [jobs[k].history[1] for k in rule_sel], [jobs[k].state.rules for k in rule_sel],
                        width, vocab, device) if rule_sel else None
-    return DraftRows(pen, rules)
+    gram = DraftGrammar(gram_sel, [jobs[k].history[1] for k in gram_sel], [jobs[k].state.grammar for k in gram_sel],
+                        width) if gram_sel else None
+    return DraftRows(pen, rules, gram)
 
 
 def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:

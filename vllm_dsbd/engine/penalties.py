@@ -11,7 +11,7 @@ recorded for verification is the law it drew from. Beam requests take none (vLLM
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -102,6 +102,7 @@ class TargetRows:
     output: list[int]  # the tokens emitted so far (the root is the last, or the prompt's last token is)
     penalties: RequestPenalties | None
     rules: RequestRules | None = None  # min_p, min_tokens, logit_bias, ... (``engine/processors.py``)
+    grammar: Any = None  # structured outputs: the request's ``grammar.RequestGrammar`` (``engine/grammar.py``)
 
 
 # entries (rows x gathered columns) one batch of :func:`penalize_rows_` holds: its int64 columns and counts, float32

@@ -253,15 +253,17 @@ class DraftRules:
 
 
 class DraftRows:
-    """The draft's penalties (``penalties.DraftPenalties``) and rules (:class:`DraftRules`) of one drafting call,
-    behind the interface the drafter calls: :meth:`apply` (rules, penalties, ``min_p``: vLLM's order), :meth:`advance`,
-    :meth:`fork`."""
+    """The draft's grammar masks (``grammar.DraftGrammar``), penalties (``penalties.DraftPenalties``) and rules
+    (:class:`DraftRules`) of one drafting call, behind the interface the drafter calls: :meth:`apply` (grammar, rules,
+    penalties, ``min_p``: vLLM's order), :meth:`advance`, :meth:`fork`."""
 
-    def __init__(self, pen, rules: DraftRules | None):
-        self.pen, self.rules = pen, rules
+    def __init__(self, pen, rules: DraftRules | None, gram=None):
+        self.pen, self.rules, self.gram = pen, rules, gram
 
     def apply(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` [R, W, V] processed as vLLM processes a row before sampling (a new tensor)."""
+        if self.gram is not None:  # vLLM masks the grammar first (``sample_tokens``, before its sampler)
+            full = self.gram.apply(full)
         if self.rules is not None:
             full = self.rules.pre(full)
         if self.pen is not None:
@@ -272,11 +274,12 @@ class DraftRows:
 
     def advance(self, parent: torch.Tensor, token: torch.Tensor) -> None:
         """Both sides' paths after a beam step."""
-        for side in (self.pen, self.rules):
+        for side in (self.pen, self.rules, self.gram):
             if side is not None:
                 side.advance(parent, token)
 
     def fork(self) -> "DraftRows":
         """A copy at the same depth."""
         return DraftRows(self.pen.fork() if self.pen is not None else None,
-                         self.rules.fork() if self.rules is not None else None)
+                         self.rules.fork() if self.rules is not None else None,
+                         self.gram.fork() if self.gram is not None else None)

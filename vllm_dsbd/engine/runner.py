@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, chunks, cost, load, memory, penalties, reads, sampler
+from . import attention, chunks, cost, grammar, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
@@ -63,7 +63,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         self._dsbd_recycle = self._dsbd_sources and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed,
-                                      load_tokenizer=lambda: _tokenizer(vllm_config.model_config))
+                                      load_tokenizer=lambda: _tokenizer(vllm_config.model_config),
+                                      compile_grammar=grammar.Compiler(vllm_config))
         self.dsbd_stats = DSBDStats(self.dsbd_cfg, prometheus=_reports_metrics(),
                                     track_decisions=vllm_config.parallel_config.tensor_parallel_size > 1)
         self._dsbd_plan: list[sampler.RowPlan] | None = None
@@ -339,8 +340,9 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         # row's history, chunk by chunk on a copy (raw rows stay for logprobs)
         pen = [penalties.TargetRows(plan[k].first_row, plan[k].forest.tokens if plan[k].forest else [],
                                     plan[k].forest.parents if plan[k].forest else [], *self._history(k),
-                                    plan[k].state.penalties, plan[k].state.rules)
-               if plan[k].state.penalties is not None or plan[k].state.rules is not None else None
+                                    plan[k].state.penalties, plan[k].state.rules, plan[k].state.grammar)
+               if plan[k].state.penalties is not None or plan[k].state.rules is not None
+               or plan[k].state.grammar is not None else None
                for k in spec]
         # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
         recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
@@ -464,7 +466,7 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)
             depth = min(depth, (self.max_model_len - 2 - root_pos) // max(st.width, 1))
-            if (st.eos >= 0 and st.eos in res.tokens) or st.structured:  # a grammar: no forest (state.py)
+            if st.eos >= 0 and st.eos in res.tokens:
                 depth = 0
             if depth <= 0:
                 continue
@@ -472,8 +474,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
             old = batch.token_ids_cpu[i, start:n_before].tolist() if start < n_before else []
             tokens = old + res.tokens[max(0, start - n_before):]
             history = None
-            # the draft's rows take the target's penalties and rules (drafter: processors.DraftRows)
-            if st.penalties is not None or st.rules is not None:
+            # the draft's rows take the target's grammar, penalties and rules (drafter: processors.DraftRows)
+            if st.penalties is not None or st.rules is not None or st.grammar is not None:
                 prompt, output = self._history(i, n_before)
                 history = (prompt, output + res.tokens)
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,

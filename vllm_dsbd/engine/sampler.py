@@ -25,7 +25,7 @@ from vllm_dsbd.core.params import BatchParams
 from vllm_dsbd.core.verify import verify_forest
 from vllm_dsbd.core.verify_static import verify_forest_static
 
-from . import penalties, processors
+from . import grammar, penalties, processors
 from .fused import fused_default, fused_layer
 from .beams.trie import StepResult
 from .chunks import verify_chunk
@@ -121,7 +121,8 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
 def penalized_chunk(logits: torch.Tensor, rows: list[RowPlan],
                     targets: Sequence[penalties.TargetRows | None]) -> tuple[torch.Tensor, list[RowPlan]]:
     """A chunk's logits rows (float32, a copy of each request's root and scheduled node rows) with the ``targets``'
-    rows processed: logits rules (``processors.pre_target_`` / ``post_target_``) around the penalties (sparse:
+    rows processed: grammar masks (``grammar.mask_target_``), then logits rules (``processors.pre_target_`` /
+    ``post_target_``) around the penalties (sparse:
     ``penalties.penalize_rows_``), and the chunk's plans with ``first_row`` on the copy."""
     src, new_rows, moved = [], [], []
     for row, t in zip(rows, targets):
@@ -131,7 +132,9 @@ def penalized_chunk(logits: torch.Tensor, rows: list[RowPlan],
             moved.append(dataclasses.replace(t, first_row=len(src)))
         src += range(row.first_row, row.first_row + n)
     lg = logits[torch.tensor(src, dtype=torch.int64, device=logits.device)].float()  # [n rows, V] a copy
-    # vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias; the penalties; min_p (engine/processors.py)
+    # vLLM's order: the grammar (engine/grammar.py); allowed_token_ids, bad_words, min_tokens, logit_bias; the
+    # penalties; min_p (engine/processors.py)
+    grammar.mask_target_(lg, moved)
     lg = processors.post_target_(penalties.penalize_rows_(processors.pre_target_(lg, moved), moved), moved)
     return lg, new_rows
 

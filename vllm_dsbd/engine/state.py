@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_dsbd import envs
 from vllm_dsbd.config import DSBDConfig
@@ -57,9 +58,10 @@ class RequestState:
     beam: BeamRequest | None = None  # a beam request (extra_args["dsbd_beam"]): its trie and live beams
     penalties: RequestPenalties | None = None  # a plain request's repetition / presence / frequency penalties
     rules: RequestRules | None = None  # a plain request's min_p, min_tokens, logit_bias, allowed_token_ids, bad_words
-    # structured outputs (a grammar): the request drafts no forest, so its one row per step is the row vLLM's
-    # scheduler computed the grammar bitmask for (vLLM masks it before DSBD samples: docs/deviations.md)
+    # structured outputs: the worker's matcher (``engine/grammar.py``), whose masks every row of the request's forests
+    # and drafts takes (docs/deviations.md D22)
     structured: bool = False
+    grammar: Any = None
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -74,8 +76,10 @@ class RequestState:
 class Requests:
     """The engine's per-request states, keyed by request id."""
 
-    def __init__(self, cfg: DSBDConfig, seed: int | None, load_tokenizer=None):
+    def __init__(self, cfg: DSBDConfig, seed: int | None, load_tokenizer=None, compile_grammar=None):
         self.cfg = cfg
+        # (req_id, sampling params) -> a structured request's ``grammar.RequestGrammar`` (None: none compiled)
+        self._compile_grammar = compile_grammar
         # the model's tokenizer, loaded on first use (beam requests' stop strings): a callable returning it
         self._load_tokenizer, self._tokenizer = load_tokenizer, None
         self._rng = random.Random(0 if seed is None else seed)
@@ -119,6 +123,8 @@ class Requests:
         if beam is None:
             st.penalties = RequestPenalties.of(sp)
             st.rules = RequestRules.of(sp)
+            if st.structured and self._compile_grammar is not None:
+                st.grammar = self._compile_grammar(req_id, sp)
         else:
             bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
             # N, the forest's nodes per depth: the request's, else the engine's beam_nodes, else the request's width

@@ -243,6 +243,20 @@ to add a speculative method with its own config keys and proposer; no such regis
    executor sets up on CPU (multiproc_executor.py:175), is not done by the Ray executor (set
    ``VLLM_CPU_OMP_THREADS_BIND`` / ``OMP_NUM_THREADS``). When it can go: vLLM's CPU platform supports Ray (a
    ``ray_device_key`` with CPU-aware actor resources, as #25386 proposed).
+
+20. ``grammar_forests`` - target ``vllm.v1.core.sched.scheduler.Scheduler.update_draft_token_ids`` and
+   ``.get_grammar_bitmask``.
+   What: on a DSBD engine vLLM's scheduler takes a structured request's drafts (a forest) as they are and computes no
+   grammar bitmask; the DSBD worker masks every row itself, each forest node's target and draft rows by the grammar
+   after output + its own path (``engine/grammar.py``, its own matcher per request from vLLM's structured-output
+   backend, advanced with the output tokens). Why: vLLM cuts a structured request's drafts to their grammar-valid
+   chain prefix (scheduler.py:2074-2076) and masks one row per position by walking the matcher along them as a chain
+   (structured_output/__init__.py:285-350, an ``AssertionError`` on a token the chain rejects); a forest is a tree in
+   depth-major order, so both are wrong for it, and the draft's rows are drawn in the worker before the scheduler
+   sees the forest. How: wrap both; DSBD engines skip the grammar cut (prefill chunks still drop their drafts) and
+   return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with the emitted tokens
+   (``update_from_output``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
+   with per-node bitmasks.
 """
 
 from __future__ import annotations
@@ -275,6 +289,7 @@ PATCHES = (
     "beam_serving_route",
     "spec_repr",
     "cpu_ray_executor",
+    "grammar_forests",
 )
 
 

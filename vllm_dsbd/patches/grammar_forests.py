@@ -1,0 +1,61 @@
+"""Patch: vLLM's scheduler neither cuts DSBD forests to a grammar-valid chain nor masks them as one.
+
+vLLM 0.26 treats a structured request's drafts as a chain: ``Scheduler.update_draft_token_ids`` keeps their longest
+prefix the grammar accepts in sequence (``grammar.validate_tokens``, v1/core/sched/scheduler.py:2074-2076), and
+``Scheduler.get_grammar_bitmask`` has ``StructuredOutputManager.grammar_bitmask`` walk the matcher along them
+(v1/structured_output/__init__.py:285-350, raising ``AssertionError`` on a token the chain does not allow) for the
+model runner to mask one row per position (``apply_grammar_bitmask`` in ``sample_tokens``). A DSBD forest is a tree
+in compact depth-major order: its second node is usually a sibling of the first, so the chain cut drops it and the
+chain masks are another path's. The DSBD worker masks every row of a structured request itself, each by the grammar
+after its own path (``engine/grammar.py``), target and draft rows alike.
+
+How: on a DSBD engine, ``update_draft_token_ids`` takes the runner's drafts as they are (no grammar cut; prefill
+chunks still drop theirs), and ``get_grammar_bitmask`` returns None (nothing for vLLM's runner to mask). vLLM's
+scheduler still advances its matcher with every emitted token in ``update_from_output`` (and ends a request whose
+tokens it rejects), so its grammar state is the accepted path's. Non-DSBD engines call the originals.
+
+When it can go: vLLM lets a speculative method describe tree-shaped drafts (per-node bitmasks from the scheduler).
+"""
+
+from __future__ import annotations
+
+import types
+
+from vllm_dsbd.config import uses_dsbd
+from vllm_dsbd.patches._patching import when_imported, wrap_method
+
+PATCH_ID = "grammar_forests"
+MODULE = "vllm.v1.core.sched.scheduler"
+
+
+def apply() -> None:
+    when_imported(MODULE, _patch)
+
+
+def _patch(mod: types.ModuleType) -> None:
+    def make_update(orig):
+        def update_draft_token_ids(self, draft_token_ids) -> None:
+            if not uses_dsbd(self.vllm_config):
+                return orig(self, draft_token_ids)
+            for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+                request = self.requests.get(req_id)
+                if request is None or request.is_finished():
+                    continue
+                if request.is_prefill_chunk:
+                    if request.spec_token_ids:
+                        request.spec_token_ids = []
+                    continue
+                request.spec_token_ids = spec_token_ids
+
+        return update_draft_token_ids
+
+    def make_bitmask(orig):
+        def get_grammar_bitmask(self, scheduler_output):
+            if not uses_dsbd(self.vllm_config):
+                return orig(self, scheduler_output)
+            return None
+
+        return get_grammar_bitmask
+
+    wrap_method(PATCH_ID, mod.Scheduler, "update_draft_token_ids", make_update)
+    wrap_method(PATCH_ID, mod.Scheduler, "get_grammar_bitmask", make_bitmask)
