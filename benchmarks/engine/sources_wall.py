@@ -13,8 +13,9 @@ draft) one engine (width 4, depth 3, cost model ``"auto"``), and per kind:
 - **beams**: ``LLM.beam_search`` W = 4, T = 0 (beams inside the DSBD engine), best-beam tokens per second and target
   passes per beam step (``vllm:dsbd_beam_*``); beams compared with vLLM's own loop on the plain engine.
 
-Every timed call follows a warm-up call of the same shape. Results: a table on stdout, ``--out``/README.md, the rows in
-``--out``/rows.json and a plot of each row's speed over the ``none`` engine (``--out``/sources.png).
+Every timed call follows a warm-up call of the same shape; each row has its wall time and this process's CPU time
+(the engine runs in it; on a shared machine the steadier of the two). Results: a table on stdout, ``--out``/README.md, the rows in
+``--out``/rows.json and a plot of each row's tokens per CPU-second over the ``none`` engine's (``--out``/sources.png).
 
     python benchmarks/engine/sources_wall.py --out results/sources-wall-DATE [--kinds code-edit,chat] [--prompts 4]
 """
@@ -62,12 +63,13 @@ def engine(folder: Path, source_set: str | None, draft: Path | None):
 
 
 def timed(llm, fn):
-    """(seconds, counter deltas) of ``fn()``."""
+    """(output, wall seconds, counter deltas, CPU seconds of this process: the engine runs in it; steadier than wall
+    on a shared machine) of ``fn()``."""
     c0 = {k: metric(llm, k) for k in COUNTERS}
-    t0 = time.perf_counter()
+    t0, p0 = time.perf_counter(), time.process_time()
     out = fn()
-    secs = time.perf_counter() - t0
-    return out, secs, {k: metric(llm, k) - c0[k] for k in COUNTERS}
+    secs, cpu = time.perf_counter() - t0, time.process_time() - p0
+    return out, secs, {k: metric(llm, k) - c0[k] for k in COUNTERS}, cpu
 
 
 def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool) -> tuple[list[dict], dict]:
@@ -82,19 +84,20 @@ def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool) -> tu
     for kind in kinds:
         ps = [{"prompt_token_ids": p} for k, p in enc if k == kind]
         llm.generate(ps[:1], sp, use_tqdm=False)  # warm-up of this kind's prompt lengths
-        outs, s1, c1 = timed(llm, lambda: [llm.generate([p], sp, use_tqdm=False)[0] for p in ps])
+        outs, s1, c1, u1 = timed(llm, lambda: [llm.generate([p], sp, use_tqdm=False)[0] for p in ps])
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"kind": kind, "row": "greedy b1", "tokens": n, "seconds": s1,
+        rows.append({"kind": kind, "row": "greedy b1", "tokens": n, "seconds": s1, "cpu": u1,
                      "per_pass": n / c1["vllm:dsbd_target_passes"] if dsbd else 1.0})
-        outs, s2, c2 = timed(llm, lambda: llm.generate(ps, sp, use_tqdm=False))
+        outs, s2, c2, u2 = timed(llm, lambda: llm.generate(ps, sp, use_tqdm=False))
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"kind": kind, "row": f"greedy {len(ps)} in one call", "tokens": n, "seconds": s2,
+        rows.append({"kind": kind, "row": f"greedy {len(ps)} in one call", "tokens": n, "seconds": s2, "cpu": u2,
                      "per_pass": n / c2["vllm:dsbd_target_passes"] if dsbd else 1.0})
         llm.beam_search(ps[:1], BeamSearchParams(beam_width=4, max_tokens=2, ignore_eos=True))  # warm-up
-        outs, s3, c3 = timed(llm, lambda: llm.beam_search(ps, bp))
+        outs, s3, c3, u3 = timed(llm, lambda: llm.beam_search(ps, bp))
         beams[kind] = [[list(s.tokens[len(p["prompt_token_ids"]):]) for s in o.sequences] for o, p in zip(outs, ps)]
         steps = c3["vllm:dsbd_beam_steps"]
         rows.append({"kind": kind, "row": "beams W=4", "tokens": sum(len(b[0]) for b in beams[kind]), "seconds": s3,
+                     "cpu": u3,
                      "per_pass": steps / c3["vllm:dsbd_beam_target_passes"] if dsbd and steps else 1.0})
         print(f"  {kind}: " + ", ".join(f"{r['row']} {r['tokens'] / r['seconds']:.1f} tok/s" for r in rows[-3:]),
               flush=True)
@@ -109,7 +112,7 @@ def shutdown(llm) -> None:
 
 
 def plot(rows: list[dict], sets: list[str], out: Path) -> None:
-    """Each row's speed over the ``none`` engine's, by source set (bars), one panel per kind."""
+    """Each row's tokens per CPU-second over the ``none`` engine's, by source set (bars), one panel per kind."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,14 +123,14 @@ def plot(rows: list[dict], sets: list[str], out: Path) -> None:
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         for j, s in enumerate(sets):
-            vals = [next((r["vs_none"] for r in rows if r["kind"] == kind and r["row"] == n and r["set"] == s), 0)
+            vals = [next((r["vs_none_cpu"] for r in rows if r["kind"] == kind and r["row"] == n and r["set"] == s), 0)
                     for n in names]
             ax.bar([i + (j - len(sets) / 2 + 0.5) * 0.8 / len(sets) for i in range(len(names))], vals,
                    0.8 / len(sets), label=s)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(names)), names)
         ax.set_title(kind)
-        ax.set_ylabel("tok/s over sources = []")
+        ax.set_ylabel("tokens per CPU-second over sources = []")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -169,16 +172,25 @@ def main() -> int:
             if s is not None:
                 r["same_beams"] = beams[r["kind"]] == ref_beams[r["kind"]] if r["row"].startswith("beams") else None
         all_rows += rows
-    base = {(r["kind"], r["row"]): r["tok_s"] for r in all_rows if r["set"] == "none"}
-    plain = {(r["kind"], r["row"]): r["tok_s"] for r in all_rows if r["set"] == "plain vLLM"}
     for r in all_rows:
-        r["vs_none"] = r["tok_s"] / base[(r["kind"], r["row"])] if (r["kind"], r["row"]) in base else None
-        r["vs_plain"] = r["tok_s"] / plain[(r["kind"], r["row"])]
-    head = ("| kind | row | engine | tok/s | vs sources = [] | vs plain vLLM (beams: its loop) | tokens per target pass "
-            "(beams: beam steps per pass) | beams = vLLM's |\n|---|---|---|---|---|---|---|---|")
+        r["tok_cpu_s"] = r["tokens"] / r["cpu"]
+    base = {(r["kind"], r["row"]): r for r in all_rows if r["set"] == "none"}
+    plain = {(r["kind"], r["row"]): r for r in all_rows if r["set"] == "plain vLLM"}
+    for r in all_rows:
+        b, p = base.get((r["kind"], r["row"])), plain[(r["kind"], r["row"])]
+        r["vs_none"] = r["tok_s"] / b["tok_s"] if b else None
+        r["vs_none_cpu"] = r["tok_cpu_s"] / b["tok_cpu_s"] if b else None
+        r["vs_plain"] = r["tok_s"] / p["tok_s"]
+        r["vs_plain_cpu"] = r["tok_cpu_s"] / p["tok_cpu_s"]
+    head = ("| kind | row | engine | tok/s | vs sources = [], wall / CPU | vs plain vLLM (beams: its loop), wall / CPU "
+            "| tokens per target pass (beams: beam steps per pass) | beams = vLLM's |\n|---|---|---|---|---|---|---|---|")
+
+    def two(a, b):
+        return "-" if a is None else f"{a:.2f} / {b:.2f}"
+
     lines = [head] + [
-        f"| {r['kind']} | {r['row']} | {r['set']} | {r['tok_s']:.1f} | "
-        f"{'-' if r['vs_none'] is None else format(r['vs_none'], '.2f')} | {r['vs_plain']:.2f} | {r['per_pass']:.2f} | "
+        f"| {r['kind']} | {r['row']} | {r['set']} | {r['tok_s']:.1f} | {two(r['vs_none'], r['vs_none_cpu'])} | "
+        f"{two(r['vs_plain'], r['vs_plain_cpu'])} | {r['per_pass']:.2f} | "
         f"{'-' if r.get('same_beams') is None else ('yes' if r['same_beams'] else 'NO')} |" for r in all_rows]
     table = "\n".join(lines)
     print("\n" + table + f"\n\n{time.time() - t0:.0f} s; draft: {draft_kind}")
