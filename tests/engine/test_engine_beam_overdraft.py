@@ -26,6 +26,8 @@ from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.patches.beam_search_route import beam_outputs, beam_request_params  # noqa: E402
 from vllm_dsbd.testing.models import load_hf, next_token_logits_fn  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh (engine_tests)
+
 WIDTH, DEPTH, MAX_TOKENS, BEAM_NODES = 4, 3, 8, 16
 _rng = random.Random(7)
 PROMPTS = ([[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [7], [250, 3, 77, 12, 9]]

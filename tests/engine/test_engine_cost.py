@@ -40,6 +40,8 @@ from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.engine import step_clock  # noqa: E402
 from vllm_dsbd.testing.models import load_hf, next_token_logits_fn, tiny_llama_pair  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh (engine_tests)
+
 WIDTH, DEPTH, MAX_TOKENS = 2, 3, 32
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [250, 3, 77, 12, 9]]
 BEAM = BeamSearchParams(beam_width=WIDTH, max_tokens=16)

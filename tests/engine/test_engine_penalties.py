@@ -36,7 +36,7 @@ from vllm_dsbd.engine import penalties  # noqa: E402
 
 import chisq  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # also run on a GPU by benchmarks/gpu/check.sh (engine_tests)
 
 WIDTH, DEPTH = 4, 2
 # law: 4 tokens (the prefill's, then an iteration that verifies both draft depths), a short repetitive vocabulary

@@ -29,7 +29,7 @@ from vllm_dsbd.engine import processors  # noqa: E402
 
 import chisq  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # also run on a GPU by benchmarks/gpu/check.sh (engine_tests)
 
 RULE_NAMES = ("allowed_token_ids", "bad_words", "min_tokens", "logit_bias", "min_p")
 # greedy

@@ -24,6 +24,8 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # also run on a GPU by benchmarks/gpu/check.sh (engine_tests)
+
 WIDTH, BEAM_TOKENS, GREEDY_TOKENS = 4, 24, 40
 CODE = [
     'def add(a, b):\n    """Add two numbers."""\n    result = a + b\n    return result\n\n\n'

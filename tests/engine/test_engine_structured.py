@@ -32,7 +32,7 @@ from vllm.sampling_params import StructuredOutputsParams as SO  # noqa: E402
 
 import chisq  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.gpu]  # also run on a GPU by benchmarks/gpu/check.sh (engine_tests)
 
 WIDTH, DEPTH = 4, 3
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105]]
