@@ -1,4 +1,4 @@
-"""Front end of a plain beam request (``extra_args["dsbd_beam"]`` on ``generate``): its logprobs and stop-string text.
+"""Front end of a plain beam request (``extra_args["dsbd_beam"]`` on ``generate``): its logprobs.
 
 Applied by patch ``beam_search_route`` (the front end of beam requests), on ``vllm.v1.engine.output_processor``:
 
@@ -7,10 +7,12 @@ Applied by patch ``beam_search_route`` (the front end of beam requests), on ``vl
   are not its tokens'; when the request finishes (its ``kv_transfer_params["dsbd_beam"]`` arrive, from a DSBD engine
   only) its logprobs are replaced by the best beam's, in vLLM's shape: per token a dict with the chosen token first (its rank among the row's best) and the
   ``logprobs`` best tokens of the row it was chosen from (ranks 1..k; the 2W best are known at T = 0, the chosen
-  token alone at T > 0: ``requests.check_beam_logprobs``), and ``cumulative_logprob`` the best beam's.
-* ``RequestState.make_request_output``: the finished best beam's text is cut at its stop string (the first
-  occurrence in the generated text, kept with ``include_stop_str_in_output``), as vLLM cuts a plain request's; its
-  tokens stay. In a stream, characters of the stop string sent before the last chunk stay sent.
+  token alone at T > 0: ``requests.check_beam_logprobs``), and ``cumulative_logprob`` the best beam's. A
+  CUMULATIVE request's intermediate outputs carry vLLM's own logprobs of the settled tokens (rows the runner
+  sampled); its final output carries the beams'. Streamed (DELTA) requests with logprobs are refused.
+
+The text of a best beam stopped by a stop string is not cut here: it keeps the stop string (vLLM's detokenizer saw
+no stop string; the beams' tokens and ``stop_reason`` in ``kv_transfer_params["dsbd_beam"]`` are right).
 
 When it can go: with ``beam_scheduler`` (vLLM gains in-engine beams with their own outputs).
 """
@@ -66,16 +68,6 @@ def best_beam_logprobs(proc, beam: dict) -> None:
     proc.cumulative_logprob = float(beam["cum_logprob"])
 
 
-def _cut_text(state, beam: dict, include: bool) -> None:
-    """Cuts the detokenizer's text of ``state`` at ``beam``'s stop string (vLLM's rule)."""
-    from vllm_dsbd.engine.beams.stops import cut_at_stop
-
-    det = state.detokenizer
-    reason = beam.get("stop_reason")
-    if beam.get("finish_reason") == "stop" and isinstance(reason, str) and hasattr(det, "output_text"):
-        det.output_text = cut_at_stop(det.output_text, reason, include)
-
-
 def patch_output_processor(mod: types.ModuleType) -> None:
     from vllm_dsbd.patches.beam_search_route import PATCH_ID
 
@@ -100,18 +92,5 @@ def patch_output_processor(mod: types.ModuleType) -> None:
 
         return update_from_output
 
-    def make_output(orig):
-        def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason,
-                                kv_transfer_params=None, *args, **kwargs):
-            settings = getattr(self.logprobs_processor, _ATTR, None)
-            beams = (kv_transfer_params or {}).get(BEAM_KEY) if settings is not None else None
-            if beams and finish_reason is not None and self.detokenizer is not None:
-                _cut_text(self, beams[0], bool(settings.get("include_stop_str_in_output", False)))
-            return orig(self, new_token_ids, pooling_output, finish_reason, stop_reason, kv_transfer_params,
-                        *args, **kwargs)
-
-        return make_request_output
-
     wrap_method(PATCH_ID, procs, "from_new_request", make_new)  # a classmethod (kept one)
     wrap_method(PATCH_ID, procs, "update_from_output", make_update)
-    wrap_method(PATCH_ID, mod.RequestState, "make_request_output", make_output)

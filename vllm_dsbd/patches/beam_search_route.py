@@ -39,7 +39,7 @@ def apply() -> None:
     from vllm_dsbd.patches.beam_outputs import patch_output_processor
 
     when_imported(MODULE, _patch)
-    # a plain beam request's logprobs and stop-string text (patches/beam_outputs.py)
+    # a plain beam request's logprobs (patches/beam_outputs.py)
     when_imported("vllm.v1.engine.output_processor", patch_output_processor)
 
 
