@@ -138,7 +138,7 @@ def runs(setup):
         out["json"] = _final_run(llm, as_json)
         bad = _params(2, None, 0.0, RequestOutputKind.DELTA, eos)
         bad.logprobs = 1
-        with pytest.raises(ValueError, match=r"^logprobs: not supported on a beam request") as err:
+        with pytest.raises(ValueError, match=r"^logprobs: not supported on a streamed beam request") as err:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], bad, use_tqdm=False)
         out["bad"] = str(err.value)
         out["after_bad"] = _final_run(llm, [_params(4, None, 0.0, RequestOutputKind.FINAL_ONLY, eos)

@@ -26,16 +26,13 @@ handler answers 400 with ``param``, and the engine never sees the request) from 
 original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
 ``max_model_len`` (``prompt + max_tokens * (n + 1) + 2`` slots, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
-other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``), and a
-request with ``stop``, ``stop_token_ids``, completions ``logprobs`` > 0 or chat ``top_logprobs`` > 0 (``param`` that
-field): vLLM's loop ignores stop strings and stop tokens silently (``BeamSearchParams`` has no such field; a beam ends
-at EOS or ``max_tokens``), and the in-engine beams carry the chosen tokens' log-probabilities only (what completions
-``logprobs: 0`` and chat ``logprobs: true`` return, equal to vLLM's), not the alternatives vLLM's loop takes from its
-2 * beam_width candidates per step (the first of them the token its one-token request sampled), so such requests are
-refused rather than answered differently. The refusal reads the request's fields from ``to_beam_search_params`` of
-``CompletionRequest`` and ``ChatCompletionRequest`` (wrapped to note them on the ``BeamSearchParams`` they return,
-as ``_dsbd_unsupported``; plain engines never read it). The engine request runs at temperature 0 whatever the request's
-temperature: vLLM's loop ranks the raw log-probabilities its one-token requests return
+other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). The
+request's ``stop`` and ``stop_token_ids`` (which vLLM's loop ignores silently: ``BeamSearchParams`` has no such field)
+go to the beams (``beam_request_params``). Completions ``logprobs`` and chat ``logprobs``/``top_logprobs`` are served:
+every output's per-token logprobs are the 2 * beam_width-entry dicts of vLLM's loop (its one-token requests' 2W best
+tokens of the row, with ranks, ``position_dict``), from the beams' top rows in ``kv_transfer_params["dsbd_beam"]``;
+the OpenAI serializer keeps the requested number of alternatives from them, as for vLLM's loop.
+The engine request runs at temperature 0 whatever the request's temperature: vLLM's loop ranks the raw log-probabilities its one-token requests return
 (``entrypoints/generate/beam_search/online.py:59-65`` passes the temperature to those requests, whose logprobs are
 computed before any temperature, v1/sample/sampler.py:80-93), so its beams do not depend on the temperature and the
 OpenAI endpoints' default temperature 1 gives the same beams as temperature 0 (one exception, random on vLLM too:
