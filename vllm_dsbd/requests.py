@@ -176,6 +176,29 @@ _REFUSED = (
 )
 
 
+def check_beam_logprobs(sampling_params: Any, beam: BeamParams) -> None:
+    """``logprobs`` on a beam request: the best beam's per-token logprobs (the chosen token and the ``logprobs``
+    best of the row it was chosen from, vLLM's shape), filled in the front end when the request finishes
+    (patches/beam_outputs.py). Each beam step ranks the 2W best tokens of each beam's row, so at most 2W
+    alternatives are known, and only at temperature 0 (beam sampling keeps the chosen token's log-probability only);
+    streamed (``DELTA``) chunks before the last would carry none, so that kind is refused with logprobs."""
+    k = getattr(sampling_params, "logprobs", None)
+    if k is None:
+        return
+    top = 2 * beam.width
+    if k < 0 or k > top:
+        raise ValueError(f"logprobs: a beam request of width {beam.width} returns at most {top} alternatives per "
+                         f"token (2 * width: the best tokens of each beam's row, which its beam steps rank), got {k}")
+    if k > 0 and (getattr(sampling_params, "temperature", 0.0) or 0.0) >= 1e-5:
+        raise ValueError(f"logprobs: alternatives (logprobs = {k} > 0) on a beam request at temperature > 0 (beam "
+                         "sampling) are not kept; logprobs = 0 gives the chosen tokens' log-probabilities")
+    kind = getattr(getattr(sampling_params, "output_kind", None), "name", None)
+    if kind == "DELTA":
+        raise ValueError("logprobs: not supported on a streamed beam request (extra_args[" + repr(BEAM_KEY) + "], "
+                         "output kind DELTA): the beams' log-probabilities are known when the request finishes; "
+                         "leave logprobs out, or do not stream")
+
+
 def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
     """Validates one request for a DSBD engine; returns its width (:func:`request_width`).
 
@@ -185,7 +208,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
             ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids`` on its
             SamplingParams (the beams take them in ``dsbd_beam``, at T = 0 only),
-            ``structured_outputs``, ``logprobs``, a penalty, or ``min_p``, ``min_tokens``, ``logit_bias``,
+            ``structured_outputs``, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
+            or ``min_p``, ``min_tokens``, ``logit_bias``,
             ``allowed_token_ids`` or ``bad_words``.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
@@ -234,10 +258,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                              "beam search has no such setting (BeamSearchParams); leave "
                              f"{'it' if len(rules) == 1 else 'them'} unset on beam requests (plain requests take "
                              f"{'it' if len(rules) == 1 else 'them'})")
-        if getattr(sampling_params, "logprobs", None) is not None:
-            raise ValueError(f"logprobs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): its output tokens "
-                             "are its beams' settled prefix, then the best beam; each beam's per-token "
-                             f"log-probabilities are in kv_transfer_params[{BEAM_KEY!r}]")
+        check_beam_logprobs(sampling_params, beam)
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
         names = ", ".join(bad)

@@ -21,7 +21,7 @@ n = 2) and seeded T = 1. Checked:
   server's ``vllm_xargs`` carry no mappings) give the same beams;
 * ``CUMULATIVE``: every output extends the previous one, tokens and text, and the last is the best beam (its text is
   vLLM's incremental detokenization, which differs from a one-shot decode on the random model's byte tokens);
-* engine ``logprobs`` on a beam request are refused (ValueError naming ``logprobs``) and the engine keeps serving.
+* engine ``logprobs`` above 2W on a beam request are refused (ValueError naming ``logprobs``) and the engine keeps serving.
 """
 from __future__ import annotations
 
@@ -137,8 +137,8 @@ def runs(setup):
             sp.extra_args["dsbd_beam"] = json.dumps(sp.extra_args["dsbd_beam"])
         out["json"] = _final_run(llm, as_json)
         bad = _params(2, None, 0.0, RequestOutputKind.DELTA, eos)
-        bad.logprobs = 1
-        with pytest.raises(ValueError, match=r"^logprobs: not supported on a beam request") as err:
+        bad.logprobs = 5  # above 2W (LLM.generate returns final outputs: the DELTA refusal is test_engine_beam_logprobs')
+        with pytest.raises(ValueError, match=r"^logprobs: a beam request of width 2 returns at most 4") as err:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], bad, use_tqdm=False)
         out["bad"] = str(err.value)
         out["after_bad"] = _final_run(llm, [_params(4, None, 0.0, RequestOutputKind.FINAL_ONLY, eos)
@@ -230,5 +230,5 @@ def _assert_same_finals(got, expected):
 
 def test_json_string_settings_and_refused_logprobs(runs):
     _assert_same_finals(runs["json"], runs["W4"][1])
-    assert "kv_transfer_params['dsbd_beam']" in runs["bad"]
+    assert "2 * width" in runs["bad"]
     _assert_same_finals(runs["after_bad"], runs["W4"][1])

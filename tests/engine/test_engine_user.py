@@ -86,9 +86,9 @@ def run():
             res = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], bp)
             out["beam"] = _delta(_counts(llm), c1)
             out["beam_lens"] = [len(s.tokens) - len(PROMPTS[0]) for s in res[0].sequences]
-            # the dsbd_beam route: stop conditions and logprobs refused, never ignored
+            # the dsbd_beam route: stop conditions on its SamplingParams and logprobs above 2W refused, never ignored
             out["refused"] = {}
-            for name, value in (("stop", ["\n"]), ("stop_token_ids", [7]), ("logprobs", 2)):
+            for name, value in (("stop", ["\n"]), ("stop_token_ids", [7]), ("logprobs", 2 * WIDTH + 1)):
                 sp = beam_request_params(bp, eos, len(PROMPTS[0]), cfg.model_config.max_model_len, WIDTH)
                 setattr(sp, name, value)
                 try:
@@ -170,7 +170,8 @@ def test_beam_search_alone_moves_only_beam_counters(run):
 def test_beam_request_stop_and_logprobs_refused(run):
     assert run["refused"]["stop"].startswith("stop: not supported on a beam request"), run["refused"]
     assert run["refused"]["stop_token_ids"].startswith("stop_token_ids: not supported on a beam request")
-    assert run["refused"]["logprobs"].startswith("logprobs: not supported on a beam request")
+    assert run["refused"]["logprobs"].startswith(f"logprobs: a beam request of width {WIDTH} returns at most "
+                                                 f"{2 * WIDTH}"), run["refused"]
     assert len(run["after"].outputs[0].token_ids) == 24  # the engine keeps serving
     fields = set(BeamSearchParams.__struct_fields__)
     assert not fields & {"stop", "stop_token_ids", "logprobs", "top_logprobs"}, fields

@@ -12,18 +12,20 @@ The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 
 ``include_stop_str_in_output``, two prompts in one request), ``/v1/chat/completions`` with ``n`` = 2; and one at
 temperature 1 (the OpenAI default), where vLLM's beams are its temperature-0 beams and DSBD's too (beam sampling is
 only asked for with ``dsbd_beam``). Every choice is
-equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 1e-4; not the top-logprob
-alternatives, which vLLM's loop takes from its 2 * n candidates per step and DSBD does not keep). A width above the
-DSBD server's, a beam search that cannot fit ``max_model_len``, ``stop`` strings (which vLLM's loop silently ignores)
-and top-logprob alternatives (completions ``logprobs`` 2, chat ``top_logprobs`` 2) are 400s naming the parameter, and
-a good request afterwards still gets the same answer. DSBD's beam counters on ``/metrics`` show draft forests verified
+equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 1e-4), and with top-logprob
+alternatives (completions ``logprobs`` 2, chat ``top_logprobs`` 2: the 2 * n best tokens of the row per step in
+vLLM's loop, the beams' top rows on DSBD) those alternatives too (tokens equal, values to 1e-4). A width above the
+DSBD server's and a beam search that cannot fit ``max_model_len`` are 400s naming the parameter, and a good request
+afterwards still gets the same answer (``stop`` strings are served: test_beam_serving_stops.py). DSBD's beam
+counters on ``/metrics`` show draft forests verified
 and layers passed for the beam searches, and forests verified for the streamed requests.
 
 Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
 with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
 carry strings and numbers, a mapping is a 400 from vLLM) streams the beams' settled prefix in chunks before the last
 one, a prefix of every beam the same request returns unstreamed (``kv_transfer_params["dsbd_beam"]``), and all the
-chunks together are the best beam, tokens, text and finish reason. Engine ``logprobs`` with it are a 400.
+chunks together are the best beam, tokens, text and finish reason. Engine ``logprobs`` on a streamed beam request
+are refused (the stream's one event is the error); unstreamed, they are served.
 """
 from __future__ import annotations
 
@@ -70,6 +72,12 @@ REQUESTS = [
       "return_tokens_as_token_ids": True}),
     # temperature 1 (the OpenAI default): vLLM's beam search all the same, not beam sampling
     ("n4_t1", *_cmpl(n=4, length_penalty=1.3, temperature=1.0)),
+    # top-logprob alternatives: vLLM's loop's 2 * n best tokens of each step's row, the requested 2 of them returned
+    ("n2_lp2", *_cmpl(n=2, logprobs=2)),
+    ("chat_top2", "/v1/chat/completions",
+     {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi there"}], "use_beam_search": True, "n": 2,
+      "temperature": 0, "max_tokens": 6, "return_token_ids": True, "logprobs": True, "top_logprobs": 2,
+      "return_tokens_as_token_ids": True}),
 ]
 STREAM_TOKENS = 10
 STREAMS = [("w2", [83, 60], 2), ("w4", [10, 20, 30], 4)]  # (name, prompt, width): beams that share a long prefix
@@ -88,9 +96,6 @@ def _beam_cmpl(prompt, width, **kw):
 BAD = [  # (path, payload, parameter named): DSBD server only
     (*_cmpl(n=8), "n"),
     (*_cmpl(n=WIDTH, max_tokens=100), "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
-    # never silently ignored: top-logprob alternatives (stop strings and ids are served: test_beam_serving_stops.py)
-    (*_cmpl(n=2, logprobs=2), "logprobs"),
-    ("/v1/chat/completions", {**REQUESTS[4][2], "top_logprobs": 2}, "top_logprobs"),
 ]
 
 
@@ -203,13 +208,20 @@ def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
 
 
 def _split(choice):
-    """(the choice without logprob values, the chosen tokens' logprobs, the logprobs' tokens)."""
+    """(the choice without logprob values, the chosen tokens' and the alternatives' logprobs, the logprobs' tokens).
+    Completions with ``logprobs`` 0 return one alternative, the first of vLLM's dict: its one-token request's sampled
+    token, random at temperature 1 (``n4_t1``), so the alternatives are compared only where more were asked for."""
     c = json.loads(json.dumps(choice))
     lp = c.pop("logprobs")
     if "message" in c:  # chat: content entries {token, logprob, bytes, top_logprobs}
-        return c, [e["logprob"] for e in lp["content"]], [(e["token"], e["bytes"], e["top_logprobs"])
-                                                          for e in lp["content"]]
-    return c, lp["token_logprobs"], (lp["tokens"], lp["text_offset"])
+        vals = [v for e in lp["content"] for v in [e["logprob"]] + [a["logprob"] for a in e["top_logprobs"]]]
+        return c, vals, [(e["token"], e["bytes"], [(a["token"], a["bytes"]) for a in e["top_logprobs"]])
+                         for e in lp["content"]]
+    tops = lp.get("top_logprobs") or []
+    if all(len(d or {}) <= 1 for d in tops):
+        tops = []
+    vals = list(lp["token_logprobs"]) + [v for d in tops for v in (d or {}).values()]
+    return c, vals, (lp["tokens"], lp["text_offset"], [list(d or {}) for d in tops])
 
 
 def _assert_same(got, expected, name):
@@ -231,7 +243,14 @@ def test_beam_search_choices_equal_plain_vllm(dsbd, plain, name):
 def test_requests_not_vacuous(plain, models):
     eos = models[2]
     n = {name: len(plain[name][1]["choices"]) for name, *_ in REQUESTS}
-    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2, "n4_t1": 4}
+    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2, "n4_t1": 4, "n2_lp2": 2,
+                 "chat_top2": 2}
+    # the alternatives are there: per token the first 3 of the loop's 2 * n (completions return logprobs + 1), chat 2
+    for c in plain["n2_lp2"][1]["choices"]:
+        tops = c["logprobs"]["top_logprobs"]
+        assert len(tops) == len(c["logprobs"]["tokens"]) > 0 and all(len(d) == 3 for d in tops), tops
+    for c in plain["chat_top2"][1]["choices"]:
+        assert all(len(e["top_logprobs"]) == 2 for e in c["logprobs"]["content"]), c
     # vLLM's beams do not depend on the temperature
     _assert_same(plain["n4_t1"][1], plain["n4"][1], "n4_t1 vs n4")
     reasons = {name: [c["finish_reason"] for c in plain[name][1]["choices"]] for name, *_ in REQUESTS}
@@ -308,9 +327,14 @@ def test_streamed_beam_request_streams_the_settled_prefix(dsbd, name):
 
 def test_streamed_beam_request_refusals(dsbd):
     (code, body), (code2, body2), (code3, body3) = dsbd["stream_bad"]
-    # engine logprobs on a beam request: refused in the front end (streamed: the error is the stream's one event)
-    msg = "logprobs: not supported on a beam request"
+    # engine logprobs on a streamed (DELTA) beam request: refused (the error is the stream's one event)
+    msg = "logprobs: not supported on a streamed beam request"
     assert code == 200 and msg in body and '"finish_reason"' not in body, body
-    assert code2 == 400 and json.loads(body2)["error"]["message"].startswith(msg), body2
+    # unstreamed: served, the best beam's tokens with their logprobs (the chosen token and its row's best one)
+    assert code2 == 200, body2
+    (choice,) = json.loads(body2)["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(choice["token_ids"]) > 0, choice
+    assert all(1 <= len(d) <= 2 for d in lp["top_logprobs"]), lp
     assert code3 == 400 and "vllm_xargs" in body3, body3  # vLLM's own: no mappings in vllm_xargs
     assert dsbd["stream_alive"]

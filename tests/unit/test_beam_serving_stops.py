@@ -11,7 +11,7 @@ import vllm  # noqa: F401  (a broken vLLM must fail the suite, never skip it)
 from vllm.sampling_params import BeamSearchParams
 
 from vllm_dsbd.patches.beam_search_route import beam_request_params
-from vllm_dsbd.patches.beam_serving_route import beam_request_output, request_stops, unsupported_fields
+from vllm_dsbd.patches.beam_serving_route import beam_request_output, request_stops
 
 
 class _Tok:
@@ -27,7 +27,7 @@ def _out(beams):
 
 def test_openai_stops_become_beam_stops():
     req = types.SimpleNamespace(stop="cd", stop_token_ids=[7], logprobs=None, top_logprobs=None)
-    assert request_stops(req) == {"stop": ["cd"], "stop_token_ids": [7]} and unsupported_fields(req) == []
+    assert request_stops(req) == {"stop": ["cd"], "stop_token_ids": [7]}
     params = BeamSearchParams(beam_width=2, max_tokens=4, include_stop_str_in_output=True)
     sp = beam_request_params(params, 0, 3, 256, 4, temperature=0.0, stops=request_stops(req))
     beam = sp.extra_args["dsbd_beam"]

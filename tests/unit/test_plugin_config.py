@@ -27,6 +27,7 @@ from vllm_dsbd.requests import BeamParams, check_request, request_width  # noqa:
 plugin.register()  # as vLLM's plugin loader would; everything below runs with the patches applied
 
 from vllm import SamplingParams  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.sampling_params import StructuredOutputsParams  # noqa: E402
 from vllm.config.speculative import SpeculativeConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs, get_kwargs  # noqa: E402
@@ -741,16 +742,24 @@ def test_beam_request_that_vllm_would_stop_early_is_refused():
             check_request(_beam_sp(b, ignore_eos=False), cfg)
 
 
-def test_logprobs_on_a_beam_request_are_refused():
-    """A beam request's output tokens are its settled prefix, then its best beam, not the rows vLLM's logprobs are
-    sliced from: engine logprobs are refused for it (each beam's logprobs come in kv_transfer_params)."""
+def test_logprobs_on_a_beam_request():
+    """A beam request's logprobs are its best beam's, filled in when it finishes (patches/beam_outputs.py): served
+    up to 2W at T = 0 (the 2W best tokens of each row), the chosen tokens' only (logprobs 0) at T > 0; refused
+    above 2W, above 0 at T > 0 and on a streamed (DELTA) request, whose chunks before the last would carry none."""
     cfg = DSBDConfig(width=4)
     beam = {"width": 2, "max_tokens": 4}
     assert check_request(SamplingParams(logprobs=2), cfg) == 4
     assert check_request(_beam_sp(beam), cfg) == 4
-    for n in (0, 2):
-        with pytest.raises(ValueError, match=r"^logprobs: not supported on a beam request"):
-            check_request(_beam_sp(beam, logprobs=n), cfg)
+    for n in (0, 2, 4):
+        assert check_request(_beam_sp(beam, logprobs=n, temperature=0.0), cfg) == 4
+    assert check_request(_beam_sp(beam, logprobs=0, temperature=1.0), cfg) == 4
+    with pytest.raises(ValueError, match=r"^logprobs: a beam request of width 2 returns at most 4 alternatives"):
+        check_request(_beam_sp(beam, logprobs=5, temperature=0.0), cfg)
+    with pytest.raises(ValueError, match=r"^logprobs: alternatives \(logprobs = 2 > 0\) on a beam request at "
+                                         r"temperature > 0"):
+        check_request(_beam_sp(beam, logprobs=2, temperature=1.0), cfg)
+    with pytest.raises(ValueError, match=r"^logprobs: not supported on a streamed beam request"):
+        check_request(_beam_sp(beam, logprobs=1, temperature=0.0, output_kind=RequestOutputKind.DELTA), cfg)
 
 
 def test_stop_conditions_on_a_beam_request_are_refused():

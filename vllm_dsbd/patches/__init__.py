@@ -204,15 +204,15 @@ to add a speculative method with its own config keys and proposer; no such regis
 17. ``beam_serving_route`` - target ``vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin
    .beam_search`` (the OpenAI ``use_beam_search`` path of ``/v1/completions`` and ``/v1/chat/completions``), and
    ``to_beam_search_params`` of ``vllm.entrypoints.openai.completion.protocol.CompletionRequest`` and
-   ``vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`` (they note the request's ``stop``,
-   ``stop_token_ids`` and top-logprob counts on the ``BeamSearchParams`` they return, as ``_dsbd_unsupported``, an
-   attribute only the DSBD route reads: every engine gets vLLM's params otherwise unchanged).
+   ``vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`` (they note the request's ``stop`` and
+   ``stop_token_ids`` on the ``BeamSearchParams`` they return, as ``_dsbd_stops``, an attribute only the DSBD route
+   reads: every engine gets vLLM's params otherwise unchanged).
    What/Why: as 16, for the server: one engine request per prompt, the beams back as the one finished
    ``RequestOutput`` vLLM's loop yields (n choices, best first, text, token ids, cumulative logprob, finish and stop
-   reason); temperature 0 on the engine request, as 16. How: wrap the async generator; bad requests raise
-   ``VLLMValidationError`` with ``param`` ("n", "max_tokens", "prompt", "stop", "stop_token_ids", "logprobs",
-   "top_logprobs": vLLM's loop silently ignores stop strings and tokens, and the engine keeps the chosen tokens'
-   log-probabilities only) inside it, so the server answers 400 and keeps serving. When it can go: with 16.
+   reason, per-token logprobs: the 2W-entry dicts of vLLM's loop); temperature 0 on the engine request, as 16; the
+   request's stop strings and ids go to the beams (vLLM's loop ignores them). How: wrap the async generator; bad
+   requests raise ``VLLMValidationError`` with ``param`` ("n", "max_tokens", "prompt") inside it, so the server
+   answers 400 and keeps serving. When it can go: with 16.
 
 18. ``spec_repr`` - target ``vllm.config.speculative.SpeculativeConfig.__repr__``.
    What: a "dsbd" config without a draft model prints ``SpeculativeConfig(method='dsbd', model=None,

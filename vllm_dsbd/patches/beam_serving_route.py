@@ -26,16 +26,13 @@ handler answers 400 with ``param``, and the engine never sees the request) from 
 original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
 ``max_model_len`` (``prompt + max_tokens * (n + 1) + 2`` slots, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
-other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``), and a
-request with ``stop``, ``stop_token_ids``, completions ``logprobs`` > 0 or chat ``top_logprobs`` > 0 (``param`` that
-field): vLLM's loop ignores stop strings and stop tokens silently (``BeamSearchParams`` has no such field; a beam ends
-at EOS or ``max_tokens``), and the in-engine beams carry the chosen tokens' log-probabilities only (what completions
-``logprobs: 0`` and chat ``logprobs: true`` return, equal to vLLM's), not the alternatives vLLM's loop takes from its
-2 * beam_width candidates per step (the first of them the token its one-token request sampled), so such requests are
-refused rather than answered differently. The refusal reads the request's fields from ``to_beam_search_params`` of
-``CompletionRequest`` and ``ChatCompletionRequest`` (wrapped to note them on the ``BeamSearchParams`` they return,
-as ``_dsbd_unsupported``; plain engines never read it). The engine request runs at temperature 0 whatever the request's
-temperature: vLLM's loop ranks the raw log-probabilities its one-token requests return
+other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). The
+request's ``stop`` and ``stop_token_ids`` (which vLLM's loop ignores silently: ``BeamSearchParams`` has no such field)
+go to the beams (``beam_request_params``). Completions ``logprobs`` and chat ``logprobs``/``top_logprobs`` are served:
+every output's per-token logprobs are the 2 * beam_width-entry dicts of vLLM's loop (its one-token requests' 2W best
+tokens of the row, with ranks, ``position_dict``), from the beams' top rows in ``kv_transfer_params["dsbd_beam"]``;
+the OpenAI serializer keeps the requested number of alternatives from them, as for vLLM's loop.
+The engine request runs at temperature 0 whatever the request's temperature: vLLM's loop ranks the raw log-probabilities its one-token requests return
 (``entrypoints/generate/beam_search/online.py:59-65`` passes the temperature to those requests, whose logprobs are
 computed before any temperature, v1/sample/sampler.py:80-93), so its beams do not depend on the temperature and the
 OpenAI endpoints' default temperature 1 gives the same beams as temperature 0 (one exception, random on vLLM too:
@@ -59,7 +56,6 @@ MODULE = "vllm.entrypoints.generate.beam_search.online"
 # the OpenAI request classes whose ``to_beam_search_params`` build the params of ``use_beam_search`` requests
 REQUEST_MODULES = {"vllm.entrypoints.openai.completion.protocol": "CompletionRequest",
                    "vllm.entrypoints.openai.chat_completion.protocol": "ChatCompletionRequest"}
-UNSUPPORTED_ATTR = "_dsbd_unsupported"
 STOPS_ATTR = "_dsbd_stops"  # the request's stop strings and stop token ids, for the beams (``beam_request_params``)
 
 
@@ -67,20 +63,6 @@ def apply() -> None:
     when_imported(MODULE, _patch)
     for module, cls in REQUEST_MODULES.items():
         when_imported(module, lambda mod, cls=cls: _patch_request(getattr(mod, cls)))
-
-
-def unsupported_fields(request) -> list[tuple[str, object]]:
-    """The (field, value) pairs of an OpenAI completion or chat request that a DSBD beam search refuses: top-logprob
-    alternatives (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0). The chosen tokens' log-probabilities
-    (completions ``logprobs: 0``, chat ``logprobs: true``) are served, equal to vLLM's; stop strings and stop token
-    ids are served (each beam obeys them, :func:`request_stops`), where vLLM's loop ignores them."""
-    out = []
-    for name in ("logprobs", "top_logprobs"):
-        value = getattr(request, name, None)
-        # chat's logprobs is a bool (the chosen tokens only); an int above 0 asks for alternatives
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            out.append((name, value))
-    return out
 
 
 def request_stops(request) -> dict:
@@ -95,16 +77,10 @@ def request_stops(request) -> dict:
     return out
 
 
-_LOGPROBS_WHY = ("the in-engine beams carry the chosen tokens' log-probabilities only, not the alternatives vLLM's "
-                 "beam search takes from its 2 * n candidates per step; 0 gives the chosen tokens' log-probabilities")
-_WHY = {"logprobs": _LOGPROBS_WHY, "top_logprobs": _LOGPROBS_WHY}
-
-
 def _patch_request(cls: type) -> None:
     def make(orig):
         def to_beam_search_params(self, *args, **kwargs):
             params = orig(self, *args, **kwargs)
-            setattr(params, UNSUPPORTED_ATTR, unsupported_fields(self))  # read by the DSBD route only
             setattr(params, STOPS_ATTR, request_stops(self))
             return params
 
@@ -124,6 +100,17 @@ def _validation_error(message: str):
     head = message.split(":", 1)[0]
     param = head if head.isidentifier() else next((f for k, f in _FIELDS.items() if f"[{k!r}]" in message), None)
     return VLLMValidationError(message, parameter=param)
+
+
+def position_dict(token: int, logprob: float, top) -> dict:
+    """One position's logprobs as vLLM's loop returns them (its one-token request at temperature 0 with ``logprobs``
+    2W): the 2W best tokens of the row, best first, with their ranks, the chosen one among them, no decoded text
+    (its requests do not detokenize); the chosen token alone where the row is not known."""
+    from vllm.logprobs import Logprob
+
+    if not top:
+        return {token: Logprob(logprob=logprob)}
+    return {int(t): Logprob(logprob=float(v), rank=r + 1) for r, (t, v) in enumerate(top)}
 
 
 def beam_request_output(prompt, request_id: str, out, tokenizer, params):
@@ -148,7 +135,8 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
         gen = list(b["token_ids"])
         stop = b["finish_reason"] == "stop"
         reason = b.get("stop_reason", eos) if stop else None
-        logprobs = [{t: Logprob(logprob=lp)} for t, lp in zip(gen, b["logprobs"])]
+        logprobs = [position_dict(t, lp, top) for t, lp, top in
+                    zip(b["token_ids"], b["logprobs"], b.get("top_logprobs") or [None] * len(b["token_ids"]))]
         if isinstance(reason, str):  # a stop string: the tokens stay, the text is cut
             outputs.append(CompletionOutput(
                 index=i, text=cut_at_stop(tokenizer.decode(gen), reason, params.include_stop_str_in_output),
@@ -190,9 +178,6 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     if prompt["type"] != "token":
         raise VLLMValidationError("prompt: only text and token prompts are supported for beam search on a DSBD "
                                   "engine", parameter="prompt", value=prompt["type"])
-    for name, value in getattr(params, UNSUPPORTED_ATTR, None) or ():
-        raise VLLMValidationError(f"{name}: not supported with use_beam_search on a DSBD engine ({_WHY[name]}); "
-                                  f"leave {name} out", parameter=name, value=value)
     width = DSBDConfig.from_vllm_config(cfg).width
     if isinstance(params.beam_width, int) and params.beam_width > width:
         raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's DSBD "
