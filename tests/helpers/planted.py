@@ -60,10 +60,11 @@ CHAIN_STATIC_VARIANTS = {"dropped_residual": [("tr = torch.where(tot > _TINY, re
 
 
 def planted_chain(variant: str, static: bool = False):
-    """A copy of the chain core's ``_layer`` (``static``: ``verify_chains_static``) with the variant's lines
-    changed."""
-    if static:
-        return _planted(chain_static_mod, "verify_chains_static", CHAIN_STATIC_VARIANTS, variant)
+    """A copy of the chain core's ``_layer`` (``static``: ``verify_chains_static`` over a copy of its ``_draw_layer``)
+    with the variant's lines changed."""
+    if static:  # the rule's line is in ``_draw_layer``: a copy of ``verify_chains_static`` calling a planted one
+        layer = _planted(chain_static_mod, "_draw_layer", CHAIN_STATIC_VARIANTS, variant)
+        return _planted(chain_static_mod, "verify_chains_static", {variant: []}, variant, {"_draw_layer": layer})
     return _planted(chain_mod, "_layer", CHAIN_VARIANTS, variant)
 
 
@@ -74,11 +75,11 @@ def planted_verify_layer(variant: str, static: bool = False):
     return _planted(mod, name, STATIC_VARIANTS if static else VARIANTS, variant)
 
 
-def _planted(mod, name: str, variants: dict, variant: str):
+def _planted(mod, name: str, variants: dict, variant: str, extra: dict | None = None):
     src = textwrap.dedent(inspect.getsource(getattr(mod, name)))
     for old, new in variants[variant]:
         assert src.count(old) == 1, f"planted variant {variant!r}: the core's {name} no longer has {old!r}"
         src = src.replace(old, new)
-    namespace = dict(vars(mod))
+    namespace = dict(vars(mod), **(extra or {}))  # ``extra``: names it calls replaced (planted helpers)
     exec(compile(src, f"<planted {name}: {variant}>", "exec"), namespace)
     return namespace[name]

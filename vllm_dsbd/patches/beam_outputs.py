@@ -26,6 +26,7 @@ from vllm_dsbd.patches._patching import wrap_method
 
 BEAM_KEY = "dsbd_beam"
 _ATTR = "_dsbd_beam"  # the request's dsbd_beam settings, on its LogprobsProcessor (a dict)
+PATCH_ID = "beam_search_route"  # part of that patch (beam_search_route.apply hooks it in); no import back
 
 
 def _beam_settings(request) -> dict | None:
@@ -69,8 +70,6 @@ def best_beam_logprobs(proc, beam: dict) -> None:
 
 
 def patch_output_processor(mod: types.ModuleType) -> None:
-    from vllm_dsbd.patches.beam_search_route import PATCH_ID
-
     procs = mod.LogprobsProcessor
 
     def make_new(orig):
