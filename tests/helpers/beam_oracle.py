@@ -1,4 +1,5 @@
-"""The exact law of target beam sampling, by enumeration (a test oracle that shares no code with ``vllm_dsbd.core``).
+"""The exact law of target beam sampling, by enumeration (a test oracle that shares no code with ``vllm_dsbd.core``);
+``plain_sampling_law``: the exact law of a plain request's first k tokens, over the pruned prefix tree.
 
 Written from the definition (docs/design/algorithm.md §1; docs/deviations.md), in plain Python floats:
   - a model is ``next_probs(context) -> list of V probabilities`` (for the synthetic table LMs: the table row);
@@ -151,3 +152,48 @@ def hf_next_probs(folder) -> NextProbs:
             return torch.softmax(fn(torch.tensor([list(ctx)])).double()[0], -1).tolist()
 
     return next_probs
+
+
+REST = "rest"  # the bin of every sequence the pruned plain-sampling law does not list
+
+
+def plain_sampling_law(next_probs: NextProbs, prompt: list, k: int, *, temperature: float, min_mass: float,
+                       top_k: int | None = None, top_p: float | None = None) -> dict:
+    """Exact law of the first ``k`` tokens of one plain sampled request (EOS ignored), pruned over the prefix tree.
+
+    Walks the tree of token prefixes from the prompt: p_T(x | prompt + prefix) (``tempered``, then top-k / top-p by
+    ``truncate`` on the tempered probabilities, vLLM's order), products in float64. A prefix of probability below
+    ``min_mass`` is not expanded: its whole subtree goes into the :data:`REST` bin with that exact mass (summed from
+    the pruned prefixes, never as 1 - the rest). Every listed k-token sequence has probability >= ``min_mass``.
+
+    With ``min_mass`` = 5 / N this is the full law as ``chisq.goodness_of_fit`` sees it at N draws: a sequence below
+    the cut has expected count < 5 and would be merged into its tail bin anyway (so would every sequence under a pruned
+    prefix). Returns {tokens tuple: prob, REST: prob}; bin a sample with :func:`binned`."""
+    assert temperature > 0, "the oracle is for sampling (temperature > 0)"
+    out, rest = {}, 0.0
+
+    def rec(seq, mass):
+        nonlocal rest
+        if mass < min_mass:
+            rest += mass
+            return
+        if len(seq) == k:
+            out[tuple(seq)] = mass
+            return
+        law = truncate(dict(enumerate(tempered(next_probs(list(prompt) + seq), temperature))), top_k, top_p)
+        for x, px in sorted(law.items()):
+            rec(seq + [x], mass * px)
+
+    rec([], 1.0)
+    out[REST] = rest
+    return out
+
+
+def binned(counts, law: dict):
+    """A Counter of k-token sequences with each sequence the pruned ``law`` does not list counted in :data:`REST`."""
+    from collections import Counter
+
+    out = Counter()
+    for seq, c in counts.items():
+        out[tuple(seq) if tuple(seq) in law else REST] += c
+    return out
