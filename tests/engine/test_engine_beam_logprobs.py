@@ -1,4 +1,4 @@
-"""Per-token logprobs of beam requests (patch ``beam_search_route`` with ``patches/beam_outputs.py``), real vLLM
+"""Per-token logprobs of beam requests (patches ``beam_outputs`` and ``beam_search_route``), real vLLM
 0.26.0 on CPU.
 
 Two engines on the tiny random Llama pair: plain vLLM, whose own ``LLM.beam_search`` loop (one-token requests with

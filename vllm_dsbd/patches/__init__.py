@@ -183,9 +183,9 @@ to add a speculative method with its own config keys and proposer; no such regis
    request become the tokens it outputs, and the only place where the two can differ (the front end, in or across
    processes, sees only the latter): a streamed beam request (``DELTA`` / ``CUMULATIVE``, the server's ``"stream":
    true`` with ``vllm_xargs``) streams the settled prefix, never retracted, and every beam request's final
-   ``CompletionOutput`` is its best beam (``tests/engine/test_engine_beam_stream.py``). Engine ``logprobs`` are refused for
-   beam requests (``requests.check_request``): vLLM slices them by the number of tokens output. vLLM's token list only
-   grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
+   ``CompletionOutput`` is its best beam (``tests/engine/test_engine_beam_stream.py``). Engine ``logprobs`` of a beam
+   request: vLLM slices them from the rows the runner sampled, which are not its tokens'; the final output's are the
+   best beam's (21). vLLM's token list only grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
    keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
    the three; requests without ``dsbd_beam`` and non-DSBD engines are untouched. When it can go: vLLM gains in-engine
    beam search (or a runner-side finish with a payload, output tokens that may differ from the appended ones, and a way
@@ -257,6 +257,17 @@ to add a speculative method with its own config keys and proposer; no such regis
    return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with the emitted tokens
    (``update_from_output``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
    with per-node bitmasks.
+
+21. ``beam_outputs`` - target ``vllm.v1.engine.output_processor.LogprobsProcessor.from_new_request`` and
+   ``.update_from_output``.
+   What: when a plain beam request (``extra_args["dsbd_beam"]`` with ``logprobs`` k <= 2W) finishes, its logprobs
+   become the best beam's in vLLM's shape (per token the chosen token with its rank and the row's k best) and its
+   ``cumulative_logprob`` the best beam's. Why: the request's output tokens are the beams' settled prefix and best
+   beam (15), not the rows the runner sampled, so the logprobs vLLM slices from those rows are not its tokens'. How:
+   wrap both; the processor notes the request's ``dsbd_beam`` settings, and a finished output that carries
+   ``kv_transfer_params["dsbd_beam"]`` (only a DSBD engine sends it) gets the best beam's; every other request is
+   untouched (``tests/engine/test_engine_beam_logprobs.py``: equal to vLLM's own ``LLM.beam_search`` to 1e-4). When it
+   can go: with 15.
 """
 
 from __future__ import annotations
@@ -290,6 +301,7 @@ PATCHES = (
     "spec_repr",
     "cpu_ray_executor",
     "grammar_forests",
+    "beam_outputs",
 )
 
 

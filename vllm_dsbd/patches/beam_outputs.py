@@ -1,6 +1,6 @@
-"""Front end of a plain beam request (``extra_args["dsbd_beam"]`` on ``generate``): its logprobs.
+"""Patch: the front end of a plain beam request (``extra_args["dsbd_beam"]`` on ``generate``): its logprobs.
 
-Applied by patch ``beam_search_route`` (the front end of beam requests), on ``vllm.v1.engine.output_processor``:
+On ``vllm.v1.engine.output_processor`` (ledger entry 21 in ``patches/__init__.py``):
 
 * ``LogprobsProcessor``: a beam request's output tokens are its beams' settled prefix, then the rest of the best beam
   (patch ``beam_scheduler``), not the rows the runner sampled, so the logprobs vLLM slices for it from those rows
@@ -22,11 +22,16 @@ from __future__ import annotations
 import json
 import types
 
-from vllm_dsbd.patches._patching import wrap_method
+from vllm_dsbd.patches._patching import when_imported, wrap_method
 
 BEAM_KEY = "dsbd_beam"
 _ATTR = "_dsbd_beam"  # the request's dsbd_beam settings, on its LogprobsProcessor (a dict)
-PATCH_ID = "beam_search_route"  # part of that patch (beam_search_route.apply hooks it in); no import back
+PATCH_ID = "beam_outputs"
+MODULE = "vllm.v1.engine.output_processor"
+
+
+def apply() -> None:
+    when_imported(MODULE, patch_output_processor)
 
 
 def _beam_settings(request) -> dict | None:

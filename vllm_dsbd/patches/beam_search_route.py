@@ -36,11 +36,7 @@ MODULE = "vllm.entrypoints.generate.beam_search.offline"
 
 
 def apply() -> None:
-    from vllm_dsbd.patches.beam_outputs import patch_output_processor
-
     when_imported(MODULE, _patch)
-    # a plain beam request's logprobs (patches/beam_outputs.py)
-    when_imported("vllm.v1.engine.output_processor", patch_output_processor)
 
 
 def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
