@@ -28,7 +28,8 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import beam_counters, dsbd_llm, runner_of, sharpened, tiny_pair  # the CPU engine environment first
+from engine_utils import (  # the CPU engine environment first
+    beam_counters, beam_sets, dsbd_llm, runner_of, sharpened, tiny_pair)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -56,7 +57,7 @@ def _run(llm, n=N) -> tuple[Counter, dict]:
     before = beam_counters(llm)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * n, [_params(s) for s in range(n)], use_tqdm=False)
     after = beam_counters(llm)
-    sets = Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
+    sets = beam_sets(outs)
     return sets, {k: after[k] - before[k] for k in after}
 
 

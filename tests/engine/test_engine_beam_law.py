@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_utils import dsbd_llm, tiny_pair  # sets the CPU engine environment before vllm is imported
+from engine_utils import beam_sets, dsbd_llm, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -42,7 +42,7 @@ def _params(seed):
 
 def _outcomes(llm, n=N) -> Counter:
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * n, [_params(s) for s in range(n)], use_tqdm=False)
-    return Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
+    return beam_sets(outs)
 
 
 def _per_beam_step(logits, scores, live, params, position, stream):

@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from engine_utils import (  # the CPU engine environment first
-    beam_counters, dsbd_llm, metric, runner_of, sharpened, tiny_pair, with_eos)
+    beam_counters, beam_sets, dsbd_llm, metric, runner_of, sharpened, tiny_pair, with_eos)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -65,7 +65,7 @@ def _run(llm) -> tuple[Counter, dict]:
     before = _counters(llm)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, [_params(s) for s in range(N)], use_tqdm=False)
     after = _counters(llm)
-    sets = Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
+    sets = beam_sets(outs)
     return sets, {k: after[k] - before[k] for k in after}
 
 

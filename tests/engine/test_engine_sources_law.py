@@ -33,7 +33,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_utils import beam_counters, dsbd_llm, runner_of  # the CPU engine environment first
+from engine_utils import beam_counters, beam_sets, dsbd_llm, runner_of  # the CPU engine environment first
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
@@ -94,7 +94,7 @@ def _beams(llm):
     before = beam_counters(llm)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N_BEAM, params, use_tqdm=False)
     after = beam_counters(llm)
-    sets = Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
+    sets = beam_sets(outs)
     return sets, {k: after[k] - before[k] for k in after}
 
 

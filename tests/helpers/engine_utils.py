@@ -23,6 +23,7 @@ import functools
 import gc
 import logging
 import os
+from collections import Counter
 
 import torch
 
@@ -124,6 +125,12 @@ class LogRecords(logging.Handler):
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+
+
+def beam_sets(outs) -> Counter:
+    """How often each set of final beams (each beam's token ids, sorted) came out of beam requests' outputs: the
+    outcome of the beam-sampling law tests."""
+    return Counter(tuple(sorted(tuple(b["token_ids"]) for b in o.kv_transfer_params["dsbd_beam"])) for o in outs)
 
 
 def beam_counters(llm) -> dict:
