@@ -168,9 +168,14 @@ _RULES = (
 # SamplingParams a DSBD request may not set: (attribute, what counts as set). Each would have to act on every forest
 # node with that node's own history or grammar state (and on the draft alike, for exactness), which is not built.
 # Refused, never ignored.
-_REFUSED = (
-    ("logprob_token_ids", lambda v: v is not None),
+# ``prompt_logprobs`` (vLLM's runner computes them from the prompt rows, which a forest never shares) and
+# ``logprob_token_ids`` (gathered from each emitted token's target row, as vLLM's sampler does) are served on plain
+# requests; vLLM's beam search has neither, so a beam request that sets one is refused.
+_LOGPROB_EXTRAS = (
     ("prompt_logprobs", lambda v: v is not None),
+    ("logprob_token_ids", lambda v: v is not None),
+)
+_REFUSED = (
     ("thinking_token_budget", lambda v: v is not None),
     ("repetition_detection", lambda v: v is not None),
 )
@@ -210,7 +215,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             SamplingParams (the beams take them in ``dsbd_beam``, at T = 0 only),
             ``structured_outputs``, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
             or ``min_p``, ``min_tokens``, ``logit_bias``,
-            ``allowed_token_ids`` or ``bad_words``.
+            ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` or ``logprob_token_ids``.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -258,6 +263,12 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                              "beam search has no such setting (BeamSearchParams); leave "
                              f"{'it' if len(rules) == 1 else 'them'} unset on beam requests (plain requests take "
                              f"{'it' if len(rules) == 1 else 'them'})")
+        extras = [name for name, is_set in _LOGPROB_EXTRAS if is_set(getattr(sampling_params, name, None))]
+        if extras:
+            raise ValueError(f"{', '.join(extras)}: not supported on a beam request (extra_args[{BEAM_KEY!r}]), as "
+                             "vLLM's beam search returns neither (BeamSearchParams); 'logprobs' gives each beam token's "
+                             "log-probability and alternatives; plain requests take "
+                             f"{'it' if len(extras) == 1 else 'them'}")
         check_beam_logprobs(sampling_params, beam)
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
@@ -265,7 +276,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
         raise ValueError(
             f"{names}: not supported with speculative method {METHOD!r} (the DSBD sampler applies temperature, top_k, "
             "top_p, min_p, the repetition, presence and frequency penalties, logit_bias, allowed_token_ids, bad_words, "
-            "min_tokens, seed, stop conditions, logprobs and structured outputs only); leave "
+            "min_tokens, seed, stop conditions, logprobs, prompt_logprobs, logprob_token_ids and structured outputs only); leave "
             f"{'it' if len(bad) == 1 else 'them'} unset or use an engine without DSBD"
         )
     return request_width(sampling_params, cfg)

@@ -67,7 +67,9 @@ def dsbd_runs(tiny_pair):
                     temperature=0, max_tokens=4, extra_args={"dsbd_width": value}))
             bad.append(str(err.value))
         # so is a setting the DSBD sampler does not apply (named in the message), never silently ignored
-        for name, value in (("prompt_logprobs", 1),):
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        for name, value in (("repetition_detection", RepetitionDetectionParams(max_pattern_size=4, min_count=3)),):
             with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'") as err:
                 llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
                     temperature=0, max_tokens=4, **{name: value}))

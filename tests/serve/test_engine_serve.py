@@ -303,9 +303,9 @@ def test_structured_outputs_equal_plain_vllm(server, plain_texts):
 def test_unsupported_setting_is_400_and_server_survives(server):
     base, _, _ = server
     with pytest.raises(urllib.error.HTTPError) as err:
-        _completion(base, prompt_logprobs=1)
+        _completion(base, repetition_detection={"max_pattern_size": 4, "min_count": 3})
     assert err.value.code == 400, err.value.code
-    assert "prompt_logprobs: not supported with speculative method 'dsbd'" in err.value.read().decode()
+    assert "repetition_detection: not supported with speculative method 'dsbd'" in err.value.read().decode()
     assert _completion(base)["choices"][0]["text"]
 
 

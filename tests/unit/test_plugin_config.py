@@ -655,9 +655,7 @@ def test_request_width():
             request_width(SamplingParams(extra_args={"dsbd_width": bad}), cfg)
 
 
-REFUSED_SETTINGS = {
-    "prompt_logprobs": 1, "thinking_token_budget": 8,
-}
+REFUSED_SETTINGS = {"thinking_token_budget": 8}
 # applied to plain requests per forest node (engine/processors.py), refused on beam requests (vLLM's beam search has
 # none)
 RULE_SETTINGS = {"min_p": 0.1, "min_tokens": 3, "logit_bias": {5: 1.0}, "allowed_token_ids": [1, 2, 3],
@@ -674,8 +672,12 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
     for name, value in REFUSED_SETTINGS.items():
         with pytest.raises(ValueError, match=rf"^{name}: not supported with speculative method 'dsbd'"):
             check_request(SamplingParams(**{name: value}), cfg)
-    with pytest.raises(ValueError, match=r"^prompt_logprobs, thinking_token_budget: not supported"):
+    with pytest.raises(ValueError, match=r"^thinking_token_budget: not supported"):
         check_request(SamplingParams(presence_penalty=1.0, min_p=0.2, prompt_logprobs=1, thinking_token_budget=4), cfg)
+    # served on plain requests (engine/runner.py), refused on beam requests (vLLM's beam search returns neither)
+    assert check_request(SamplingParams(prompt_logprobs=2, logprob_token_ids=[1, 5]), cfg) == 4
+    with pytest.raises(ValueError, match=r"^prompt_logprobs, logprob_token_ids: not supported on a beam request"):
+        check_request(_beam_sp({"width": 2, "max_tokens": 8}, prompt_logprobs=1, logprob_token_ids=[3]), cfg)
     assert check_request(SamplingParams(temperature=0.5, **RULE_SETTINGS), cfg) == 4
     for name, value in RULE_SETTINGS.items():
         with pytest.raises(ValueError, match=rf"^{name}: not applied to a beam request .*vLLM's beam search has no"):

@@ -421,15 +421,22 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
 
     def _dsbd_logprobs(self, logits, plan, results, max_len: int):
         """Logprobs of every emitted token and the top ``max_num_logprobs`` of its row, from the target's raw logits, as
-        vLLM's rejection sampler returns them (``[num_reqs * max_len]`` rows, padding filtered out by vLLM)."""
-        n = self.input_batch.sampling_metadata.max_num_logprobs
-        if n is None:
+        vLLM's rejection sampler returns them (``[num_reqs * max_len]`` rows, padding filtered out by vLLM). A batch
+        with ``logprob_token_ids`` gets those ids' logprobs in every row instead (vLLM's sampler prefers them too),
+        each emitted token's row gathering its request's ids."""
+        meta = self.input_batch.sampling_metadata
+        n = meta.max_num_logprobs
+        if n is None and not meta.logprob_token_ids:
             return None
         rows, tokens = sampler.emitted_rows(plan, results, max_len)
         picked = logits[rows.to(logits.device)].float()
         if self.model_config.logprobs_mode != "raw_logits":
             picked = self.sampler.compute_logprobs(picked)
-        return self.sampler.gather_logprobs(picked, n if n >= 0 else picked.shape[-1], tokens.to(logits.device))
+        tokens = tokens.to(logits.device)
+        if meta.logprob_token_ids:  # {batch row: ids}; the emitted rows of batch row i are i * max_len ...
+            ids = {i * max_len + j: t for i, t in meta.logprob_token_ids.items() for j in range(max_len)}
+            return self.sampler.gather_specific_token_logprobs(picked, ids, tokens)
+        return self.sampler.gather_logprobs(picked, n if n >= 0 else picked.shape[-1], tokens)
 
     # ------------------------------------------------------------------------------------------------------------
     # 5. the next forests
