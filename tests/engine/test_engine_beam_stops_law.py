@@ -2,9 +2,12 @@
 returned beams is exactly that of target beam sampling where a drawn pair ending in a stop id finishes its beam.
 
 A beam request (``extra_args["dsbd_beam"]``: width 2, 3 steps, draft depth 2, top-k 3 on the joint, EOS ignored,
-``stop_token_ids`` one token the beams draw often at their second step: the greedy second token) on the tiny random Llama pair of ``test_engine_beam_forest_law.py`` (the draft = the target's first 2 of 3
-layers, its logits sharpened x 3), ``N`` requests with seeds 0..N-1. A request with stops verifies its forests layer
-by layer on the host (``step.step_beams``): whether a layer passes depends on which drawn pairs finish a beam.
+``stop_token_ids`` one token the beams draw often at their second step: the greedy second token) on the tiny random
+Llama pair of ``test_engine_beam_forest_law.py`` (the draft = the target's first 2 of 3 layers, its logits sharpened
+x 3), ``N`` requests with seeds 0..N-1. A request with stops verifies its forests layer
+by layer on the host (``step.step_beams``): whether a layer passes depends on which drawn pairs finish a beam; the
+engine runs with the device's one-read static verification on, which such a request must leave (with it, the same
+requests raised "layer 1 of a static verification passed on the host, not on the device").
 Outcome = the set of the 2 returned beams. Oracle: ``beam_oracle.beam_sampling_law`` with the stop ids finishing as
 EOS does (the exact law of all final candidates, by enumeration over the Hugging Face model; no code shared with
 ``vllm_dsbd.core``), then ``returned_law``: the 2 best of each outcome by vLLM's length-normalised score (a stop id
@@ -20,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from engine_utils import (  # the CPU engine environment first
-    beam_counters, beam_sets, dsbd_llm, greedy_tokens, sharpened, tiny_pair)
+    beam_counters, beam_sets, dsbd_llm, greedy_tokens, runner_of, sharpened, tiny_pair)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs, returned_law  # noqa: E402
@@ -68,6 +71,10 @@ def runs(tmp_path_factory):
     with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048,
                   speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                       "width": WIDTH}) as llm:
+        # the device's path (every layer of a step in one read), which a request with stops must leave for the
+        # host's layer-by-layer check (``step.step_beams``; on it a drawn stop id would end the step on the host
+        # where the device's check passed the layer)
+        runner_of(llm).dsbd_static_layers = True
         exact = _run(llm, stops, N)
         real = step_mod._take
         step_mod._take = _planted_take(real)
