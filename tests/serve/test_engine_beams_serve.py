@@ -8,7 +8,7 @@ a copy of the folder, as ``test_engine_beams.py`` does) to token 102, picked so 
 both ways: on EOS after 0 to 3 tokens and at ``max_tokens`` (asserted); the tiny tokenizer has no chat template, both
 servers get the same trivial one.
 
-The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 and 4 (length penalty,
+The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 and 4 (length penalty 0.5, 1.3 and 2,
 ``include_stop_str_in_output``, two prompts in one request), ``/v1/chat/completions`` with ``n`` = 2; and one at
 temperature 1 (the OpenAI default), where vLLM's beams are its temperature-0 beams and DSBD's too (beam sampling is
 only asked for with ``dsbd_beam``). Every choice is
@@ -64,6 +64,8 @@ def _cmpl(**kw):
 REQUESTS = [
     ("n2", *_cmpl(n=2)),
     ("n4", *_cmpl(n=4, length_penalty=1.3)),
+    ("n4_lp05", *_cmpl(n=4, length_penalty=0.5)),
+    ("n4_lp2", *_cmpl(n=4, length_penalty=2.0)),
     ("n4_stop_str", *_cmpl(n=4, include_stop_str_in_output=True)),
     ("two_prompts", *_cmpl(n=2, prompt=[PROMPT, [10, 20, 30]], max_tokens=5)),
     ("chat", "/v1/chat/completions",
@@ -243,8 +245,11 @@ def test_beam_search_choices_equal_plain_vllm(dsbd, plain, name):
 def test_requests_not_vacuous(plain, models):
     eos = models[2]
     n = {name: len(plain[name][1]["choices"]) for name, *_ in REQUESTS}
-    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2, "n4_t1": 4, "n2_lp2": 2,
-                 "chat_top2": 2}
+    assert n == {"n2": 2, "n4": 4, "n4_lp05": 4, "n4_lp2": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2,
+                 "n4_t1": 4, "n2_lp2": 2, "chat_top2": 2}
+    # the length penalty changes vLLM's answer here (its beams end on EOS at different lengths)
+    assert [c["token_ids"] for c in plain["n4_lp05"][1]["choices"]] != \
+        [c["token_ids"] for c in plain["n4_lp2"][1]["choices"]]
     # the alternatives are there: per token the first 3 of the loop's 2 * n (completions return logprobs + 1), chat 2
     for c in plain["n2_lp2"][1]["choices"]:
         tops = c["logprobs"]["top_logprobs"]
