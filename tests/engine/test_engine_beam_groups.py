@@ -1,6 +1,8 @@
 """Diverse beam search (``extra_args["dsbd_beam"]``: ``num_beam_groups``, ``diversity_penalty``) inside the DSBD engine,
-real vLLM 0.26.0 on CPU, one engine (the tiny random Llama pair, width 4, draft depth 3: beams with draft forests),
-the tokenizer's EOS moved to the second greedy token of the first prompt so that beams finish at different lengths.
+real vLLM 0.26.0 on CPU, one engine: the tiny random Llama target with the tokenizer's EOS moved to the second greedy
+token of the first prompt (so that beams finish at different lengths), width 4, draft depth 3, the target as its own
+draft with 16 forest nodes per depth (the draft beam-searches without groups, so it covers the groups' beams only when
+over-drafted; a truncated draft passed no layer here, plain beams or groups).
 
 Oracle: ``group_beam.group_beam_search``, HF's group beam search written out in plain torch over the Hugging Face
 target's log-softmax rows (no code shared with ``vllm_dsbd``). Checked, on 5 prompts, 8 tokens:
@@ -9,7 +11,8 @@ target's log-softmax rows (no code shared with ``vllm_dsbd``). Checked, on 5 pro
 * G = 2 and 4 groups at penalty 0.5 and 2: the engine's beams equal the oracle's (tokens, order, finish reasons,
   cumulative log-probabilities to 1e-4), and they are not plain beam search (the returned beams differ from the plain
   request's on some prompt for every case);
-* forests were drafted and verified for these requests (the engine's counters);
+* forests were drafted and verified for these requests and layers passed (the engine's counters): the groups' beams
+  were taken from forest logits in the same target pass, and still equal the oracle's;
 * bad values (width not divisible by the groups, a negative penalty, a penalty with one group, groups at temperature
   > 0) raise a ValueError naming the parameter, and the engine serves a good request afterwards.
 """
@@ -26,7 +29,7 @@ from vllm_dsbd.patches.beam_search_route import finished_beams  # noqa: E402
 from vllm_dsbd.requests import BeamParams  # noqa: E402
 from vllm_dsbd.testing.models import load_hf, next_token_logits_fn  # noqa: E402
 
-WIDTH, DEPTH, STEPS = 4, 3, 8
+WIDTH, DEPTH, STEPS, NODES = 4, 3, 8, 16
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [7], [126, 129, 252], [83, 60, 71, 9]]
 CASES = [(2, 0.5), (2, 2.0), (4, 0.5), (4, 2.0)]  # (num_beam_groups, diversity_penalty)
 BAD = [({"num_beam_groups": 3}, "num_beam_groups"), ({"num_beam_groups": 2, "diversity_penalty": -0.5},
@@ -46,12 +49,13 @@ def _beams(llm, eos, **kw):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    target, draft = tiny_pair()
+    target, _ = tiny_pair()
     fn = next_token_logits_fn(load_hf(target))
     g0 = greedy_tokens(fn, PROMPTS[0], 8)
     eos = next(t for i, t in enumerate(g0) if i >= 1 and t not in g0[:i])  # the second greedy token
     folder = with_eos(target, tmp_path_factory.mktemp("groups") / "target", eos)
-    spec = {"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH, "width": WIDTH}
+    spec = {"method": "dsbd", "model": str(folder), "num_speculative_tokens": DEPTH, "width": WIDTH,
+            "beam_nodes": NODES}
     with dsbd_llm(folder, speculative_config=spec) as llm:
         plain = _beams(llm, eos)
         before = beam_counters(llm)
@@ -101,7 +105,7 @@ def test_groups_are_not_plain_beam_search(run, case):
 def test_forests_were_drafted_for_groups(run):
     c = run["counters"]
     print("counters:", c)
-    assert c["beam_draft_nodes"] > 0 and c["beam_steps"] > 0
+    assert c["beam_draft_nodes"] > 0 and c["beam_layers_passed"] > 0
 
 
 def test_bad_values_are_refused_naming_the_parameter(run):
