@@ -20,6 +20,10 @@ afterwards still gets the same answer (``stop`` strings are served: test_beam_se
 counters on ``/metrics`` show draft forests verified
 and layers passed for the beam searches, and forests verified for the streamed requests.
 
+Diverse beam search (DSBD server only; vLLM's loop ignores the fields): ``use_beam_search`` with
+``num_beam_groups`` / ``diversity_penalty`` returns the beams of the same ``dsbd_beam`` request, not the beams without
+groups, and a width the groups do not divide is a 400 naming ``num_beam_groups``.
+
 Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
 with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
 carry strings and numbers, a mapping is a 400 from vLLM) streams the beams' settled prefix in chunks before the last
@@ -204,9 +208,32 @@ def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
                                                      vllm_xargs={"dsbd_beam": {"width": 2, "max_tokens": 4}})),
         ]
         out["stream_alive"] = proc.poll() is None
+        # diverse beam search: use_beam_search with the extra fields, the same beams as a dsbd_beam request; a bad
+        # num_beam_groups is a 400 naming it
+        groups = {"num_beam_groups": 2, "diversity_penalty": 1.0}
+        beam = {"width": WIDTH, "max_tokens": 6, "eos_token_id": EOS, **groups}
+        out["groups"] = [_post(base, *_cmpl(n=WIDTH, **groups)), _post(base, *_cmpl(n=WIDTH)),
+                         _post(base, "/v1/completions",
+                               {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "max_tokens": 6 * (WIDTH + 1) + 2,
+                                "return_token_ids": True, "vllm_xargs": {"dsbd_beam": json.dumps(beam)}}),
+                         _post(base, *_cmpl(n=WIDTH, num_beam_groups=3))]
         with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
             out["metrics_end"] = r.read().decode()
         return out
+
+
+def test_use_beam_search_takes_beam_groups(dsbd):
+    """``num_beam_groups`` / ``diversity_penalty`` on a ``use_beam_search`` request (extra fields; vLLM's own loop
+    ignores them): the choices are the beams of the same ``dsbd_beam`` request (diverse beam search,
+    ``test_engine_beam_groups.py`` tests it against an oracle), not the request's beams without groups; a width that
+    the groups do not divide is a 400 naming ``num_beam_groups``."""
+    (c1, groups), (c2, plain), (c3, direct), (c4, bad) = dsbd["groups"]
+    assert (c1, c2, c3) == (200, 200, 200), (groups, plain, direct)
+    beams = [b["token_ids"] for b in direct["kv_transfer_params"]["dsbd_beam"]]
+    # use_beam_search leaves a final EOS out of the tokens (vLLM's loop, without include_stop_str_in_output)
+    assert [c["token_ids"] for c in groups["choices"]] == [t[:-1] if t and t[-1] == EOS else t for t in beams]
+    assert [c["token_ids"] for c in groups["choices"]] != [c["token_ids"] for c in plain["choices"]]
+    assert c4 == 400 and bad["error"]["param"] == "num_beam_groups", bad
 
 
 def _split(choice):
