@@ -18,8 +18,9 @@ On ``vllm.v1.engine.output_processor`` (ledger entry 21 in ``patches/__init__.py
   ``include_stop_str_in_output``), and the output's ``stop_reason`` is the string (a stop token id's: the id). vLLM's
   detokenizer leaves the last token of a request finished as "stop" undecoded (a stop token's text), which a stop
   string's last token is not: it is decoded here first. The final text of a FINAL_ONLY or
-  CUMULATIVE request is cut; a streamed (DELTA) request's earlier chunks are not retracted (the settled prefix they
-  carry never holds a whole stop string, but may hold its start).
+  CUMULATIVE request is cut; a streamed request's text holds back the last (longest stop string - 1) characters
+  until it finishes, as vLLM's detokenizer does for a plain request's stop strings (the settled prefix never holds a
+  whole stop string, at most its start), so streamed text is never retracted.
 
 When it can go: with ``beam_scheduler`` (vLLM gains in-engine beams with their own outputs).
 """
@@ -110,6 +111,12 @@ def patch_output_processor(mod: types.ModuleType) -> None:
             beams = (kv or {}).get(BEAM_KEY) if settings and finish_reason is not None else None
             stop = beams[0].get("stop_reason") if beams else None
             det = self.detokenizer
+            strings = settings.get("stop") if settings else None
+            if strings and not settings.get("include_stop_str_in_output") and getattr(det, "stop_buffer_length", 1) == 0:
+                # hold back the text a stop string's start may be, as vLLM does for a plain request's stop strings:
+                # the settled prefix never holds a whole stop string, at most its first len - 1 characters
+                strings = [strings] if isinstance(strings, str) else strings
+                det.stop_buffer_length = max(len(x) for x in strings) - 1
             if isinstance(stop, str) and isinstance(getattr(det, "output_text", None), str):
                 from vllm.v1.engine import FinishReason
 
