@@ -801,17 +801,16 @@ def test_dsbd_environment_variables_are_known_to_vllm(monkeypatch):
         envs.validate_environ(hard_fail=True)
 
 
-def test_beam_stops_are_parsed_and_refused_at_temperature_above_zero():
+def test_beam_stops_are_parsed_at_every_temperature():
     """``extra_args['dsbd_beam']`` ``stop_token_ids`` / ``stop`` / ``include_stop_str_in_output``: parsed (a string is
-    one stop string), bad values named, and refused on beam sampling (temperature > 0), served at temperature 0."""
+    one stop string), bad values named, served on beam search (temperature 0) and beam sampling (temperature > 0)."""
     cfg = DSBDConfig(width=4)
     beam = {"width": 2, "max_tokens": 4, "stop_token_ids": [7, 9], "stop": "end", "include_stop_str_in_output": True}
     bp = BeamParams.parse(beam, 4)
     assert (bp.stop_token_ids, bp.stop, bp.include_stop_str_in_output) == ((7, 9), ("end",), True)
     assert BeamParams.parse(bp.to_dict(), 4) == bp
     assert check_request(_beam_sp(beam, temperature=0.0), cfg) == 4
-    with pytest.raises(ValueError, match=r"served at temperature 0 only"):
-        check_request(_beam_sp(beam, temperature=0.7), cfg)
+    assert check_request(_beam_sp(beam, temperature=0.7), cfg) == 4
     for key, value in (("stop_token_ids", [-1]), ("stop_token_ids", 7), ("stop", [""]), ("stop", [3]),
                        ("include_stop_str_in_output", 1)):
         with pytest.raises(ValueError, match=rf"\['{key}'\]"):

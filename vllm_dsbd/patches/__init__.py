@@ -259,15 +259,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    with per-node bitmasks.
 
 21. ``beam_outputs`` - target ``vllm.v1.engine.output_processor.LogprobsProcessor.from_new_request`` and
-   ``.update_from_output``.
+   ``.update_from_output``, ``RequestState.make_request_output``.
    What: when a plain beam request (``extra_args["dsbd_beam"]`` with ``logprobs`` k <= 2W) finishes, its logprobs
    become the best beam's in vLLM's shape (per token the chosen token with its rank and the row's k best) and its
    ``cumulative_logprob`` the best beam's. Why: the request's output tokens are the beams' settled prefix and best
    beam (15), not the rows the runner sampled, so the logprobs vLLM slices from those rows are not its tokens'. How:
    wrap both; the processor notes the request's ``dsbd_beam`` settings, and a finished output that carries
    ``kv_transfer_params["dsbd_beam"]`` (only a DSBD engine sends it) gets the best beam's; every other request is
-   untouched (``tests/engine/test_engine_beam_logprobs.py``: equal to vLLM's own ``LLM.beam_search`` to 1e-4). When it
-   can go: with 15.
+   untouched (``tests/engine/test_engine_beam_logprobs.py``: equal to vLLM's own ``LLM.beam_search`` to 1e-4). A
+   finished beam request whose best beam stopped on a stop string gets its text cut there, as vLLM cuts a plain
+   request's (kept with ``include_stop_str_in_output``; ``test_engine_beam_stops.py``). When it can go: with 15.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
 from .. import reads
 from ..cost import Subforest
+from .groups import group_search
 from .sampling import TopRows, top_rows
 from .stops import StopRule
 
@@ -29,6 +30,7 @@ class Finished:
     # candidates vLLM's beam search saw there); None where not known (T > 0)
     top: list[list[tuple[int, float]] | None] = field(default_factory=list)
     stop_reason: int | str | None = None  # "stop": the EOS or stop token id, or the stop string (stops.StopRule)
+    rank: float | None = None  # diverse beam search: the penalised cumulative score it is ranked by (groups.py)
 
 
 @dataclass
@@ -83,7 +85,7 @@ class BeamRequest:
                  top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True,
                  nodes: int | None = None, stops: StopRule | None = None):
         self.params = params
-        self.stops = stops if stops else None  # stop token ids and strings (T = 0; requests.check_request)
+        self.stops = stops if stops else None  # stop token ids and strings (any temperature; requests.check_request)
         # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design/beams.md §3.3
         self.nodes = max(params.width, nodes or 0)
         self.relayout = relayout  # re-layout after every step (False: dead slots stay as holes, the prefix in the trie)
@@ -111,6 +113,7 @@ class BeamRequest:
         self.draft_skip = 0
         self._backoff = 0
         self.live: list[LiveBeam] = [LiveBeam(-1, 0.0, 0.0)]
+        self.live_groups: list[int] | None = None  # diverse beam search: each live beam's group (None: the prompt's)
         self.finished: list[Finished] = []
         self.steps = 0
         # what the beam step reads of the leaves computed so far this step: T = 0 their TopRows, T > 0 their logits
@@ -257,6 +260,8 @@ class BeamRequest:
     def search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
         W = self.params.width
         self._rows = top
+        if self.params.num_beam_groups > 1:
+            return group_search(self, top, eos)
         cands = []
         for b, beam in enumerate(self.live):
             for v, t in zip(top.vals[b], top.idx[b]):
@@ -285,11 +290,12 @@ class BeamRequest:
         string finishes the beam (None);
         any other is a candidate ``(beam, token, cumulative raw score, v, sampling score)``."""
         beam = self.live[b]
+        rank = sample_score if self.params.num_beam_groups > 1 else None
         if eos is not None and t == eos:
-            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), t)
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), t, rank)
             return None
         if self.stops is not None and (why := self.stops.check(lambda k: self._tail(beam.node, k), t)) is not None:
-            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), why)
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), why, rank)
             return None
         return (b, t, beam.score + v, v, sample_score)
 
@@ -304,8 +310,9 @@ class BeamRequest:
         B, old = self.base, self.live
         done = not cands or self.steps >= self.params.max_tokens
         if done:  # the last step: the new beams are final ("length"); nothing more is scheduled
-            for b, t, cum, v, _ in cands:
-                self._finish(old[b], [t], [v], cum, "length", self._row_top(b))
+            for b, t, cum, v, ss in cands:
+                self._finish(old[b], [t], [v], cum, "length", self._row_top(b), None,
+                             ss if self.params.num_beam_groups > 1 else None)
             self.live = []
             start = self._start
             # vLLM appends one token before the scheduler stops the request (patch beam_scheduler); any id will do
@@ -424,20 +431,22 @@ class BeamRequest:
         return (self.prefix[-more:] if more > 0 and self.prefix else []) + toks[::-1]
 
     def _finish(self, beam: LiveBeam, extra: list[int], extra_lp: list[float], cum: float, reason: str,
-                extra_top=None, stop_reason: int | str | None = None) -> None:
+                extra_top=None, stop_reason: int | str | None = None, rank: float | None = None) -> None:
         toks, lps, tops = self._path(beam.node)
-        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top], stop_reason))
+        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top], stop_reason,
+                                      rank))
 
     # the answer ------------------------------------------------------------------------------------------------
     def best(self) -> list[Finished]:
         """The n best beams by vLLM's length-normalised score (``get_beam_search_score``: the sequence length
-        counts the prompt, minus one when the last token is EOS or a stop token id that finished the beam)."""
+        counts the prompt, minus one when the last token is EOS or a stop token id that finished the beam; diverse beam
+        search ranks the penalised cumulative score, ``Finished.rank``, the same way)."""
         eos, lp, P = getattr(self, "_eos_score", None), self.params.length_penalty, self.prompt_len
 
         def key(f: Finished) -> float:
             by_id = f.finish_reason == "stop" and isinstance(f.stop_reason, int)
             n = P + len(f.tokens) - (1 if f.tokens and (by_id or (eos is not None and f.tokens[-1] == eos)) else 0)
-            return f.cum_logprob / (n ** lp)
+            return (f.cum_logprob if f.rank is None else f.rank) / (n ** lp)
 
         ranked = sorted(self.finished, key=key, reverse=True)
         return ranked[: self.params.n or self.params.width]
