@@ -161,7 +161,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``num_speculative_tokens = depth`` (that constructor call only). When it can go: with 13.
 
 15. ``beam_scheduler`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output``,
-   ``._free_request`` and ``.__init__``.
+   ``._free_request``, ``.__init__`` and ``.add_request``.
    What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams/``) stops when the DSBD runner says its beam
    search is over (``ModelRunnerOutput.dsbd_finished``, kept on the scheduler by 13's ``update_from_output`` wrapper),
    with its best beam's finish reason; its beams travel to the front end as the request's ``kv_transfer_params``; prefix
@@ -174,10 +174,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    changed token following (DESIGN §2 "shrinking the request at re-layout"), and the blocks past the slots it uses go
    back to the pool; vLLM's token stops (EOS, ``stop_token_ids``, which for a request that does not ignore EOS include
    the generation config's other EOS ids) are off for it, as its appended tokens are trie slots
-   (``tests/engine/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
+   (``tests/engine/test_engine_beam_eos_ids.py``); with ``max_beam_slots`` above ``max_model_len`` the scheduler's and
+   KV cache manager's per-request token bound is the engine's slot length (``DSBDConfig.slot_len``; the engine refuses
+   to start when its KV pool cannot hold one such request), and ``add_request`` cuts every other request's
+   ``max_tokens`` to ``max_model_len - prompt``, where vLLM's own bound stops it (``tests/engine/
+   test_engine_wide_beams.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
    know when the search ends (the engine request has ``ignore_eos`` and a large ``max_tokens``), has no per-request
    output channel from the runner but ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), would
-   cache trie blocks (K/V under trie masks and positions) for any request with the same tokens
+   cache trie blocks (K/V under trie masks and positions) for any request with the same tokens, bounds every request's
+   slots by ``max_model_len`` (scheduler.py:513-518, ``check_stop``, kv_cache_manager.py:430-432) though a beam
+   request's slots hold W beams at positions at most prompt + max_tokens
    (``tests/engine/test_engine_beams.py`` sees 144 cached tokens served instead of 112 without the cap), and would output (and
    stream) the trie's slots, which are no beam. ``_update_request_with_output`` is where the tokens vLLM appends to a
    request become the tokens it outputs, and the only place where the two can differ (the front end, in or across

@@ -18,8 +18,10 @@ differs from the cumulative log-probability for an EOS candidate kept with ``ign
 (``beam_request_params`` with its ``temperature`` left to the params' own builds such a request).
 
 Refused with a ``ValueError`` naming the parameter: ``structured_outputs`` (the trie's beams would each need their
-own grammar state), a beam width above the engine's DSBD width, and a request whose trie may not fit
-``max_model_len`` (``prompt + max_tokens * (beam_width + 1) + 2`` slots; see ``BeamParams.engine_tokens``).
+own grammar state), a beam width above the engine's DSBD width, a beam longer than ``max_model_len`` (prompt +
+max_tokens: its positions), and a request whose trie may not fit the engine's KV slots per request
+(``prompt + max_tokens * (beam_width + 1) + 2`` slots, ``BeamParams.engine_tokens``, against
+``DSBDConfig.slot_len``: ``max_model_len``, or ``max_beam_slots`` when larger).
 
 When it can go: vLLM's ``LLM.beam_search`` runs in the engine and lets a speculative method serve it.
 """
@@ -40,7 +42,8 @@ def apply() -> None:
 
 
 def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
-                        temperature: float | None = None, rank_by_score: bool = False, stops: dict | None = None):
+                        temperature: float | None = None, rank_by_score: bool = False, stops: dict | None = None,
+                        slot_len: int | None = None):
     """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request).
 
     ``temperature``: the engine request's; None takes ``params.temperature`` (above 0: beam sampling, the explicit
@@ -48,7 +51,8 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     raw log-probabilities at every temperature. ``rank_by_score``: ``BeamParams.rank_by_score``, how the
     ``LLM.beam_search`` route ranks (vLLM's offline loop sorts candidates by the length-normalised score, its server
     loop by cumulative log-probability). ``stops``: ``dsbd_beam`` stop keys (``stop``, ``stop_token_ids``; the
-    ``use_beam_search`` route's, from the OpenAI request), with ``params.include_stop_str_in_output``."""
+    ``use_beam_search`` route's, from the OpenAI request), with ``params.include_stop_str_in_output``. ``slot_len``:
+    the engine's KV slots per request (``DSBDConfig.slot_len``; None: ``max_model_len``)."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_dsbd.requests import BEAM_KEY, BeamParams
@@ -62,11 +66,17 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
                            "eos_token_id": eos_token_id, "rank_by_score": rank_by_score, **(stops or {}),
                            "include_stop_str_in_output": bool(getattr(params, "include_stop_str_in_output", False))},
                           max_width)
-    need = prompt_len + bp.engine_tokens()
-    if need > max_model_len:
+    if prompt_len + bp.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: a beam of {bp.max_tokens} tokens after the {prompt_len}-token prompt is longer "
+                         f"than max_model_len {max_model_len}; lower max_tokens or raise max_model_len")
+    slot_len = max_model_len if slot_len is None else slot_len
+    if prompt_len + bp.engine_tokens() > slot_len:
+        where = (f"max_model_len {max_model_len}" if slot_len <= max_model_len
+                 else f"the engine's {slot_len} KV slots per beam request (max_beam_slots)")
         raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "
-                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than max_model_len "
-                         f"{max_model_len}; lower max_tokens or beam_width, or raise max_model_len")
+                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than {where}; lower "
+                         "max_tokens or beam_width, or start the engine with a larger 'max_beam_slots' in "
+                         "--speculative-config (KV slots per beam request, beyond max_model_len)")
     if temperature is None:
         temperature = params.temperature
     return SamplingParams(temperature=temperature, max_tokens=bp.engine_tokens(), ignore_eos=True,
@@ -119,7 +129,8 @@ def _patch(mod: types.ModuleType) -> None:
                 return orig(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
             from vllm_dsbd.config import DSBDConfig
 
-            width = DSBDConfig.from_vllm_config(cfg).width
+            dcfg = DSBDConfig.from_vllm_config(cfg)
+            width, max_model_len = dcfg.width, cfg.model_config.max_model_len
             tokenizer = self.renderer.get_tokenizer()
             inputs = self._preprocess_cmpl(prompts)
             sps = []
@@ -128,8 +139,8 @@ def _patch(mod: types.ModuleType) -> None:
                     raise ValueError("prompts: only text and token prompts are supported for beam search on a "
                                      "DSBD engine")
                 sps.append(beam_request_params(params, tokenizer.eos_token_id, len(inp["prompt_token_ids"]),
-                                               cfg.model_config.max_model_len, width, temperature=0.0,
-                                               rank_by_score=True))
+                                               max_model_len, width, temperature=0.0, rank_by_score=True,
+                                               slot_len=dcfg.slot_len(max_model_len)))
             outs = self.generate([{"prompt_token_ids": list(inp["prompt_token_ids"])} for inp in inputs], sps,
                                  use_tqdm=use_tqdm, lora_request=lora_request)
             return [beam_outputs(inp, out, tokenizer) for inp, out in zip(inputs, outs)]
