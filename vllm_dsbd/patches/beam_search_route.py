@@ -101,17 +101,28 @@ def beam_outputs(engine_input, out, tokenizer):
 
     from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 
+    beams = finished_beams(out)
+    # each token id is decoded once (a token's text does not depend on the others here: convert_ids_list_to_tokens
+    # decodes them one by one), and beams that share a trie node share its list of alternatives and so its dict, as
+    # vLLM's loop shares a parent beam's dicts with its children: output building is not 2W decodes per beam per token
+    tops = {id(top): top for b in beams for top in (b.get("top_logprobs") or ()) if top}  # shared lists once
+    ids_seen = {int(i) for top in tops.values() for i, _ in top}
+    ids_seen = sorted(ids_seen)
+    names = dict(zip(ids_seen, convert_ids_list_to_tokens(tokenizer, ids_seen)))
+    made: dict[tuple[int, int], dict] = {}
+
     def position(t: int, lp: float, top) -> dict:
         if not top:  # not known (T > 0): the chosen token alone
             return {t: Logprob(logprob=lp)}
-        ids = [int(i) for i, _ in top]
-        names = convert_ids_list_to_tokens(tokenizer, ids)
-        return {i: Logprob(logprob=v, rank=r + 1, decoded_token=n) for r, (i, (_, v), n) in
-                enumerate(zip(ids, top, names))}
+        d = made.get((id(top), t))
+        if d is None:
+            d = made[(id(top), t)] = {int(i): Logprob(logprob=v, rank=r + 1, decoded_token=names[int(i)])
+                                      for r, (i, v) in enumerate(top)}
+        return d
 
     prompt = list(engine_input["prompt_token_ids"])
     seqs = []
-    for b in finished_beams(out):
+    for b in beams:
         tokens = prompt + list(b["token_ids"])
         tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
         seqs.append(BeamSearchSequence(
