@@ -28,6 +28,7 @@ When it can go: vLLM's ``LLM.beam_search`` runs in the engine and lets a specula
 
 from __future__ import annotations
 
+import gc
 import types
 
 from vllm_dsbd.config import uses_dsbd
@@ -103,33 +104,46 @@ def beam_outputs(engine_input, out, tokenizer):
 
     beams = finished_beams(out)
     # each token id is decoded once (a token's text does not depend on the others here: convert_ids_list_to_tokens
-    # decodes them one by one), and beams that share a trie node share its list of alternatives and so its dict, as
-    # vLLM's loop shares a parent beam's dicts with its children: output building is not 2W decodes per beam per token
+    # decodes them one by one), and tokens chosen from the same row share its list of alternatives (the payload lists
+    # a row once) and so its dict, as vLLM's loop shares a parent beam's dicts with its children: output building is
+    # not 2W decodes per beam per token
     tops = {id(top): top for b in beams for top in (b.get("top_logprobs") or ()) if top}  # shared lists once
     ids_seen = {int(i) for top in tops.values() for i, _ in top}
     ids_seen = sorted(ids_seen)
     names = dict(zip(ids_seen, convert_ids_list_to_tokens(tokenizer, ids_seen)))
-    made: dict[tuple[int, int], dict] = {}
+    made: dict[int, dict] = {}
 
     def position(t: int, lp: float, top) -> dict:
         if not top:  # not known (T > 0): the chosen token alone
             return {t: Logprob(logprob=lp)}
-        d = made.get((id(top), t))
+        d = made.get(id(top))  # the row's 2W best, whichever of them was chosen
         if d is None:
-            d = made[(id(top), t)] = {int(i): Logprob(logprob=v, rank=r + 1, decoded_token=names[int(i)])
-                                      for r, (i, v) in enumerate(top)}
+            d = made[id(top)] = {int(i): Logprob(logprob=v, rank=r + 1, decoded_token=names[int(i)])
+                                 for r, (i, v) in enumerate(top)}
         return d
 
     prompt = list(engine_input["prompt_token_ids"])
     seqs = []
-    for b in beams:
-        tokens = prompt + list(b["token_ids"])
-        tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
-        seqs.append(BeamSearchSequence(
-            orig_prompt=engine_input, tokens=tokens,
-            logprobs=[position(t, lp, top) for t, lp, top in zip(b["token_ids"], b["logprobs"], tops)],
-            cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"]))
+    # W x tokens x 2W acyclic objects: the cyclic collector would rescan the heap many times while they are made
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for b in beams:
+            seqs.append(_sequence(engine_input, prompt, b, position, tokenizer, BeamSearchSequence))
+    finally:
+        if was:
+            gc.enable()
     return BeamSearchOutput(sequences=seqs)
+
+
+def _sequence(engine_input, prompt, b, position, tokenizer, BeamSearchSequence):
+    """One returned beam as vLLM's ``BeamSearchSequence``."""
+    tokens = prompt + list(b["token_ids"])
+    tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
+    return BeamSearchSequence(
+        orig_prompt=engine_input, tokens=tokens,
+        logprobs=[position(t, lp, top) for t, lp, top in zip(b["token_ids"], b["logprobs"], tops)],
+        cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"])
 
 
 def _patch(mod: types.ModuleType) -> None:

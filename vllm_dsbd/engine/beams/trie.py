@@ -516,14 +516,16 @@ class BeamRequest:
         return list(new)
 
     def payload(self) -> dict[str, Any]:
-        """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``). Beams that share
-        a trie node share its list of alternatives (listed once)."""
-        listed: dict[int, Any] = {}
+        """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``). Tokens chosen
+        from the same row (one beam's, at one step: a trie node's children) share its list of alternatives, listed
+        once."""
+        listed: dict[Any, Any] = {}
 
         def top(t):
-            if id(t) not in listed:
-                listed[id(t)] = RowTop.listed(t)
-            return listed[id(t)]
+            key = (id(t.rows), t.b) if isinstance(t, RowTop) else id(t)
+            if key not in listed:
+                listed[key] = RowTop.listed(t)
+            return listed[key]
 
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
                             "top_logprobs": [top(t) for t in f.top], "finish_reason": f.finish_reason,
