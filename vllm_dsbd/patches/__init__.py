@@ -193,9 +193,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    request: vLLM slices them from the rows the runner sampled, which are not its tokens'; the final output's are the
    best beam's (21). vLLM's token list only grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
    keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
-   the three; requests without ``dsbd_beam`` and non-DSBD engines are untouched. When it can go: vLLM gains in-engine
+   the four; requests without ``dsbd_beam`` and non-DSBD engines are untouched (except a plain request's ``max_tokens``
+   past ``max_model_len`` on an engine with ``max_beam_slots``, cut where vLLM stops it). When it can go: vLLM gains in-engine
    beam search (or a runner-side finish with a payload, output tokens that may differ from the appended ones, and a way
-   for the runner to rewrite a request's token list) and a per-request cap on prefix-cache commits.
+   for the runner to rewrite a request's token list), a per-request cap on prefix-cache commits and a per-request KV
+   slot bound apart from the context length.
 
 16. ``beam_search_route`` - target ``vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin
    .beam_search`` (``LLM.beam_search``).
@@ -204,7 +206,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    runs at 0.07x plain decoding on an H100 (``docs/notebook``, GPU) and cannot use DSBD. How: wrap; other engines call the
    original; the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` (vLLM's loop ranks raw
    log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs``, a width above the
-   engine's and a trie that may not fit ``max_model_len`` raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
+   engine's, a beam longer than ``max_model_len`` and a trie that may not fit the engine's slots per request
+   (``max_model_len``, or ``max_beam_slots`` when larger) raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.
 
 17. ``beam_serving_route`` - target ``vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin
