@@ -5,7 +5,7 @@ Tiny random Llama target of ``test_engine_beams.py`` (EOS moved to a token greed
 source (``"sources": []``); oracle: vLLM's own ``LLM.beam_search`` loop on a plain engine with the same float32 weights
 and ``max_logprobs = 2W`` (its loop asks for 2W logprobs per beam). ``max_model_len`` 256 in both. Checked:
 
-* W = 64 and W = 128, 4 tokens, on 200-token prompts (and a short one), where ``prompt + max_tokens * (W + 1) + 2``
+* W = 64 and W = 128, 4 tokens, on a 200-token prompt (and a short one), where ``prompt + max_tokens * (W + 1) + 2``
   (up to 718 slots) exceeds ``max_model_len`` 256: ``LLM.beam_search`` on the DSBD engine returns vLLM's sequences token for token, in order,
   cumulative log-probabilities to 1e-4; the runner's block table really is wider than ``max_model_len`` allows and
   some request really held more than ``max_model_len`` slots (the largest ``num_computed_tokens`` the scheduler saw);
@@ -33,7 +33,7 @@ MAX_MODEL_LEN, SLOTS, TOKENS = 256, 1024, 4
 WIDTHS = (64, 128)
 _rng = random.Random(7)
 # long prompts nearly fill the context (positions stay <= 204 < 256), and their beams' slots go past it
-PROMPTS = [[_rng.randrange(3, 400) for _ in range(200)] for _ in range(2)] + [[5, 6, 7, 8]]
+PROMPTS = [[_rng.randrange(3, 400) for _ in range(200)], [5, 6, 7, 8]]
 
 
 def _beam_search(llm, width, max_tokens=TOKENS, prompts=PROMPTS):
@@ -112,8 +112,8 @@ def test_plain_requests_keep_max_model_len(plain, wide):
 def test_refusals(wide):
     llm, _ = wide
     with pytest.raises(ValueError, match=r"max_tokens: .*may hold .*max_beam_slots"):
-        _beam_search(llm, 128, max_tokens=8, prompts=PROMPTS[2:])  # 4 + 8 * 129 + 2 = 1038 slots > 1024
+        _beam_search(llm, 128, max_tokens=8, prompts=PROMPTS[1:])  # 4 + 8 * 129 + 2 = 1038 slots > 1024
     with pytest.raises(ValueError, match=r"max_tokens: a beam of 300 tokens .*longer than max_model_len 256"):
-        _beam_search(llm, 1, max_tokens=300, prompts=PROMPTS[2:])
-    assert len(_beam_search(llm, 64, prompts=PROMPTS[2:])[0]) == 64  # still serving
+        _beam_search(llm, 1, max_tokens=300, prompts=PROMPTS[1:])
+    assert len(_beam_search(llm, 64, prompts=PROMPTS[1:])[0]) == 64  # still serving
 
