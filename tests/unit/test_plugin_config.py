@@ -38,7 +38,7 @@ from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
 ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
-           "cost_model", "full_cuda_graphs", "beam_nodes", "sources"]
+           "cost_model", "full_cuda_graphs", "beam_nodes", "sources", "max_beam_slots"]
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def test_engine_args_dsbd(pair):
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
         "draft": True, "verify_budget": "auto", "cost_model": "auto", "full_cuda_graphs": False, "beam_nodes": None,
-        "sources": ["model"],
+        "sources": ["model"], "max_beam_slots": None,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -557,6 +557,17 @@ def test_beam_nodes_setting_and_slots():
     with pytest.raises(ValueError, match=r"'beam_nodes' = 8 sets the nodes per depth .* no forest source"):
         DSBDConfig(width=4, draft=False, beam_nodes=8, sources=[])
     assert DSBDConfig(width=4, draft=False, beam_nodes=8).num_speculative_slots == 8 * 3 + 3  # draft-free sources
+
+
+def test_max_beam_slots_setting():
+    """``max_beam_slots``: None by default (the slot length is max_model_len), else an integer >= 1; the engine's slot
+    length is the larger of it and max_model_len; refused as a non-integer or below 1."""
+    assert DSBDConfig(width=4).max_beam_slots is None and DSBDConfig(width=4).slot_len(256) == 256
+    cfg = DSBDConfig.from_dict({"width": 4, "max_beam_slots": 4096})
+    assert cfg.slot_len(256) == 4096 and cfg.slot_len(8192) == 8192 and DSBDConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (0, True, 8.0, "4096"):
+        with pytest.raises(ValueError, match=r"'max_beam_slots' must be an integer >= 1"):
+            DSBDConfig(width=4, max_beam_slots=bad)
 
 
 def test_beam_nodes_reach_the_engine_config(pair):

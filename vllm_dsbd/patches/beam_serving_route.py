@@ -24,7 +24,8 @@ aborts it, as any engine request) and yields one finished ``RequestOutput``; a r
 "error" yields vLLM's error output. Bad requests raise ``VLLMValidationError`` (a ``ValueError``: the server's
 handler answers 400 with ``param``, and the engine never sees the request) from inside the generator, where the
 original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
-``max_model_len`` (``prompt + max_tokens * (n + 1) + 2`` slots, ``param`` "max_tokens"; a chat request without
+the engine's KV slots per request (``prompt + max_tokens * (n + 1) + 2`` slots against ``max_model_len``, or
+``max_beam_slots`` when larger, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
 other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). The
 request's ``stop`` and ``stop_token_ids`` (which vLLM's loop ignores silently: ``BeamSearchParams`` has no such field)
@@ -187,7 +188,8 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     if prompt["type"] != "token":
         raise VLLMValidationError("prompt: only text and token prompts are supported for beam search on a DSBD "
                                   "engine", parameter="prompt", value=prompt["type"])
-    width = DSBDConfig.from_vllm_config(cfg).width
+    dcfg = DSBDConfig.from_vllm_config(cfg)
+    width = dcfg.width
     if isinstance(params.beam_width, int) and params.beam_width > width:
         raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's DSBD "
                                   f"width {width} (start the server with a larger 'width' in --speculative-config)",
@@ -197,7 +199,8 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     try:
         sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
                                  cfg.model_config.max_model_len, width, temperature=0.0,
-                                 stops=getattr(params, STOPS_ATTR, None))
+                                 stops=getattr(params, STOPS_ATTR, None),
+                                 slot_len=dcfg.slot_len(cfg.model_config.max_model_len))
     except ValueError as e:
         raise _validation_error(str(e)) from e
     sp.output_kind = RequestOutputKind.FINAL_ONLY

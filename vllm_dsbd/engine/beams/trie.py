@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_dsbd.core.params import BatchParams
@@ -20,6 +21,20 @@ from .sampling import TopRows, top_rows
 from .stops import StopRule
 
 MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
+class RowTop:
+    """Row ``b`` of a step's :class:`TopRows` (a token's 2W best alternatives), kept by reference: listed as (token,
+    log-probability) pairs only for the beams a request returns, not for every trie node at every step."""
+
+    __slots__ = ("rows", "b")
+
+    def __init__(self, rows: TopRows, b: int):
+        self.rows, self.b = rows, b
+
+    @staticmethod
+    def listed(t: "RowTop | list | None") -> list[tuple[int, float]] | None:
+        return list(zip(t.rows.idx[t.b], t.rows.vals[t.b])) if isinstance(t, RowTop) else t
+
+
 @dataclass
 class Finished:
     tokens: list[int]
@@ -258,10 +273,15 @@ class BeamRequest:
         return cands, passed
 
     def search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
+        """T = 0: the step's W best candidates ``(beam, token, cumulative score, log-probability, sampling score)``
+        over each live beam's 2W best tokens, in vLLM's order (stable sort); EOS and stop candidates finish their beam
+        (:meth:`pair`). Without stops the 2W * W candidates are ranked as arrays (O(W) Python objects per step)."""
         W = self.params.width
         self._rows = top
         if self.params.num_beam_groups > 1:
             return group_search(self, top, eos)
+        if self.stops is None and len(top):
+            return self._search_arrays(top, eos, W)
         cands = []
         for b, beam in enumerate(self.live):
             for v, t in zip(top.vals[b], top.idx[b]):
@@ -270,9 +290,36 @@ class BeamRequest:
         cands = sorted(cands, key=self._rank_key(), reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
 
-    def _row_top(self, b: int) -> list[tuple[int, float]] | None:
-        """Beam b's row as the last search saw it (its 2W best tokens); None at T > 0."""
-        return None if self._rows is None else list(zip(self._rows.idx[b], self._rows.vals[b]))
+    def _search_arrays(self, top: TopRows, eos: int | None, W: int) -> list[tuple[int, int, float, float, float]]:
+        """:meth:`search` without stops, on arrays: float64 sums (as vLLM's Python floats), EOS candidates finish in
+        beam order, the others ranked by a stable descending sort of their keys in candidate order (beam, then rank),
+        which is vLLM's ``sorted(..., reverse=True)``."""
+        vals = np.asarray(top.vals, dtype=np.float64)
+        idx = np.asarray(top.idx, dtype=np.int64)
+        cum = np.asarray([b.score for b in self.live], dtype=np.float64)[:, None] + vals
+        ok = np.ones(idx.shape, dtype=bool)
+        if eos is not None:
+            hit = idx == eos
+            if hit.any():
+                ok = ~hit
+                for b, r in zip(*np.nonzero(hit)):
+                    b, v = int(b), float(vals[b, r])
+                    self._finish(self.live[b], [eos], [v], float(cum[b, r]), "stop", self._row_top(b), eos)
+        key = cum
+        se, lp = self._eos_score, self.params.length_penalty
+        if self.params.rank_by_score and se is not None:
+            n = self.prompt_len + self.steps + 1
+            key = cum / np.where(idx == se, float((n - 1) ** lp), float(n ** lp))
+        flat = np.flatnonzero(ok.ravel())
+        order = flat[np.argsort(-key.ravel()[flat], kind="stable")[:W]]
+        b_, r_ = np.divmod(order, vals.shape[1])
+        c = cum[b_, r_].tolist()
+        return list(zip(b_.tolist(), idx[b_, r_].tolist(), c, vals[b_, r_].tolist(), c))
+
+    def _row_top(self, b: int) -> "RowTop | None":
+        """Beam b's row as the last search saw it (its 2W best tokens, :class:`RowTop`: listed only for the answer);
+        None at T > 0."""
+        return None if self._rows is None else RowTop(self._rows, b)
 
     def _rank_key(self):
         """How a step's candidates are ranked: by cumulative log-probability (vLLM's server loop), or with
@@ -478,9 +525,20 @@ class BeamRequest:
         return list(new)
 
     def payload(self) -> dict[str, Any]:
-        """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``)."""
+        """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``). Tokens chosen
+        from the same row (one beam's, at one step: a trie node's children) share its list of alternatives, listed
+        once."""
+        listed: dict[Any, Any] = {}
+
+        def top(t):
+            key = (id(t.rows), t.b) if isinstance(t, RowTop) else id(t)
+            if key not in listed:
+                listed[key] = RowTop.listed(t)
+            return listed[key]
+
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
-                            "top_logprobs": f.top, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason}
+                            "top_logprobs": [top(t) for t in f.top], "finish_reason": f.finish_reason,
+                            "stop_reason": f.stop_reason}
                            for f in self.best()],
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
 
