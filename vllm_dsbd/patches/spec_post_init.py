@@ -5,7 +5,10 @@ for ``method == "draft_model"`` and raises ``NotImplementedError("Unsupported sp
 it does not know. For "dsbd" the wrapper runs the original with ``method = "draft_model"`` and puts "dsbd" back.
 If vLLM's auto-detection turned the draft into something else (its path contains "eagle-", "eagle3", "dflash",
 "dspark", or its config is a Medusa/MLP-speculator/MTP checkpoint), "dsbd" is refused: DSBD needs a plain causal LM
-draft sharing the target's vocabulary.
+draft sharing the target's vocabulary, or an EAGLE-3 head. A head is recognised by its architecture
+(``engine.head.HEAD_ARCHS``, whatever its path): its config is wrapped as vLLM wraps an "eagle3" draft's
+(``EAGLEConfig(method="eagle3")``), so vLLM builds ``Eagle3LlamaForCausalLM`` for it; a path that vLLM detects as
+"eagle3" holding another architecture is refused.
 
 A "dsbd" config without ``model`` is an engine without a draft model: vLLM's ``__post_init__`` has nothing to build
 for it (after inferring the method it only builds the draft's configs, config/speculative.py:692-1050) and
@@ -24,6 +27,7 @@ from vllm_dsbd.patches._patching import when_imported, wrap_method
 PATCH_ID = "spec_post_init"
 MODULE = "vllm.config.speculative"
 DRAFT_MODEL = "draft_model"
+EAGLE3 = "eagle3"
 
 
 def apply() -> None:
@@ -44,10 +48,22 @@ def _patch(sp: types.ModuleType) -> None:
                 detected = self.method
             finally:
                 self.method = METHOD
+            from vllm_dsbd.engine.head import HEAD_ARCHS, is_head
+
+            hf = self.draft_model_config.hf_config
+            original = getattr(hf, "model", None) if detected == EAGLE3 else hf  # EAGLEConfig keeps the original
+            if is_head(original):
+                if detected == DRAFT_MODEL:  # what vLLM does to an "eagle3" draft's config (config/speculative.py:914)
+                    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+                    self.draft_model_config.hf_config = EAGLEConfig(hf, method=EAGLE3, model_type="eagle")
+                    self.update_arch_()
+                return result
             if detected != DRAFT_MODEL:
                 raise ValueError(
-                    f"speculative method {METHOD!r} needs a plain causal-LM draft model, but vLLM detected "
-                    f"{self.model!r} as a {detected!r} checkpoint"
+                    f"speculative method {METHOD!r} needs a plain causal-LM draft model or an EAGLE-3 head "
+                    f"(architectures {list(HEAD_ARCHS)}), but vLLM detected {self.model!r} as a {detected!r} "
+                    "checkpoint"
                 )
             return result
 

@@ -1,0 +1,71 @@
+"""EAGLE-3 heads as the draft of a DSBD engine: recognising one, and the target features that feed it.
+
+A head (vLLM's ``Eagle3LlamaForCausalLM``: one decoder layer over concat(embed(token), hidden), ``fc`` over the
+target's auxiliary hidden states of three layers, a draft vocabulary mapped to target ids by ``d2t``) drafts a
+forest node from its token and one hidden state: the target's (``combine_hidden_states``: ``fc`` of the three
+auxiliary states) when the node's parent is a verified token, else the head's own (pre-norm) output at the parent
+node, as EAGLE does. A draft row at position p (token t_p) takes the hidden state of position p - 1, so the head's
+rows sit at the positions and slots the draft model's would (vLLM's EagleProposer runs the same rows one position
+earlier; rotary attention sees only differences of positions, so the outputs are the same). Position 0 and prompt
+positions without the target's features (prefix-cache hits) get a zero feature: a weaker draft, never a wrong law.
+
+:class:`Features` keeps each plain request's combined target features for the positions its next catch-up pass
+needs (``RequestState.head_features``), filled from every target pass (prefill chunks included) and trimmed after
+each drafting call. docs/design/forests.md §3.6.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the architectures vLLM's registry maps to an EAGLE-3 Llama head (model_executor/models/registry.py)
+HEAD_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def is_head(hf_config) -> bool:
+    """Whether a draft's Hugging Face config is an EAGLE-3 head vLLM loads as ``Eagle3LlamaForCausalLM``."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return any(a in HEAD_ARCHS for a in archs)
+
+
+@dataclass
+class Features:
+    """One plain request's combined target features (``[n, H]``, on the device) for positions ``[start, start + n)``."""
+
+    start: int
+    rows: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+    def append(self, start: int, rows: torch.Tensor) -> "Features":
+        """These features followed by ``rows`` at positions ``[start, ...)``; a gap or an overlap keeps the newer rows
+        from ``start`` on (a rewind: positions past ``start`` were recomputed)."""
+        if start == self.end:
+            return Features(self.start, torch.cat([self.rows, rows]))
+        if self.start <= start < self.end:
+            return Features(self.start, torch.cat([self.rows[: start - self.start], rows]))
+        return Features(start, rows)
+
+    def window(self, lo: int, hi: int) -> torch.Tensor:
+        """The features of positions ``[lo, hi)``, zeros where none is kept (position -1, prefix-cache hits)."""
+        out = self.rows.new_zeros(hi - lo, self.rows.shape[1])
+        a, b = max(lo, self.start), min(hi, self.end)
+        if a < b:
+            out[a - lo : b - lo] = self.rows[a - self.start : b - self.start]
+        return out
+
+    def trim(self, lo: int) -> "Features | None":
+        """Only the positions from ``lo`` on (None when nothing is left)."""
+        if lo >= self.end:
+            return None
+        return Features(max(lo, self.start), self.rows[max(0, lo - self.start):])
+
+
+def window(feats: Features | None, lo: int, hi: int, hidden: int, device, dtype) -> torch.Tensor:
+    """``feats.window(lo, hi)``, or zeros without features."""
+    if feats is None:
+        return torch.zeros(hi - lo, hidden, device=device, dtype=dtype)
+    return feats.window(lo, hi)
