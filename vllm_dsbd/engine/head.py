@@ -29,6 +29,18 @@ def is_head(hf_config) -> bool:
     return any(a in HEAD_ARCHS for a in archs)
 
 
+def is_head_checkpoint(model: str, revision: str | None = None) -> bool:
+    """Whether the checkpoint ``model`` (a folder or a Hub id) declares an EAGLE-3 head architecture in its
+    ``config.json`` (False when it cannot be read: vLLM's own loading then reports the problem)."""
+    from transformers import PretrainedConfig
+
+    try:
+        cfg, _ = PretrainedConfig.get_config_dict(model, revision=revision)
+    except Exception:  # noqa: BLE001 - not readable here; vLLM's ModelConfig raises its own error for it
+        return False
+    return any(a in HEAD_ARCHS for a in cfg.get("architectures") or [])
+
+
 @dataclass
 class Features:
     """One plain request's combined target features (``[n, H]``, on the device) for positions ``[start, start + n)``."""
