@@ -15,11 +15,17 @@ import pathlib
 
 
 def head_folder(target: str | os.PathLike, folder: str | os.PathLike, draft_vocab: int, seed: int = 0,
-                std: float = 0.05, aux_layers: list[int] | None = None) -> pathlib.Path:
+                std: float = 0.05, aux_layers: list[int] | None = None, bigram: float | None = None) -> pathlib.Path:
     """Writes (or rewrites) a random EAGLE-3 head for the Llama ``target`` into ``folder`` and returns it. Its draft
     vocabulary: ``draft_vocab`` target ids drawn at random (sorted), its LM head those ids' rows of the target's (a
     plausible law over them); other weights ``N(0, std)``, norms 1. ``aux_layers``: written as
-    ``eagle_aux_hidden_state_layer_ids`` (None: vLLM's default for the target)."""
+    ``eagle_aux_hidden_state_layer_ids`` (None: vLLM's default for the target).
+
+    ``bigram``: instead a head that computes the target's zero-layer law (``lm_head(norm(embed(token)))``, its logits
+    times ``bigram``) from the node's own token: q and k read the embedding half of the input (scaled so each row
+    attends to its own token), v and o copy it, the MLP adds nothing, and ``norm_before_residual`` with a zero
+    ``hidden_norm`` drops the hidden input. It agrees with a target whose layers add nothing (:func:`bigram_target`),
+    whatever features it is fed."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -71,8 +77,42 @@ def head_folder(target: str | os.PathLike, folder: str | os.PathLike, draft_voca
         "d2t": (ids - torch.arange(draft_vocab)).to(torch.int64),
         "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True),
     }
+    if bigram is not None:
+        if heads * hd != H or kv != heads:
+            raise ValueError("a bigram head needs heads * head_dim == hidden and no GQA")
+        eye = torch.cat([torch.eye(H), torch.zeros(H, H)], 1)  # reads the embedding half of concat(embed, hidden)
+        t["midlayer.self_attn.q_proj.weight"] = 2.0 * eye
+        t["midlayer.self_attn.k_proj.weight"] = 2.0 * eye
+        t["midlayer.self_attn.v_proj.weight"] = eye.clone()
+        t["midlayer.self_attn.o_proj.weight"] = torch.eye(H)
+        t["midlayer.mlp.down_proj.weight"] = torch.zeros(H, inter)
+        t["midlayer.hidden_norm.weight"] = torch.zeros(H)
+        t["norm.weight"] = weights["model.norm.weight"].clone().float()
+        t["lm_head.weight"] = t["lm_head.weight"] * bigram
+        head_cfg["norm_before_residual"] = True
+        (out / "config.json").write_text(json.dumps(head_cfg, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
     return out
+
+
+def bigram_target(source: str | os.PathLike, folder: str | os.PathLike) -> pathlib.Path:
+    """A copy of the Llama folder ``source`` in ``folder`` whose layers add nothing to the residual stream (attention
+    ``o_proj`` and MLP ``down_proj`` zero): its next-token law is its zero-layer one, which a ``bigram`` head
+    (:func:`head_folder`) computes. Returns ``folder``."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = pathlib.Path(folder)
+    shutil.copytree(source, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in weights:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
 
 
 def draft_ids(folder: str | os.PathLike) -> list[int]:
