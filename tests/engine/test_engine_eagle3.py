@@ -8,6 +8,8 @@ The head: a random one written in the public EAGLE-3 folder format (``vllm_dsbd.
   the target returns auxiliary hidden states; draft tokens outside the draft vocabulary are never proposed;
 * the features the head's catch-up rows take are the target's: at position p, ``fc`` of the Hugging Face target's
   hidden states of the auxiliary layers at p - 1 (zeros at position 0), for every catch-up pass of the run;
+* so are a beam request's (each catch-up row: the feature of its parent slot, linear or in the trie, through the
+  beam steps' K/V moves);
 * plain greedy decoding (widths 1, 2, 4) equals plain vLLM, and a T = 0 beam request equals vLLM's own
   ``LLM.beam_search``, with forests drafted by the head (the engine's counters);
 * on a target whose law a head can match (the peaky 4-layer target with its layers silenced, a head computing that
@@ -108,8 +110,34 @@ def run(head, plain):  # after plain: one engine at a time
             greedy = _greedy(llm, [1, 2, WIDTH])
         finally:
             del runner.propose_draft_token_ids
+        beam_calls, real_bf = [], drafter.beam_features
+
+        def spy_beam_features(st, slots):  # the beam catch-up's parent slots, the trie then, and what they got
+            got = real_bf(st, slots)
+            b = st.beam
+            beam_calls.append((list(b.prefix), b.base, list(b.tokens), list(b.parents), list(slots), got.cpu()))
+            return got
+
+        drafter.beam_features = spy_beam_features
+        try:
+            one_beam = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(beam_width=2, max_tokens=8))
+        finally:
+            del drafter.beam_features
+        beam_ref = {}
+        for prefix, base, toks, parents, slots, _ in beam_calls:  # each slot's context: linear, or its trie path
+            for x in slots:
+                if x < 0 or (x, tuple(toks), base) in beam_ref:
+                    continue
+                ctx = (PROMPTS[1] + prefix)[: x + 1] if x < base else None
+                if ctx is None:
+                    path, nd = [], x - base
+                    while nd >= 0:
+                        path.append(toks[nd])
+                        nd = parents[nd]
+                    ctx = PROMPTS[1] + prefix + path[::-1]
+                beam_ref[(x, tuple(toks), base)] = drafter.combine(_hf_aux(ctx)[-1:]).detach().cpu()[0]
         beams = _beams(llm)
-        out = dict(model=type(drafter.model).__name__, head=drafter.head, aux=runner.use_aux_hidden_state_outputs,
+        out = dict(beam_calls=beam_calls, beam_ref=beam_ref, one_beam=one_beam,model=type(drafter.model).__name__, head=drafter.head, aux=runner.use_aux_hidden_state_outputs,
                    greedy=greedy, beams=beams, passes=drafter.forward_passes - passes0,
                    nodes=metric(llm, "vllm:dsbd_draft_nodes"), beam_nodes=metric(llm, "vllm:dsbd_beam_draft_nodes"),
                    fc=drafter.combine(_hf_aux(PROMPTS[0] + solo[0])).detach().cpu(), calls=solo_calls, solo=solo,
@@ -153,6 +181,19 @@ def _hf_aux(seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         hs = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
     return torch.cat([hs[k][0] for k in (0, 1, 2)], -1)
+
+
+def test_beam_catch_up_features_are_the_targets(run):
+    """Every catch-up row of a beam request (width 2, 8 steps, alone) took ``fc`` of the target's auxiliary states at
+    its parent slot (the previous linear slot, or its parent in the trie: HF over that slot's own context), zeros for
+    slot -1, through the forest steps' K/V moves."""
+    checked = 0
+    for prefix, base, toks, parents, slots, got in run["beam_calls"]:
+        for x, row in zip(slots, got):
+            want = torch.zeros_like(row) if x < 0 else run["beam_ref"][(x, tuple(toks), base)]
+            torch.testing.assert_close(row, want, atol=2e-4, rtol=2e-4)
+            checked += 1
+    assert len(run["beam_calls"]) >= 3 and checked > len(PROMPTS[1]) + 4, (len(run["beam_calls"]), checked)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -218,3 +259,12 @@ def test_head_law_equals_plain_vllm_and_planted_rule_is_rejected(law):
     bad, _, bad_thr = chisq.two_sample(law["planted"], law["plain"])
     chisq.report(f"  {PLANTED} rule planted (must differ)", bad, df, bad_thr)
     assert bad > bad_thr
+
+
+def test_default_engine_with_a_head_serves(head, plain, law):  # after law: one engine at a time
+    """The user's default settings (load-aware speculation and the cost model measured at start-up, which time the
+    head's passes with a hidden input and the target's tuple output) start and decode greedily as plain vLLM."""
+    with dsbd_llm(tiny_pair()[0], max_num_seqs=4,
+                  speculative_config={"method": "dsbd", "model": str(head), "cost_model": "auto"}) as llm:
+        assert _greedy(llm, [None]) == plain[0]
+        assert runner_of(llm).dsbd_cost is not None

@@ -385,6 +385,14 @@ class DSBDDrafter(DraftModelProposer):
             st.head_features = st.head_features.trim(j.root_pos) if st.head_features is not None else None
         return torch.cat(out)
 
+    def beam_features(self, st: RequestState, slots: list[int]) -> torch.Tensor:
+        """A head's inputs of a beam request's catch-up rows: the target's features of their parent slots (zeros where
+        none is kept: slot -1, a re-layout)."""
+        f = st.head_features
+        if f is None or not hasattr(f, "gather"):
+            return torch.zeros(len(slots), self.head_hidden(), dtype=self.dtype, device=self.device)
+        return f.gather(slots)
+
     def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows,
                       pen: DraftRows | None = None, hid: torch.Tensor | None = None):
         """The depth loop at width 1 with no host read until the end (draws and token ids stay on the device); an ended

@@ -81,3 +81,31 @@ def window(feats: Features | None, lo: int, hi: int, hidden: int, device, dtype)
     if feats is None:
         return torch.zeros(hi - lo, hidden, device=device, dtype=dtype)
     return feats.window(lo, hi)
+
+
+class SlotFeatures:
+    """A beam request's combined target features by slot (its token positions: prompt, linear prefix, trie, forest),
+    zeros where the target computed none; moved with the K/V when a beam step keeps forest nodes (``_move_kv``)."""
+
+    def __init__(self, hidden: int, device, dtype):
+        self.rows = torch.zeros(0, hidden, device=device, dtype=dtype)
+
+    def put(self, slots: list[int], rows: torch.Tensor) -> None:
+        need = max(slots) + 1
+        if need > self.rows.shape[0]:
+            grown = self.rows.new_zeros(max(need, 2 * self.rows.shape[0]), self.rows.shape[1])
+            grown[: self.rows.shape[0]] = self.rows
+            self.rows = grown
+        self.rows[torch.tensor(slots, dtype=torch.int64, device=self.rows.device)] = rows.to(self.rows.dtype)
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            self.put(list(dst), self.gather(list(src)))
+
+    def gather(self, slots: list[int]) -> torch.Tensor:
+        """The features of ``slots`` (zeros for a slot below 0 or never computed)."""
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.rows.device)
+        ok = (idx >= 0) & (idx < self.rows.shape[0])
+        out = self.rows.new_zeros(len(slots), self.rows.shape[1])
+        out[ok] = self.rows[idx[ok]]
+        return out
