@@ -6,7 +6,7 @@ per depth under forest attention. Forest nodes are written at the slots where th
 after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
 drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4. The draft may be an EAGLE-3 head
 (``engine/head.py``): each row then also takes a hidden state, the target's feature for the catch-up rows and the
-head's own output at the parent node for forest nodes (§3.6).
+head's own output at the parent node for forest nodes (docs/design/forests.md, "EAGLE-3 heads as the draft").
 """
 from __future__ import annotations
 
@@ -128,6 +128,9 @@ class DSBDDrafter(DraftModelProposer):
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
+        if self.head and not getattr(self.model.model, "use_aux_hidden_state", True):
+            raise ValueError("DSBD engine: this EAGLE-3 head does not use the target's auxiliary hidden states "
+                             "(eagle_config use_aux_hidden_state: false), which DSBD does not support yet")
         if self.head:  # a public head has no embedding (vLLM's EAGLE heads share the target's); its own LM head
             from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 

@@ -6,12 +6,13 @@ forest node from its token and one hidden state: the target's (``combine_hidden_
 auxiliary states) when the node's parent is a verified token, else the head's own (pre-norm) output at the parent
 node, as EAGLE does. A draft row at position p (token t_p) takes the hidden state of position p - 1, so the head's
 rows sit at the positions and slots the draft model's would (vLLM's EagleProposer runs the same rows one position
-earlier; rotary attention sees only differences of positions, so the outputs are the same). Position 0 and prompt
-positions without the target's features (prefix-cache hits) get a zero feature: a weaker draft, never a wrong law.
+earlier, which rotary attention does not see, and has no row for position 0). Position 0 and prompt positions
+without the target's features (prefix-cache hits) get a zero feature: a weaker draft, never a wrong law.
 
 :class:`Features` keeps each plain request's combined target features for the positions its next catch-up pass
 needs (``RequestState.head_features``), filled from every target pass (prefill chunks included) and trimmed after
-each drafting call. docs/design/forests.md §3.6.
+each drafting call; beam requests keep theirs by slot (:class:`SlotFeatures`). Design: docs/design/forests.md
+("EAGLE-3 heads as the draft").
 """
 from __future__ import annotations
 
