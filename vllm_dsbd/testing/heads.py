@@ -95,10 +95,10 @@ def head_folder(target: str | os.PathLike, folder: str | os.PathLike, draft_voca
     return out
 
 
-def bigram_target(source: str | os.PathLike, folder: str | os.PathLike) -> pathlib.Path:
+def bigram_target(source: str | os.PathLike, folder: str | os.PathLike, scale: float = 1.0) -> pathlib.Path:
     """A copy of the Llama folder ``source`` in ``folder`` whose layers add nothing to the residual stream (attention
     ``o_proj`` and MLP ``down_proj`` zero): its next-token law is its zero-layer one, which a ``bigram`` head
-    (:func:`head_folder`) computes. Returns ``folder``."""
+    (:func:`head_folder`) computes; its LM head times ``scale`` (< 1: flatter laws). Returns ``folder``."""
     import shutil
 
     import torch
@@ -110,6 +110,7 @@ def bigram_target(source: str | os.PathLike, folder: str | os.PathLike) -> pathl
     for name in weights:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             weights[name] = torch.zeros_like(weights[name])
+    weights["lm_head.weight"] = weights["lm_head.weight"] * scale
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
