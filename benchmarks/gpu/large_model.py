@@ -451,7 +451,8 @@ def main() -> int:
              "draft_model": lambda: draft_model_rows(bench, target, draft, kw),
              "dsbd": lambda: dsbd_rows(bench, target, draft, kw),
              "dsbd_free": lambda: dsbd_rows(bench, target, None, kw),
-             "dsbd_head": lambda: dsbd_rows(bench, target, head_folder(Path(args.work), args.tiny), kw, tag="EAGLE-3 head "),
+             "dsbd_head": lambda: dsbd_rows(bench, target, head_folder(Path(args.work), args.tiny), kw,
+                                            tag="EAGLE-3 head "),
              "dsbd_chain": lambda: dsbd_chain_rows(bench, target, draft, kw)}
     for e in engines:
         t0 = time.perf_counter()
