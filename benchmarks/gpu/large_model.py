@@ -22,6 +22,8 @@ size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in
                ``--beam-batches``
   dsbd_free    the ``dsbd`` rows on an engine without a draft model (forests from the draft-free sources, recycle
                + lookup; what ``vllm serve TARGET --speculative-method dsbd`` runs), labelled "draft-free"
+  dsbd_head    the ``dsbd`` rows with an EAGLE-3 head as the draft (Llama-3.1-8B-shaped, one layer, a 32,000-token
+               draft vocabulary, dummy weights: ``head_folder``), labelled "EAGLE-3 head"
   dsbd_chain   a width-1 DSBD engine with ``full_cuda_graphs`` (every forest a chain: its decode passes have no
                forest attention and replay vLLM's full graphs): plain requests at each rate
 CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
@@ -65,6 +67,24 @@ def model_folders(work: Path, tiny: bool) -> tuple[Path, Path, dict]:
     tshape, dshape = (TINY_T, TINY_D) if tiny else (LLAMA_8B, LLAMA_1B)
     target = dummy_llama_folder(work / "target", tshape, dtype)
     return target, dummy_llama_folder(work / "draft", dshape, dtype), tshape
+
+
+def head_folder(work: Path, tiny: bool) -> Path:
+    """An EAGLE-3 head for the target, config only (vLLM's dummy weights: ``d2t`` stays 0, the draft vocabulary is the
+    first ``draft_vocab_size`` ids): Llama-3.1-8B-shaped, one layer, a 32,000-token draft vocabulary as the public
+    yuhuili/EAGLE3-LLaMA3.1-Instruct-8B has (tiny: the tiny target's shape, half its vocabulary, aux layers 0-2 of its
+    two)."""
+    shape = TINY_T if tiny else LLAMA_8B
+    folder = work / "head"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+               torch_dtype="float32" if tiny else "bfloat16", **dict(shape, num_hidden_layers=1),
+               draft_vocab_size=shape["vocab_size"] // 2 if tiny else 32000)
+    if tiny:
+        cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder
 
 
 def draft_model_spec(draft: Path, depth: int, rate: float | None) -> dict:
@@ -264,9 +284,10 @@ def draft_model_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
         shutdown(llm)
 
 
-def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict) -> None:
+def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict, tag: str | None = None) -> None:
     """The DSBD engine's rows; ``draft`` None: an engine without a draft model, its forests from the draft-free sources
-    (recycle + lookup: no draft pass, the forest's own host and device work counted), rows labelled "draft-free"."""
+    (recycle + lookup: no draft pass, the forest's own host and device work counted), rows labelled "draft-free";
+    ``tag``: the rows' label (an EAGLE-3 head's: "EAGLE-3 head ")."""
     import vllm
     from vllm.sampling_params import BeamSearchParams
 
@@ -276,7 +297,7 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict) -> None:
     spec = {"method": "dsbd", "num_speculative_tokens": args.depth,
             "width": max(args.widths + [args.beam_width]), "dynamic_width": False,
             **({"model": str(draft)} if draft is not None else {})}
-    tag = "" if draft is not None else "draft-free "
+    tag = tag if tag is not None else "" if draft is not None else "draft-free "
     llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
     cfg = llm.llm_engine.vllm_config
 
@@ -409,7 +430,7 @@ def main() -> int:
     args.batches, args.beam_batches, args.widths = ints(args.batches), ints(args.beam_batches), ints(args.widths)
     args.rates = [float(r) for r in args.rates.split(",")]
     engines = [] if args.report else [e for e in args.engines.split(",") if e]
-    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_free", "dsbd_chain"}:
+    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_free", "dsbd_chain", "dsbd_head"}:
         ap.error(f"unknown engines {sorted(unknown)}")
 
     import torch
@@ -430,6 +451,8 @@ def main() -> int:
              "draft_model": lambda: draft_model_rows(bench, target, draft, kw),
              "dsbd": lambda: dsbd_rows(bench, target, draft, kw),
              "dsbd_free": lambda: dsbd_rows(bench, target, None, kw),
+             "dsbd_head": lambda: dsbd_rows(bench, target, head_folder(Path(args.work), args.tiny), kw,
+                                            tag="EAGLE-3 head "),
              "dsbd_chain": lambda: dsbd_chain_rows(bench, target, draft, kw)}
     for e in engines:
         t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 """The GPU benchmark scripts' flows on CPU (``--tiny``), so a GPU loan never finds them broken: ``large_model.py`` with
-the plain and DSBD engines (with the draft model and draft-free) and ``step_profile.py`` with the DSBD engine, each in a subprocess through the real vLLM.
+the plain and DSBD engines (with the draft model, draft-free, and with an EAGLE-3 head) and ``step_profile.py`` with
+the DSBD engine, each in a subprocess through the real vLLM.
 Checked beyond "it ran": rows that say "depth 3 pinned" drafted depth 3 in every decision the engine counted and
 needed fewer target passes than tokens at the set rate 0.8; rows of the user's engine (cost model) record the depths
 it chose, one per request and decoding step; the report has every row."""
@@ -31,7 +32,8 @@ def _run(tmp_path: Path, script: str, *args: str) -> str:
 
 def test_large_model_rows_say_what_they_drafted(tmp_path):
     out = tmp_path / "lm"
-    _run(tmp_path, "large_model.py", "--engines", "plain,dsbd,dsbd_free", "--batches", "1", "--b1-prompts", "1",
+    _run(tmp_path, "large_model.py", "--engines", "plain,dsbd,dsbd_free,dsbd_head", "--batches", "1",
+         "--b1-prompts", "1",
          "--max-tokens", "8", "--beam-tokens", "5", "--rates", "0.8", "--widths", "4", "--out", str(out))
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
     methods = [r["method"] for r in rows]
@@ -47,6 +49,10 @@ def test_large_model_rows_say_what_they_drafted(tmp_path):
     assert depth0["passes"] == depth0["tokens"], depth0
     free = next(r for r in rows if r["method"] == "DSBD draft-free plain requests, depth 3 pinned (set rate)")
     assert free["depths"] == {"3": free["passes"]}, free  # the engine without a draft model drafted its forests
+    head = next(r for r in rows if r["method"] == "DSBD EAGLE-3 head plain requests, depth 3 pinned (set rate)")
+    assert head["depths"] == {"3": head["passes"]} and head["passes"] < head["tokens"], head  # the head drafted
+    head_beam = next(r for r in rows if r["method"] == "DSBD EAGLE-3 head beam search, depth 3 pinned (set rate)")
+    assert head_beam["passes"] < head_beam["tokens"], head_beam
     report = (out / "README.md").read_text()
     assert report.count("\n| ") == len(rows) + 1, report  # header + one line per row
 

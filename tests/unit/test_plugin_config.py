@@ -826,3 +826,29 @@ def test_beam_stops_are_parsed_at_every_temperature():
                        ("include_stop_str_in_output", 1)):
         with pytest.raises(ValueError, match=rf"\['{key}'\]"):
             BeamParams.parse({"width": 2, "max_tokens": 4, key: value}, 4)
+
+
+def test_eagle3_head_is_recognised_by_its_architecture(pair, tmp_path):
+    """Patches spec_post_init and spec_hash_head on vLLM's own configs: a head in the public EAGLE-3 format is built as
+    vLLM builds an "eagle3" draft (``EAGLEConfig``, ``LlamaForCausalLMEagle3``) whatever its path (here one vLLM's
+    detection by path would take for an EAGLE-1 head, "eagle-"), the method stays "dsbd", and the config hashes as
+    vLLM's "eagle3" (not as a plain-draft "dsbd" engine: the compiled target differs)."""
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm_dsbd.testing.heads import head_folder
+
+    target, draft = pair
+    head = head_folder(target, tmp_path / "eagle-head", draft_vocab=500, seed=0)
+    _, cfg = build(target, {"method": "dsbd", "model": str(head), "num_speculative_tokens": 2, "width": 2})
+    sc = cfg.speculative_config
+    assert sc.method == "dsbd" and sc.uses_draft_model()
+    assert isinstance(sc.draft_model_config.hf_config, EAGLEConfig)
+    assert sc.draft_model_config.architectures == ["LlamaForCausalLMEagle3"]
+    assert sc.draft_model_config.hf_config.draft_vocab_size == 500
+    _, plain = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 2})
+    assert plain.speculative_config.compute_hash() != sc.compute_hash()
+    sc.method = "eagle3"
+    try:
+        eagle3_hash = type(sc).compute_hash.__wrapped__(sc)  # vLLM's own hash of the same config as "eagle3"
+    finally:
+        sc.method = "dsbd"
+    assert eagle3_hash == sc.compute_hash()

@@ -4,7 +4,9 @@
 group, dummy runs) and replaces the proposal (:meth:`DSBDDrafter.propose_forests`): a catch-up pass, then one draft pass
 per depth under forest attention. Forest nodes are written at the slots where the target will write them, so one commit
 after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
-drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4.
+drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4. The draft may be an EAGLE-3 head
+(``engine/head.py``): each row then also takes a hidden state, the target's feature for the catch-up rows and the
+head's own output at the parent node for forest nodes (docs/design/forests.md, "EAGLE-3 heads as the draft").
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
 
+from . import head as head_mod
 from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
 from .penalties import DraftPenalties
@@ -118,6 +121,38 @@ class DSBDDrafter(DraftModelProposer):
         self.beam_static_misses = 0
         self.beam_static_skip = 0
         self.beam_static_backoff = 0
+        # an EAGLE-3 head (engine/head.py): rows take hidden states; ``last_hidden``: the head's pre-norm outputs of
+        # every row of the last pass (the next depth's inputs)
+        self.head = head_mod.is_head(self.speculative_config.draft_model_config.hf_config)
+        self.last_hidden: torch.Tensor | None = None
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        if self.head and not getattr(self.model.model, "use_aux_hidden_state", True):
+            raise ValueError("DSBD engine: this EAGLE-3 head does not use the target's auxiliary hidden states "
+                             "(eagle_config use_aux_hidden_state: false), which DSBD does not support yet")
+        if self.head:  # a public head has no embedding (vLLM's EAGLE heads share the target's); its own LM head
+            from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+            SpecDecodeBaseProposer._maybe_share_embeddings(self, target_model)
+            SpecDecodeBaseProposer._maybe_share_lm_head(self, target_model)
+
+    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
+        """vLLM's drafter dummy run; a head's forward needs a hidden state, which vLLM's draft-model path does not pass."""
+        if not self.head:
+            return super().dummy_run(num_tokens, *args, **kwargs)
+        H = self.model.config.hidden_size
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            self.model(input_ids=self.input_ids[:num_tokens], positions=self._get_positions(num_tokens),
+                       hidden_states=torch.zeros(num_tokens, H, dtype=self.dtype, device=self.device))
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """The head's input feature from the target's auxiliary hidden states ``[n, k * H_target]`` (vLLM's
+        ``combine_hidden_states``: ``fc``)."""
+        return self.model.combine_hidden_states(aux.to(self.dtype))
+
+    def head_hidden(self) -> int:
+        return self.model.config.hidden_size
 
     # ------------------------------------------------------------------------------------------------------------
     def block_table_host(self):
@@ -126,10 +161,12 @@ class DSBDDrafter(DraftModelProposer):
         return bt.block_table.cpu, bt.block_size, bt.num_blocks_per_row
 
     def forward_ragged(self, input_ids, positions, slots: np.ndarray, query_lens, seq_lens, block_rows: torch.Tensor,
-                 sample_idx, forest: ForestBatch | None, draft_index: int) -> torch.Tensor:
+                 sample_idx, forest: ForestBatch | None, draft_index: int,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One draft forward pass over a ragged batch (``draft_index``: the forest depth it drafts, 0 = catch-up);
         returns the draft logits [len(sample_idx), V] (float32, on the device). The index arguments are int sequences
-        or numpy arrays (one conversion each)."""
+        or numpy arrays (one conversion each). A head's rows take ``hidden`` [T, H] (zeros when None) and its pre-norm
+        outputs of every row are kept in ``last_hidden``."""
         dev = self.device
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -159,7 +196,12 @@ class DSBDDrafter(DraftModelProposer):
             ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int32)).to(dev)
         with set_forward_context(per_layer, self.vllm_config, num_tokens=T,
                                  slot_mapping={n: slot_t for n in self._draft_attn_layer_names}), forest_scope(forest):
-            hidden = self.model(input_ids=ids, positions=pos, inputs_embeds=None)
+            if self.head:
+                if hidden is None:
+                    hidden = torch.zeros(T, self.head_hidden(), dtype=self.dtype, device=dev)
+                hidden, self.last_hidden = self.model(input_ids=ids, positions=pos, hidden_states=hidden.to(self.dtype))
+            else:
+                hidden = self.model(input_ids=ids, positions=pos, inputs_embeds=None)
         self.forward_passes += 1
         idx = torch.from_numpy(np.asarray(sample_idx, dtype=np.int64)).to(dev)
         return self.model.compute_logits(hidden[idx]).float()
@@ -197,10 +239,15 @@ class DSBDDrafter(DraftModelProposer):
         ends = np.cumsum(qlens)
         pos = np.arange(len(ids), dtype=np.int64) - np.repeat(ends - qlens, qlens) + start[req]
         root_logits = self.forward_ragged(ids, pos, batch_slots(brow_np, req, pos, bs, owned), qlens, root_pos + 1,
-                                    block_rows, ends - 1, None, 0)
+                                    block_rows, ends - 1, None, 0, self._catch_up_features(jobs))
         for j in jobs:
             j.state.draft_len = j.root_pos + 1
         V = root_logits.shape[-1]
+        # a head's hidden state of each request's current draft beams [R, W, H] (slot 0: the root)
+        hid = None
+        if self.head:
+            hid = torch.zeros(R, W, self.head_hidden(), dtype=self.dtype, device=dev)
+            hid[:, 0] = self.last_hidden[torch.from_numpy(ends - 1).to(dev)]
         full = torch.zeros(R, W, V, device=dev)
         full[:, 0] = root_logits
         # requests with penalties or logits rules: each slot's rows processed by its own history before each beam step
@@ -216,7 +263,7 @@ class DSBDDrafter(DraftModelProposer):
         drafted = chains = params.facts.width_max == 1 and self.chain_drafting
         if chains:  # every request at width 1: the same draws, one host copy in all
             steps, valid_np, parent_np, token_np, depth_np, depth = yield from self._draft_chains(
-                full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows, pen)
+                full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows, pen, hid)
         elif self.static_drafting and G > 1:  # wider: the same draws, one host copy in all when the bet holds
             if self._static_skip:
                 self._static_skip -= 1
@@ -224,7 +271,7 @@ class DSBDDrafter(DraftModelProposer):
                 widths = np.array([j.state.width if j.width is None else j.width for j in jobs], dtype=np.int64)
                 got = yield from self._draft_static(full, scores, live, params, widths, depth_np, depth, L, root_pos,
                                                     brow_np, bs, owned, block_rows,
-                                                    pen.fork() if pen is not None else None)
+                                                    pen.fork() if pen is not None else None, hid)
                 self._static_backoff = 0 if got else min(max(2 * self._static_backoff, 1), 16)
                 self._static_skip = self._static_backoff
                 if got:
@@ -287,11 +334,16 @@ class DSBDDrafter(DraftModelProposer):
                     parents=parents[i][pv[i]].tolist(), query_nodes=comp_l[t : t + q])))
                 t += q
             fb = ForestBatch.build(entries, max_nodes=W * G)
+            ri_t, si_t = torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)
             lg = self.forward_ragged(t_np[ri, si], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
                                qlens, root_pos[sub] + 1 + num_nodes[sub], block_rows[torch.from_numpy(sub)],
-                               np.arange(t), fb, d)
+                               np.arange(t), fb, d,
+                               hid[ri_t, torch.from_numpy(p_np[ri, si]).to(dev)] if hid is not None else None)
             full = torch.zeros(R, W, V, device=dev)
-            full[torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)] = lg
+            full[ri_t, si_t] = lg
+            if hid is not None:  # the depth-d nodes' own hidden states: the next depth's inputs
+                hid = torch.zeros_like(hid)
+                hid[ri_t, si_t] = self.last_hidden[:t]
         if not steps:
             return [None] * R
         forest = Forest.from_steps(steps, depth, W)
@@ -323,8 +375,29 @@ class DSBDDrafter(DraftModelProposer):
                                      depth=int(depth_np[i])))
         return out
 
+    def _catch_up_features(self, jobs: list[DraftJob]) -> torch.Tensor | None:
+        """A head's inputs of the catch-up rows (positions ``[start, root_pos]``): the target's features of positions
+        ``[start - 1, root_pos)``; each request keeps those from ``root_pos`` on (the next catch-up's first)."""
+        if not self.head:
+            return None
+        out = []
+        for j in jobs:
+            st = j.state
+            out.append(head_mod.window(st.head_features, j.start - 1, j.root_pos, self.head_hidden(), self.device,
+                                       self.dtype))
+            st.head_features = st.head_features.trim(j.root_pos) if st.head_features is not None else None
+        return torch.cat(out)
+
+    def beam_features(self, st: RequestState, slots: list[int]) -> torch.Tensor:
+        """A head's inputs of a beam request's catch-up rows: the target's features of their parent slots (zeros where
+        none is kept: slot -1, a re-layout)."""
+        f = st.head_features
+        if f is None or not hasattr(f, "gather"):
+            return torch.zeros(len(slots), self.head_hidden(), dtype=self.dtype, device=self.device)
+        return f.gather(slots)
+
     def _draft_chains(self, full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows,
-                      pen: DraftRows | None = None):
+                      pen: DraftRows | None = None, hid: torch.Tensor | None = None):
         """The depth loop at width 1 with no host read until the end (draws and token ids stay on the device); an ended
         chain is masked, not skipped: the same draws, bit for bit. Returns (steps, valid, parent, token slots per depth
         as numpy [R, W], the final depths in numpy and on the device)."""
@@ -353,9 +426,12 @@ class DSBDDrafter(DraftModelProposer):
             sub_t = torch.from_numpy(sub)
             lg = self.forward_ragged(st.token[sub_t.to(dev), 0], node_pos, batch_slots(brow_np, sub, node_pos, bs, owned),
                                np.ones(sub.size, dtype=np.int64), node_pos + 1, block_rows[sub_t], np.arange(sub.size),
-                               None, d)
+                               None, d, hid[sub_t.to(dev), 0] if hid is not None else None)
             full = torch.zeros_like(full)
             full[sub_t.to(dev), 0] = lg
+            if hid is not None:  # a chain's node d: the next depth's input
+                hid = torch.zeros_like(hid)
+                hid[sub_t.to(dev), 0] = self.last_hidden
         host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
         host, = yield [host]  # the one copy
         host = host.numpy()
@@ -366,7 +442,7 @@ class DSBDDrafter(DraftModelProposer):
 
 
     def _draft_static(self, full, scores, live, params, widths, depth_np, depth, L, root_pos, brow_np, bs, owned,
-                      block_rows, pen: DraftRows | None = None):
+                      block_rows, pen: DraftRows | None = None, hid: torch.Tensor | None = None):
         """The depth loop at any width with one host read at the end, on a bet that every request's draws fill its width
         (``widths``) wherever a pass runs, so the layout is known in advance. None when the bet failed (the caller runs
         the general loop: the same keyed draws), else what :meth:`_draft_chains` returns."""
@@ -424,9 +500,12 @@ class DSBDDrafter(DraftModelProposer):
             ri_t, si_t = torch.from_numpy(ri).to(dev), torch.from_numpy(si).to(dev)
             lg = self.forward_ragged(st.token[ri_t, si_t], root_pos[ri] + d, batch_slots(brow_np, ri, node_pos, bs, owned),
                                wsub, root_pos[sub] + 1 + d * wsub, block_rows[torch.from_numpy(sub)],
-                               np.arange(t), fb, d)
+                               np.arange(t), fb, d, hid[ri_t, st.parent[ri_t, si_t]] if hid is not None else None)
             full = torch.zeros(R, W, V, device=dev)
             full[ri_t, si_t] = lg
+            if hid is not None:  # the depth-d nodes' own hidden states: the next depth's inputs
+                hid = torch.zeros_like(hid)
+                hid[ri_t, si_t] = self.last_hidden[:t]
         ws = steps[0].valid.shape[1]
         host = torch.cat([torch.cat([st.valid.long(), st.parent, st.token], 1) for st in steps] + [depth[:, None]], 1)
         host, = yield [host]  # the one copy

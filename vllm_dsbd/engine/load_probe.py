@@ -97,19 +97,22 @@ def forward_times(runner, sizes: list[int], stop_ratio: float = STOP_RATIO, roun
 
 
 def model_times(model, vllm_config, device, sizes: list[int], stop_ratio: float = COST_STOP_RATIO,
-                rounds: int = 1) -> dict[int, float]:
+                rounds: int = 1, head_hidden: int | None = None) -> dict[int, float]:
     """{tokens: seconds} of one pass of ``model`` (the target or the draft) over n tokens with its LM head over every
     token, called directly under a dummy forward context (no attention metadata, as vLLM's dummy passes: short
     contexts; without ``_dummy_run``'s own per-call work, which on a CPU made SmolLM2's one-token pass 68 ms where a
-    whole engine step takes about 11), rank 0's on every rank."""
+    whole engine step takes about 11), rank 0's on every rank. ``head_hidden``: the model is an EAGLE-3 head, whose
+    rows take a hidden state of that size; a target returning auxiliary hidden states returns a tuple."""
     from vllm.forward_context import set_forward_context
 
     def run(n: int) -> None:
         ids = torch.zeros(n, dtype=torch.int32, device=device)
         pos = torch.zeros(n, dtype=torch.int64, device=device)
+        kw = ({"inputs_embeds": None} if head_hidden is None else
+              {"hidden_states": torch.zeros(n, head_hidden, dtype=vllm_config.model_config.dtype, device=device)})
         with set_forward_context(None, vllm_config, num_tokens=n):
-            hidden = model(input_ids=ids, positions=pos, inputs_embeds=None)
-        model.compute_logits(hidden)
+            hidden = model(input_ids=ids, positions=pos, **kw)
+        model.compute_logits(hidden[0] if isinstance(hidden, tuple) else hidden)
 
     return _times(run, device, sizes, stop_ratio, rounds)
 
@@ -135,4 +138,5 @@ def measure_costs(runner) -> cost.CostTable:
     if drafter.model is None:
         return cost.CostTable.from_times(target, {n: 0.0 for n in target})
     return cost.CostTable.from_times(
-        target, monotone(model_times(drafter.model, drafter.vllm_config, drafter.device, sizes, rounds=COST_ROUNDS)))
+        target, monotone(model_times(drafter.model, drafter.vllm_config, drafter.device, sizes, rounds=COST_ROUNDS,
+                                     head_hidden=drafter.head_hidden() if getattr(drafter, "head", False) else None)))

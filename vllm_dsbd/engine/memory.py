@@ -52,7 +52,10 @@ def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
     block_size = 16
     blocks = -(-(drafter.cfg.num_speculative_slots + 2) // block_size)
 
-    def forward_ragged(input_ids, positions, slots, query_lens, seq_lens, block_rows, sample_idx, forest, index):
+    def forward_ragged(input_ids, positions, slots, query_lens, seq_lens, block_rows, sample_idx, forest, index,
+                       hidden=None):
+        if getattr(drafter, "head", False):  # an EAGLE-3 head's hidden states, read by the next depth
+            drafter.last_hidden = torch.zeros(len(input_ids), drafter.head_hidden(), device=dev, dtype=drafter.dtype)
         return torch.randn(len(sample_idx), vocab, device=dev, generator=gen) * 4
 
     def block_table_host():

@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, chunks, cost, grammar, load, memory, penalties, reads, sampler
+from . import attention, chunks, cost, grammar, head, load, memory, penalties, reads, sampler
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .beams.step import beam_rows, step_beams
 from .drafter import DraftJob, DSBDDrafter, NoDrafter, vllm_runner_init
@@ -68,6 +68,16 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         # vLLM built a DraftModelProposer (the chain drafter of method "draft_model"), or without a draft model a
         # NoDrafter; ours replaces it
         self.drafter = self._make_dsbd_drafter(vllm_config, device)
+        # an EAGLE-3 head (engine/head.py): the target returns the auxiliary hidden states of its layers (vLLM sets
+        # them up after loading, ``_setup_eagle3_aux_hidden_state_outputs``) and each pass's rows that the head's
+        # next catch-up reads are kept (``_keep_head_features``)
+        self._dsbd_head = bool(getattr(self.drafter, "head", False))
+        if self._dsbd_head:
+            self.use_aux_hidden_state_outputs = True
+        self._dsbd_aux: list | None = None  # this pass's auxiliary hidden states
+        self._dsbd_beam_feature_rows: list = []  # beam requests': (batch row, state, rows, slots)
+        self._dsbd_beam_moves: list = []  # this step's K/V moves of beam requests (the features move with them)
+        self._dsbd_feature_rows: list = []  # this pass's plain requests' (batch row, state, first row, position, linear rows)
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
         self._dsbd_recycle = self._dsbd_sources and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
@@ -175,6 +185,7 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         qsl = self.query_start_loc.np[: num_reqs + 1]
         computed = batch.num_computed_tokens_cpu[:num_reqs]
         plan, entries, first = [], [], 0
+        self._dsbd_feature_rows, self._dsbd_beam_feature_rows = [], []
         node_rows, node_pos = [], []  # forest nodes' rows in the pass and their positions, written once below
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
@@ -194,6 +205,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
                 continue
             pf, st.pending = st.pending, None
             n = len(sched)
+            if self._dsbd_head:  # the linear rows (prompt chunk or root), then the forest nodes after them
+                self._dsbd_feature_rows.append((i, st, int(qsl[i]), int(computed[i]), ns - n))
             if n and pf is not None and pf.root_pos == L - 1 and pf.tokens[:n] == list(sched):
                 cut = pf.uncut if pf.uncut is not None and n >= len(pf.tokens) else sampler.truncate(pf.forest, L, n)
                 # depth: the deepest scheduled node's, what truncate's (or the drafter's uncut) depth tensor holds
@@ -237,6 +250,10 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
                                    f"{expect}")
         row.leaves = 1 + min(len(drafts), len(leaves))
         row.forest_nodes = max(0, len(drafts) - len(leaves))
+        if self._dsbd_head and computed < P:  # linear slots (the prompt, a re-laid-out prefix): rows in order
+            m = min(P, computed + ns) - computed
+            self._dsbd_beam_feature_rows.append((i, row.state, list(range(qstart, qstart + m)),
+                                                 list(range(computed, computed + m))))
         lo = max(computed, P)
         hi = computed + ns - (len(sched) - len(drafts))
         if hi <= lo:
@@ -246,6 +263,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         self.positions[rows[0] : rows[-1] + 1] = torch.tensor([beam.position(s) for s in slots],
                                                               dtype=self.positions.dtype)
         nodes = [s - P for s in slots]
+        if self._dsbd_head:  # the target features of these slots feed the head's beam forests
+            self._dsbd_beam_feature_rows.append((i, row.state, rows, slots))
         return attention.ForestEntry(req_row=i, token_rows=rows, context_len=P,
                                      parents=beam.node_parents()[: nodes[-1] + 1], query_nodes=nodes)
 
@@ -261,6 +280,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
     def _model_forward(self, *args, **kwargs):
         with attention.forest_scope(self._dsbd_forest):
             out = super()._model_forward(*args, **kwargs)
+        if self._dsbd_head and isinstance(out, tuple):  # (hidden states, auxiliary hidden states)
+            self._dsbd_aux = out[1]
         rows, self._dsbd_prompt_rows = self._dsbd_prompt_rows, []
         if rows and isinstance(out, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
             recycle_prompt(self.model, out, rows)
@@ -367,6 +388,7 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
                 results[k] = res
             self._commit_kv(plan, results)  # beam rows have no forest: skipped
         self._move_kv(beam_moves)  # the kept beam nodes' K/V to their compacted slots
+        self._dsbd_beam_moves = beam_moves
         verified_rows = [(row, res) for row, res, skip in zip(plan, results, discard)
                          if not skip and row.state.beam is None]
         self.dsbd_stats.record_all(verified_rows)
@@ -458,6 +480,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         if results is None:
             return out
         discard = self.discard_request_mask.np[:num_reqs]
+        if self._dsbd_head:
+            self._keep_head_features(results, discard)
         cfg, jobs, beam_jobs = self.dsbd_cfg, [], []
         levels = self._load_levels(discard)
         for i, req_id in enumerate(batch.req_ids):
@@ -510,6 +534,42 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
             if job.state.beam.forest is not None:
                 out[job.row] += job.state.beam.forest.tokens
         return out
+
+    def _keep_head_features(self, results: list, discard) -> None:
+        """Appends to each plain request's kept target features (``RequestState.head_features``) this pass's rows of
+        its new context: the linear rows (a prefill chunk, or the root) and the accepted path's forest nodes, combined
+        by the head's ``fc`` in one call."""
+        rows_of, aux, self._dsbd_feature_rows, self._dsbd_aux = self._dsbd_feature_rows, self._dsbd_aux, [], None
+        beam_rows_of, self._dsbd_beam_feature_rows = self._dsbd_beam_feature_rows, []
+        moves, self._dsbd_beam_moves = self._dsbd_beam_moves, []
+        if aux is None or not (rows_of or beam_rows_of):
+            return
+        picks, spans = [], []
+        for i, st, q, first, n_lin in rows_of:
+            path = [] if discard[i] or results[i] is None else results[i].path
+            rows = list(range(q, q + n_lin)) + [q + n_lin + k for k in path]
+            spans.append((st, first, len(rows)))
+            picks += rows
+        for _, _, rows, _ in beam_rows_of:
+            picks += rows
+        dev = aux[0].device
+        feats = self.drafter.combine(torch.cat([h[torch.tensor(picks, dtype=torch.int64, device=dev)] for h in aux], -1))
+        at = 0
+        for st, first, m in spans:
+            rows = feats[at : at + m]
+            at += m
+            st.head_features = head.Features(first, rows) if st.head_features is None else st.head_features.append(
+                first, rows)
+        # beam requests: by slot, then moved as this step moved their K/V (a re-layout's moves included: trie.py)
+        moved = {i: (src, dst) for i, src, dst in moves}
+        for i, st, rows, slots in beam_rows_of:
+            f = feats[at : at + len(rows)]
+            at += len(rows)
+            if not isinstance(st.head_features, head.SlotFeatures):
+                st.head_features = head.SlotFeatures(f.shape[1], f.device, f.dtype)
+            st.head_features.put(slots, f)
+            if i in moved:
+                st.head_features.move(*moved[i])
 
     def _beam_draft_job(self, i: int, st, num_leaf_drafts: int, level: load.Level | None = None) -> BeamDraftJob | None:
         """The draft job of a beam request after a full step, or None: depth up to the steps left (and the request's

@@ -71,6 +71,8 @@ class RequestState:
     forest_nodes: int = 0  # nodes per depth of its pending forest (the cost model's choice, or its width)
     # an engine with draft-free sources: the request's recycle table and lookup index (engine/source_drafter.py)
     sources: SourceIndex | None = None
+    # an engine whose draft is an EAGLE-3 head: the target's features its next catch-up pass reads (engine/head.py)
+    head_features: Any = None
 
 
 class Requests:
@@ -100,6 +102,7 @@ class Requests:
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache
             old.pending = None
             old.draft_len = 0
+            old.head_features = None
             if old.beam is not None:
                 old.beam.resumed()
             return old

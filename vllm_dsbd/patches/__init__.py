@@ -20,11 +20,12 @@ to add a speculative method with its own config keys and proposer; no such regis
    When it can go: vLLM accepts plugin-defined methods (a registry, or ``method: str`` validated at run time).
 
 2. ``spec_post_init`` - target ``SpeculativeConfig.__post_init__``.
-   What: "dsbd" gets the draft ``ModelConfig``/parallel config/max length that "draft_model" gets.
+   What: "dsbd" gets the draft ``ModelConfig``/parallel config/max length that "draft_model" gets (an EAGLE-3 head,
+   recognised by the architecture in its ``config.json``, those that "eagle3" gets).
    Why: ``__post_init__`` raises ``NotImplementedError("Unsupported speculative method")`` for unknown methods
    (config/speculative.py:906-911) and only builds draft configs for the known ones.
-   How: run the original with ``method="draft_model"``, restore "dsbd"; refuse drafts that vLLM auto-detects as
-   EAGLE/DFlash/DSpark/Medusa/MLP-speculator/MTP checkpoints. Without ``model`` (an engine without a draft model)
+   How: run the original with ``method="draft_model"`` (a head: ``"eagle3"``), restore "dsbd"; refuse other drafts
+   that vLLM auto-detects as EAGLE/DFlash/DSpark/Medusa/MLP-speculator/MTP checkpoints. Without ``model`` (an engine without a draft model)
    the original is not run (it only builds draft configs, and raises "num_speculative_tokens was provided but without
    speculative model", config/speculative.py:692-732): no draft configs.
    When it can go: with 1 (a registry that lets a method declare "I am a draft-model method").
@@ -278,6 +279,18 @@ to add a speculative method with its own config keys and proposer; no such regis
    untouched (``tests/engine/test_engine_beam_logprobs.py``: equal to vLLM's own ``LLM.beam_search`` to 1e-4). A
    finished beam request whose best beam stopped on a stop string gets its text cut there, as vLLM cuts a plain
    request's (kept with ``include_stop_str_in_output``; ``test_engine_beam_stops.py``). When it can go: with 15.
+
+22. ``spec_hash_head`` - target ``vllm.config.speculative.SpeculativeConfig.compute_hash``.
+   What: a "dsbd" config whose draft is an EAGLE-3 head (``engine/head.py``) hashes as vLLM's "eagle3" (auxiliary
+   hidden states, the head's config and layer ids in the hash). Why: the hash keys vLLM's compiled-graph cache, and
+   the head's target returns auxiliary hidden states (the DSBD runner sets ``use_aux_hidden_state_outputs``); hashed
+   as "dsbd" it shared the key of a plain-draft "dsbd" engine on the same target (config/speculative.py:305-310 counts
+   only vLLM's own methods). How: wrap; a head config is hashed with ``method = "eagle3"``, restored after; other
+   configs go to the original. When it can go: with 1 (a method that declares it uses auxiliary hidden states).
+
+Also for heads, 2 (``spec_post_init``) recognises one by the architecture in its ``config.json`` and builds it as vLLM
+builds an "eagle3" draft; the DSBD runner sets vLLM's own ``use_aux_hidden_state_outputs`` (no patch: an attribute
+vLLM's runner reads after ``__init__``).
 """
 
 from __future__ import annotations
@@ -312,6 +325,7 @@ PATCHES = (
     "cpu_ray_executor",
     "grammar_forests",
     "beam_outputs",
+    "spec_hash_head",
 )
 
 

@@ -129,11 +129,16 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
 
     # pass 0: catch-up; logits at every live leaf
     ids, pos, slots, qlens, seqs, entries, sample = [], [], [], [], [], [], []
+    head = getattr(drafter, "head", False)  # an EAGLE-3 head: each row also takes its parent slot's target feature
+    feats = []
     t0 = 0
     for k, job in enumerate(jobs):
         beam = job.state.beam
         B, n = beam.base, len(beam.tokens)
         s = list(range(job.start, B + n))
+        if head:
+            feats.append(drafter.beam_features(job.state, [x - 1 if x < B else (
+                B + beam.parents[x - B] if beam.parents[x - B] >= 0 else B - 1) for x in s]))
         ids += job.prompt_tail + beam.tokens[max(0, job.start - B):]
         pos += [beam.position(x) for x in s]
         slots.append(slots_of(brow[k], s, bs, owned[k]))
@@ -147,10 +152,16 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     fb = ForestBatch.build(entries, max_nodes=max(len(e.parents) for e in entries))
     # the draft logits stay on the device: each depth's beam step runs there for all requests at once, and what the
     # tries and forests (host lists) need comes over in one copy per depth
-    logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0)
+    logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows, sample, fb, 0,
+                                    torch.cat(feats) if head else None)
     leaf_logits, at = [], 0
-    for job in jobs:
+    # a head's own hidden state of each draft beam, by node number (depth 1: the live leaves' catch-up rows)
+    hidden_of = [{} for _ in jobs] if head else None
+    for k, job in enumerate(jobs):
         beam = job.state.beam
+        if head:
+            for b, r in zip(beam.live, sample[at : at + len(beam.live)]):
+                hidden_of[k][b.node] = drafter.last_hidden[r]
         leaf_logits.append(logits[at : at + len(beam.live)])
         at += len(beam.live)
         beam.has_draft = [True] * len(beam.tokens)
@@ -163,7 +174,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     beams_of = [[(b.node, b.score if job.state.beam.temperature <= 0.0 else b.sample_score, True)
                  for b in job.state.beam.live] for job in jobs]
     forests = None
-    if drafter.static_drafting and _static_layout(jobs):
+    if drafter.static_drafting and _static_layout(jobs) and not head:  # a head: the general loop (its hidden states)
         if drafter.beam_static_skip:
             drafter.beam_static_skip -= 1
         else:
@@ -172,16 +183,18 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
             drafter.beam_static_skip = drafter.beam_static_backoff
             drafter.beam_static_misses += forests is None
     if forests is None:
-        forests = _draft_loop(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows)
+        forests = _draft_loop(drafter, jobs, leaf_logits, beams_of, brow, bs, owned, block_rows, hidden_of)
     for job, f in zip(jobs, forests):
         f.nodes = job.width
         job.state.beam.forest = f if f.tokens else None
 
 
 def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tensor], beams_of: list, brow: np.ndarray,
-                bs: int, owned: list[int], block_rows: torch.Tensor) -> list[BeamForest]:
+                bs: int, owned: list[int], block_rows: torch.Tensor, hidden_of: list[dict] | None = None
+                ) -> list[BeamForest]:
     """The general depth loop: each depth's pairs of all requests in one copy, then pass d over the depth-d nodes
-    of the requests that go deeper. Returns the forests."""
+    of the requests that go deeper. Returns the forests. ``hidden_of``: an EAGLE-3 head's hidden state of each draft
+    beam by node number (a node's row takes its parent's)."""
     leaf_logits, beams_of = list(leaf_logits), list(beams_of)
     forests = [BeamForest([], [], [], []) for _ in jobs]
     for d in range(1, max(j.depth for j in jobs) + 1):
@@ -195,12 +208,14 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
                 layer_of[k] = beams_of[k]
         if not layer_of:
             break
-        ids, pos, slots, qlens, seqs, entries = [], [], [], [], [], []
+        ids, pos, slots, qlens, seqs, entries, hid = [], [], [], [], [], [], []
         t0 = 0
         for e, (k, layer) in enumerate(layer_of.items()):
             beam, f = jobs[k].state.beam, forests[k]
             B, n = beam.base, len(beam.tokens)
             nodes = [nd for nd, *_ in layer]
+            if hidden_of is not None:
+                hid += [hidden_of[k][f.parents[nd - n]] for nd in nodes]
             ids += [f.tokens[nd - n] for nd in nodes]
             pos += [beam.prompt_len - 1 + f.depths[nd - n] for nd in nodes]
             slots.append(slots_of(brow[k], [B + nd for nd in nodes], bs, owned[k]))
@@ -214,11 +229,14 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
         sub = list(layer_of)
         fb = ForestBatch.build(entries, max_nodes=max(len(e.parents) for e in entries))
         logits = drafter.forward_ragged(ids, pos, np.concatenate(slots), qlens, seqs, block_rows[torch.tensor(sub)],
-                                  list(range(t0)), fb, d)
+                                  list(range(t0)), fb, d, torch.stack(hid) if hidden_of is not None else None)
         at = 0
         for k in sub:
             m = len(layer_of[k])
             leaf_logits[k] = logits[at : at + m]
+            if hidden_of is not None:
+                for j, (nd, *_) in enumerate(layer_of[k]):
+                    hidden_of[k][nd] = drafter.last_hidden[at + j]
             at += m
     return forests
 
