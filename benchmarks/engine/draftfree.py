@@ -9,7 +9,8 @@ and N (``dsbd_beam.depth`` / ``nodes``: every step drafts, so the count is the s
 model's choice). ``--check`` also runs vLLM's ``LLM.beam_search`` and greedy decoding on a plain engine and prints
 whether every prompt's beams and tokens are the same.
 
-    python benchmarks/engine/draftfree.py [--prompts 4] [--steps 48] [--nodes 16,32] [--depth 3] [--check]
+    python benchmarks/engine/draftfree.py [--prompts 4] [--steps 48] [--nodes 16,32] [--depth 3] [--sources recycle]
+        [--check]    (--nodes "": the greedy rows only)
 """
 from __future__ import annotations
 
@@ -73,11 +74,11 @@ def main() -> int:
     torch.set_num_threads(2)
     folder = smollm2_dir()
     enc = prompts(load_tokenizer(folder), a.prompts)
-    nodes = [int(x) for x in a.nodes.split(",")]
+    nodes = [int(x) for x in a.nodes.split(",") if x]  # none (--nodes ""): the greedy rows only
     W, T = a.width, a.steps
     kw = dict(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=2048, seed=0, max_num_seqs=4,
               enable_prefix_caching=False, disable_log_stats=False)
-    spec = {"method": "dsbd", "width": W, "num_speculative_tokens": a.depth, "beam_nodes": max(nodes),
+    spec = {"method": "dsbd", "width": W, "num_speculative_tokens": a.depth, "beam_nodes": max(nodes, default=a.width),
             "sources": [s for s in a.sources.split(",") if s], "cost_model": None}
     llm = vllm.LLM(**kw, speculative_config=spec)
     rows, beams, greedy = {}, {}, {}

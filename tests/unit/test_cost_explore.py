@@ -22,8 +22,9 @@ SLOPED = CostTable.from_times({1: 0.010, 257: 0.010 + 256 * 0.0006}, {1: 0.0})
 
 def _engine(p, steps=600, reqs=8, life=16, budget=True, seed=0):
     """An engine loop as the runner's (``shapes._choose_depths``): ``reqs`` plain requests (width 2, depth 3) on SLOPED,
-    each replaced by a new one after ``life`` steps (staggered; 16: sources_wall.py's beam requests), whose layers pass with probability ``p(step)``.
-    ``budget`` False: the planted variant, every try as soon as it is due. Returns the steps in which any drafted."""
+    each replaced by a new one after ``life`` steps (staggered; 16: sources_wall.py's beam requests), whose layers pass
+    with probability ``p(step)``. ``budget`` False: the planted variant, every try as soon as it is due. Returns the
+    steps in which any drafted."""
     rng, pool, ex = random.Random(seed), PassRates(), Exploration()
     accs, ages, drafted = [Acceptance() for _ in range(reqs)], [i * life // reqs for i in range(reqs)], []
     for t in range(steps):

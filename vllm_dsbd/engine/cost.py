@@ -6,8 +6,9 @@ steps (:class:`Acceptance`, a smoothed count with a prior), :func:`choose_shapes
 requests, down to 0 (no draft) where drafting does not pay, and also N, the nodes per depth (a plain request's from
 1, a beam request's from W, up to its own): for a T = 0 beam request the rate at every N' <= N is read from the
 N'-subforests of the forests it verified (:func:`passed_by_width`), for the others from its forests at each N'; a
-request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`). The choice
-is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every
+request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`), within the
+engine's budget of probes (:class:`Exploration`), and a new request starts from its source's engine-wide rate. The
+choice is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every
 tensor-parallel rank computes the same choice (the table is rank 0's, the estimates come from verification results
 every rank has). Imports neither vLLM nor torch.
 The rule: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md.

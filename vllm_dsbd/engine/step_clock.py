@@ -10,7 +10,10 @@ table, as ``draft_step``, what a step that drafts costs over both windows: ``(dr
 ``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then (``neither`` from the other three
 where it is not measured: the surpluses add up), and to ``step`` what every step costs beyond its passes
 (``neither``: the engine's own work per step, 12.1 ms on an H100 beside a 1.4 ms target pass; a step that emits more
-tokens spreads it over them, which is what drafting buys). Per kind the median of the last
+tokens spreads it over them, which is what drafting buys). Each window's forest nodes (drafted plus verified) are
+kept too, and the surplus of windows with forests is fitted as fixed + per node (:meth:`StepClock.node_cost`): then
+``draft_step`` is the fixed part and ``node`` the cost per planned forest node, so a forest larger than the measured
+ones costs more. Per kind the median of the last
 ``WINDOW`` surpluses (every sample weighs alike; a slow outlier moves nothing), none older than ``HORIZON`` measured
 steps: a measurement that switched drafting off expires, and the next forests measure it again. Only timings of past
 steps enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with
