@@ -9,7 +9,8 @@ and N (``dsbd_beam.depth`` / ``nodes``: every step drafts, so the count is the s
 model's choice). ``--check`` also runs vLLM's ``LLM.beam_search`` and greedy decoding on a plain engine and prints
 whether every prompt's beams and tokens are the same.
 
-    python benchmarks/engine/draftfree.py [--prompts 4] [--steps 48] [--nodes 16,32] [--depth 3] [--check]
+    python benchmarks/engine/draftfree.py [--prompts 4] [--steps 48] [--nodes 16,32] [--depth 3] [--sources recycle]
+        [--check]    (--nodes "": the greedy rows only)
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--sources", default="recycle,lookup")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds, ','-separated")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--json", help="write the table here")
     a = ap.parse_args()
@@ -73,16 +75,17 @@ def main() -> int:
     torch.set_num_threads(2)
     folder = smollm2_dir()
     enc = prompts(load_tokenizer(folder), a.prompts)
-    nodes = [int(x) for x in a.nodes.split(",")]
+    nodes = [int(x) for x in a.nodes.split(",") if x]  # none (--nodes ""): the greedy rows only
     W, T = a.width, a.steps
     kw = dict(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=2048, seed=0, max_num_seqs=4,
               enable_prefix_caching=False, disable_log_stats=False)
-    spec = {"method": "dsbd", "width": W, "num_speculative_tokens": a.depth, "beam_nodes": max(nodes),
+    spec = {"method": "dsbd", "width": W, "num_speculative_tokens": a.depth, "beam_nodes": max(nodes, default=a.width),
             "sources": [s for s in a.sources.split(",") if s], "cost_model": None}
     llm = vllm.LLM(**kw, speculative_config=spec)
     rows, beams, greedy = {}, {}, {}
     t0 = time.time()
-    for kind in KINDS:
+    kinds = [k for k in KINDS if k in a.kinds.split(",")]
+    for kind in kinds:
         ps = [p for k, p in enc if k == kind]
         for N in nodes:
             sp = vllm.SamplingParams(temperature=0.0, max_tokens=(W + 1) * T + 8, ignore_eos=True, extra_args={
@@ -111,7 +114,7 @@ def main() -> int:
 
         llm = vllm.LLM(**{**kw, "enable_prefix_caching": True})  # vLLM's loop re-prefills every beam without it
         same = {}
-        for kind in KINDS:
+        for kind in kinds:
             ps = [p for k, p in enc if k == kind]
             ref = llm.beam_search([{"prompt_token_ids": p} for p in ps],
                                   BeamSearchParams(beam_width=W, max_tokens=T, ignore_eos=True))
@@ -124,7 +127,7 @@ def main() -> int:
         shutdown(llm)
     print("\n| kind | " + " | ".join(f"passes per beam step, N = {N}" for N in nodes) + " | greedy tokens per pass |")
     print("|---|" + "---|" * (len(nodes) + 1))
-    for kind in KINDS:
+    for kind in kinds:
         cells = [f"{rows[(kind, N)]['target_passes'] / rows[(kind, N)]['steps']:.3f}" for N in nodes]
         g = rows[(kind, "greedy")]
         print(f"| {kind} | " + " | ".join(cells) + f" | {g['tokens'] / g['iterations']:.2f} |")

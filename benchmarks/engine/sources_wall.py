@@ -19,6 +19,7 @@ order and each row keeps its fastest run; each row has its wall time and this pr
 ``--out``/rows.json and a plot of each row's tokens per CPU-second over the ``none`` engine's (``--out``/sources.png).
 
     python benchmarks/engine/sources_wall.py --out results/sources-wall-DATE [--kinds code-edit,chat] [--prompts 4]
+        [--beams-only]
 """
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ def timed(llm, fn):
     return out, secs, {k: metric(llm, k) - c0[k] for k in COUNTERS}, cpu
 
 
-def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool) -> tuple[list[dict], dict]:
-    """The rows of one engine, and its best beams by kind."""
+def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool, greedy: bool = True
+               ) -> tuple[list[dict], dict]:
+    """The rows of one engine, and its best beams by kind (``greedy`` False: the beam rows only)."""
     import vllm
     from vllm.sampling_params import BeamSearchParams
 
@@ -84,15 +86,16 @@ def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool) -> tu
     rows, beams = [], {}
     for kind in kinds:
         ps = [{"prompt_token_ids": p} for k, p in enc if k == kind]
-        llm.generate(ps[:1], sp, use_tqdm=False)  # warm-up of this kind's prompt lengths
-        outs, s1, c1, u1 = timed(llm, lambda: [llm.generate([p], sp, use_tqdm=False)[0] for p in ps])
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"kind": kind, "row": "greedy b1", "tokens": n, "seconds": s1, "cpu": u1,
-                     "per_pass": n / c1["vllm:dsbd_target_passes"] if dsbd else 1.0})
-        outs, s2, c2, u2 = timed(llm, lambda: llm.generate(ps, sp, use_tqdm=False))
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append({"kind": kind, "row": f"greedy {len(ps)} in one call", "tokens": n, "seconds": s2, "cpu": u2,
-                     "per_pass": n / c2["vllm:dsbd_target_passes"] if dsbd else 1.0})
+        llm.generate(ps[:1] if greedy else ps, sp, use_tqdm=False)  # warm-up of this kind's prompt lengths
+        if greedy:
+            outs, s1, c1, u1 = timed(llm, lambda: [llm.generate([p], sp, use_tqdm=False)[0] for p in ps])
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append({"kind": kind, "row": "greedy b1", "tokens": n, "seconds": s1, "cpu": u1,
+                         "per_pass": n / c1["vllm:dsbd_target_passes"] if dsbd else 1.0})
+            outs, s2, c2, u2 = timed(llm, lambda: llm.generate(ps, sp, use_tqdm=False))
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append({"kind": kind, "row": f"greedy {len(ps)} in one call", "tokens": n, "seconds": s2, "cpu": u2,
+                         "per_pass": n / c2["vllm:dsbd_target_passes"] if dsbd else 1.0})
         llm.beam_search(ps[:1], BeamSearchParams(beam_width=4, max_tokens=2, ignore_eos=True))  # warm-up
         outs, s3, c3, u3 = timed(llm, lambda: llm.beam_search(ps, bp))
         beams[kind] = [[list(s.tokens[len(p["prompt_token_ids"]):]) for s in o.sequences] for o, p in zip(outs, ps)]
@@ -100,7 +103,8 @@ def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool) -> tu
         rows.append({"kind": kind, "row": "beams W=4", "tokens": sum(len(b[0]) for b in beams[kind]), "seconds": s3,
                      "cpu": u3,
                      "per_pass": steps / c3["vllm:dsbd_beam_target_passes"] if dsbd and steps else 1.0})
-        print(f"  {kind}: " + ", ".join(f"{r['row']} {r['tokens'] / r['seconds']:.1f} tok/s" for r in rows[-3:]),
+        print(f"  {kind}: " + ", ".join(f"{r['row']} {r['tokens'] / r['seconds']:.1f} tok/s"
+                                        for r in rows if r["kind"] == kind),
               flush=True)
     return rows, beams
 
@@ -146,6 +150,7 @@ def main() -> int:
     ap.add_argument("--sets", default=";".join(SETS), help="source sets, ';'-separated (none, model, or sources)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every engine, alternating their order; each row keeps its fastest (a shared machine)")
+    ap.add_argument("--beams-only", action="store_true", help="the beam rows only (no greedy rows)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import torch
@@ -168,7 +173,7 @@ def main() -> int:
         for s in order if rep % 2 == 0 else order[::-1]:
             print(f"engine: {'plain vLLM' if s is None else 'DSBD sources ' + s} (run {rep + 1})", flush=True)
             llm = engine(folder, s, draft)
-            rows, beams = run_engine(llm, enc, kinds, a.tokens, a.beam_tokens, s is not None)
+            rows, beams = run_engine(llm, enc, kinds, a.tokens, a.beam_tokens, s is not None, not a.beams_only)
             shutdown(llm)
             if s is None:
                 ref_beams = beams

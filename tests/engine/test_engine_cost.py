@@ -302,18 +302,22 @@ def test_an_auto_engine_with_a_draft_that_pays_drafts(auto):
 
 def test_the_auto_table_is_corrected_by_measured_steps(auto, bad):
     """The same long plain requests without and with ``DELAY`` injected into every drafting call: the clock's
-    ``draft_step`` (medians over the last ``WINDOW`` windows, each phase longer than that) is at least a quarter of the
-    delay with it: a clock that charged drafting to no window, or to every window alike, would leave it near 0 (the
-    old clamp at 0 made ``draft_step >= 0`` unfailable). Not the growth over the phase without the delay: on 2 loaded
+    drafting extra (``draft_step`` plus ``node`` per forest node at the measured windows' nodes; medians over the last
+    ``WINDOW`` windows, each phase longer than that) is at least a quarter of the delay with it: a clock that charged
+    drafting to no window, or to every window alike, would leave it near 0 (the old clamp at 0 made ``draft_step >= 0``
+    unfailable). Not the growth over the phase without the delay: on 2 loaded
     cores that phase alone once measured 57 ms (the self-draft runs the slow target), so the difference is load-bound
     (+18 ms for a 50 ms delay once, +12 ms for 100 ms under the full suite)."""
     before, delayed = auto["long"], auto["delayed"]
     print(f"injected {1e3 * DELAY:.0f} ms per drafting call: draft_step {1e3 * delayed['cost']['draft_step']:.1f} ms "
-          f"(without: {1e3 * before['cost']['draft_step']:.1f} ms); clock {delayed['clock']}; depths "
-          f"{delayed['depths']}")
+          f"(without: {1e3 * before['cost']['draft_step']:.1f} ms), node {1e3 * delayed['cost']['node']:.2f} ms; "
+          f"clock {delayed['clock']}; depths {delayed['depths']}")
     assert before["clock"]["steps"] - auto["load"]["clock"]["steps"] >= step_clock.WINDOW, before["clock"]
     assert delayed["clock"]["steps"] - before["clock"]["steps"] >= step_clock.WINDOW, delayed["clock"]
-    assert delayed["cost"]["draft_step"] >= 0.25 * DELAY, delayed
+    # the extra the table now charges a window with the measured forests (a fixed part and one per node, whichever
+    # way the clock's fit splits it: all per node where every window held as many nodes)
+    extra = delayed["cost"]["draft_step"] + 0.5 * delayed["cost"]["node"] * delayed["clock"]["forest_nodes"]
+    assert extra >= 0.25 * DELAY, delayed
     assert bad["load"]["clock"] is None  # a pinned table is not corrected
 
 

@@ -6,8 +6,9 @@ steps (:class:`Acceptance`, a smoothed count with a prior), :func:`choose_shapes
 requests, down to 0 (no draft) where drafting does not pay, and also N, the nodes per depth (a plain request's from
 1, a beam request's from W, up to its own): for a T = 0 beam request the rate at every N' <= N is read from the
 N'-subforests of the forests it verified (:func:`passed_by_width`), for the others from its forests at each N'; a
-request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`). The choice
-is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every
+request switched off tries again at an optimistic rate (:meth:`Acceptance.try_rate`, :class:`PassRates`), within the
+engine's budget of probes (:class:`Exploration`), and a new request starts from its source's engine-wide rate. The
+choice is made before any coin of the step is drawn and depends only on the past, so every output law stays exact; every
 tensor-parallel rank computes the same choice (the table is rank 0's, the estimates come from verification results
 every rank has). Imports neither vLLM nor torch.
 The rule: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md.
@@ -19,7 +20,7 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Acceptance", "Candidate", "CostTable", "PassRates", "Subforest", "choose", "choose_shapes",
+__all__ = ["Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest", "choose", "choose_shapes",
            "draft_seconds", "expected_tokens", "passed_by_width", "upper_rate", "width_grid"]
 
 PRIOR_RATE = 0.6  # a new request's per-layer pass rate, before it has verified any forest
@@ -30,6 +31,8 @@ AGING = 1.0 - 1.0 / MEMORY  # a try trusts a request's evidence less by this fac
 POOL_MEMORY = 256.0  # the most layers of engine-wide evidence kept per (source, N) (PassRates)
 DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
 MAX_SWEEPS = 4  # the most rounds of the per-request refinement of nodes per depth (choose_shapes)
+PROBE_SHARE = 0.03  # the share of steps the exploration budget lets hold a probe (a try or a forest at the prior)
+PROBE_BURST = 1.0  # the most probes it saves up (a fresh engine may probe at once)
 
 
 def _interp(points: tuple[tuple[int, float], ...], n: int) -> float:
@@ -63,13 +66,17 @@ def _points(times: Mapping, what: str) -> tuple[tuple[int, float], ...]:
 class CostTable:
     """Seconds of one target pass and of one draft pass by the tokens they run (each with its LM head), and a fixed
     cost per step (``step``: what a step costs besides both; pinned, or measured while serving by
-    ``step_clock.StepClock``; 0 when unknown, which only makes drafting look dearer), plus ``draft_step``: what a step in which any request drafts costs beyond its passes (the host work of
-    drafting and verifying forests; 0 unless measured while serving, ``step_clock.StepClock``)."""
+    ``step_clock.StepClock``; 0 when unknown, which only makes drafting look dearer), plus ``draft_step``: what a step
+    in which any request drafts costs beyond its passes (the host work of drafting and verifying forests), and
+    ``node``: what each forest node costs beyond the table's target tokens (forest attention's recompute, the
+    drafter's and verifier's work per node: ~2.5 ms on 2 CPU cores where the start-up table says less); both 0 unless
+    measured while serving (``step_clock.StepClock``)."""
 
     target: tuple[tuple[int, float], ...]
     draft: tuple[tuple[int, float], ...]
     step: float = 0.0
     draft_step: float = 0.0
+    node: float = 0.0
 
     @classmethod
     def from_times(cls, target: Mapping, draft: Mapping, step: float = 0.0) -> CostTable:
@@ -106,7 +113,8 @@ class CostTable:
 
         return (f"target ms by tokens {fmt(self.target)}, draft ms by tokens {fmt(self.draft)}, "
                 f"step {1e3 * self.step:.2f} ms" + (f", drafting step +{1e3 * self.draft_step:.2f} ms"
-                                                      if self.draft_step else ""))
+                                                      if self.draft_step else "")
+                + (f", forest node +{1e3 * self.node:.3f} ms" if self.node else ""))
 
 
 def expected_tokens(rate: float, depth: int) -> float:
@@ -272,28 +280,44 @@ class Acceptance:
                 rate = max(rate, upper_rate(*self.by_width[max(smaller)]))
         return max([rate] + [_rate(*pt) for w, pt in self.by_width.items() if w < width])
 
+    def fresh(self) -> bool:
+        """No forest of this request was verified yet."""
+        return self.tried == 0 and not self.by_width
+
     def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False, low: int | None = None,
-                  pool: float | None = None) -> Candidate:
+                  pool: float | None = None, explore: bool = True) -> Candidate:
         """This request as this step's choice sees it (:class:`Candidate`, ``catch_up`` = ``leaves``). ``low``: the
         fewest nodes per depth it may draft (a beam request's W, a plain request's 1): the model may then choose any
         N' of ``width_grid(low, width)``, each at :meth:`width_rate`; after ``wait`` idle steps (a try) only
         ``width``, at :meth:`planning_rate` with the upper bound of its count at ``width``. ``pool``: the source's
-        engine-wide rate at ``width`` (:class:`PassRates`)."""
+        engine-wide rate at ``width`` (:class:`PassRates`); a request with no forest verified yet plans at it (the
+        source as the engine measured it; every N' alike) where it exists, at the prior where not, and tries after
+        ``wait`` idle steps as any other request. Tries and forests at the prior are probes (``Candidate.probe``,
+        spending the engine's :class:`Exploration` budget); a try only where ``explore`` (the budget is open),
+        otherwise it plans at its estimate. A forest at the prior is not held back (only until the source's first
+        forest of its kind is verified: then the engine-wide rate exists)."""
+        trying = self.idle >= self.wait and explore
+        if self.fresh() and pool is not None and not trying:
+            grid = [] if low is None or low >= width else list(reversed(width_grid(low, width)))[1:]
+            return Candidate(leaves, width, depth, pool, leaves, pinned, tuple((w, pool) for w in grid))
+        probe = trying or self.fresh()
         if low is None or low >= width:
-            return Candidate(leaves, width, depth, self.planning_rate(pool), leaves, pinned)
-        if self.idle >= self.wait:  # a try: the full width, whose forest informs the smaller ones
+            rate = self.try_rate(self.passed, self.tried, pool) if trying else self.rate()
+            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=probe)
+        if trying:  # a try: the full width, whose forest informs the smaller ones
             own = self.by_width.get(width, (self.passed, self.tried))
             rate = max(self.try_rate(*own, pool), self.width_rate(width))
-            return Candidate(leaves, width, depth, rate, leaves, pinned)
+            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=True)
         rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
-        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]))
+        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]), probe=probe)
 
-    def chose(self, depth: int) -> None:
-        """The model chose ``depth`` for this request this step."""
+    def chose(self, depth: int, trying: bool | None = None) -> None:
+        """The model chose ``depth`` for this request this step (``trying``: its candidate was a try; by default
+        whether it waited ``wait`` idle steps)."""
         if depth <= 0:
             self.idle += 1
         else:
-            self.trying = self.idle >= self.wait
+            self.trying = self.idle >= self.wait if trying is None else trying
             self.idle = 0
 
     def observe(self, passed: int, depth: int, sub: Subforest | None = None, nodes: int | None = None) -> None:
@@ -326,6 +350,32 @@ class Acceptance:
         self.trying = False
 
 
+@dataclass
+class Exploration:
+    """The engine's budget of probes: steps in which a request drafts at a rate its own forests do not back (a try
+    after ``wait`` idle steps, or a forest at the prior). It earns ``share`` of a probe per step, up to ``burst``, and a
+    step that drafts any probe spends one: so at most about ``share`` of the steps hold a probe, however many requests
+    are switched off (each try doubles its own wait too). Tries due while it is closed wait for it and go together.
+    A function of past choices only: every rank keeps the same budget and every law stays exact."""
+
+    share: float = PROBE_SHARE
+    burst: float = PROBE_BURST
+    credit: float = PROBE_BURST
+    probes: int = 0  # steps that drafted a probe
+    steps: int = 0
+
+    def open(self) -> bool:
+        return self.credit >= 1.0
+
+    def step(self, probed: bool) -> None:
+        """A step's choice was made; ``probed``: it drafted a probe."""
+        self.steps += 1
+        if probed:
+            self.credit -= 1.0
+            self.probes += 1
+        self.credit = min(self.burst, self.credit + self.share)
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One decoding request of a step as the model sees it: ``leaves`` tokens besides its forest (1: a plain
@@ -342,6 +392,7 @@ class Candidate:
     catch_up: int = 1
     pinned: bool = False
     options: tuple[tuple[int, float], ...] = ()
+    probe: bool = False  # a try or a forest at the prior: spends the engine's exploration budget (Exploration)
 
 
 def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
@@ -350,7 +401,7 @@ def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
              for i, c in enumerate(cands) if c.width > 0 for k in range(1, c.depth + 1)]
     items.sort(key=lambda it: (-it[0], it[1], it[2]))
     forced = sum(1 for it in items if it[0] == float("inf"))
-    tokens = sum(c.leaves for c in cands)
+    tokens = base = sum(c.leaves for c in cands)
     expect = float(len(cands))
     passes: dict[int, int] = {}  # draft pass -> tokens
     draft = 0.0
@@ -366,7 +417,8 @@ def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
         old = passes.get(p, 0)
         draft += table.draft_time(old + x) - table.draft_time(old)
         passes[p] = old + x
-        ratio = expect / (table.step + table.draft_step + table.target_time(tokens) + draft)
+        ratio = expect / (table.step + table.draft_step + table.target_time(tokens) + draft
+                          + table.node * (tokens - base))
         if m >= forced and ratio > best_ratio * (1 + 1e-9):
             best, best_ratio = m, ratio
     for _, k, i in items[:best]:
@@ -380,7 +432,7 @@ class _Step:
     def __init__(self, cands: Sequence[Candidate], shapes: list[tuple[int, int]], table: CostTable):
         self.cands, self.table, self.shapes = cands, table, shapes
         self.rates = [dict(((c.width, c.rate),) + c.options) for c in cands]
-        self.tokens = sum(c.leaves for c in cands)
+        self.tokens = self.leaves = sum(c.leaves for c in cands)
         self.passes = [0] * max([c.depth for c in cands] + [1])  # draft pass -> tokens
         self.expect = [1.0] * len(cands)
         for i, s in enumerate(shapes):
@@ -405,9 +457,9 @@ class _Step:
         self._add(i, shape, 1)
 
     def draft_seconds(self) -> float:
-        """The step's draft passes, and its drafting-step cost if any request drafts."""
+        """The step's draft passes, and its drafting-step cost if any request drafts, and its forest nodes' cost."""
         t = self.table
-        draft = sum(t.draft_time(n) for n in self.passes)
+        draft = sum(t.draft_time(n) for n in self.passes) + t.node * (self.tokens - self.leaves)
         return draft + (t.draft_step if any(w > 0 and d > 0 for w, d in self.shapes) else 0.0)
 
     def ratio(self) -> float:

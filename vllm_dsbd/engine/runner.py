@@ -108,6 +108,7 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         self.dsbd_cost: cost.CostTable | None = None
         self._dsbd_clock, self._dsbd_cost_base = None, None  # the table's online correction (step_clock.py)
         self.dsbd_pass_rates = cost.PassRates()  # every source's engine-wide pass rate by N (a try's floor)
+        self.dsbd_explore = cost.Exploration()  # the budget of probes: tries and forests at the prior
         if cfg.cost_aware and isinstance(cfg.cost_model, dict):
             self.set_cost_table(cost.CostTable.from_config(cfg.cost_model), "pinned")
         mode = vllm_config.model_config.logprobs_mode

@@ -62,8 +62,10 @@ class ShapePlanMixin:
         """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
         request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
-        engine-wide rates (a try's floor)."""
-        rows, cands, lows = [], [], []
+        engine-wide rates (a try's floor and a new request's rate); tries and forests at the prior only within the
+        engine's exploration budget (``cost.Exploration``)."""
+        rows, cands, lows, tries = [], [], [], []
+        explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
             if st is None or discard[i]:
                 continue
@@ -72,15 +74,19 @@ class ShapePlanMixin:
             lows.append(low if w >= low else None)
             rows.append(i)
             pool = self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w)
-            cands.append(st.acceptance.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool))
+            acc = st.acceptance
+            tries.append(explore and acc.idle >= acc.wait)
+            cands.append(acc.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool, explore))
         out, chosen = list(levels), []
         shapes = cost.choose_shapes(cands, self.dsbd_cost)
+        self.dsbd_explore.step(any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes)))
         if self._dsbd_clock is not None:
-            self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes))
-        for i, c, low, (w, d) in zip(rows, cands, lows, shapes):
+            self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes),
+                                     sum(w * d for w, d in shapes))
+        for i, c, low, tr, (w, d) in zip(rows, cands, lows, tries, shapes):
             if not c.pinned:
                 if c.depth > 0 and c.width > 0:
-                    states[i].acceptance.chose(d)
+                    states[i].acceptance.chose(d, tr)
                 n = w if low is not None and d > 0 else None  # w nodes per depth: a plain request's width, a beam's N
                 beam = states[i].beam is not None
                 out[i] = load.Level(levels[i].width if beam or n is None else n, d, n if beam else None)

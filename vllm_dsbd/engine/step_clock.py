@@ -10,7 +10,10 @@ table, as ``draft_step``, what a step that drafts costs over both windows: ``(dr
 ``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then (``neither`` from the other three
 where it is not measured: the surpluses add up), and to ``step`` what every step costs beyond its passes
 (``neither``: the engine's own work per step, 12.1 ms on an H100 beside a 1.4 ms target pass; a step that emits more
-tokens spreads it over them, which is what drafting buys). Per kind the median of the last
+tokens spreads it over them, which is what drafting buys). Each window's forest nodes (drafted plus verified) are
+kept too, and the surplus of windows with forests is fitted as fixed + per node (:meth:`StepClock.node_cost`): then
+``draft_step`` is the fixed part and ``node`` the cost per planned forest node, so a forest larger than the measured
+ones costs more. Per kind the median of the last
 ``WINDOW`` surpluses (every sample weighs alike; a slow outlier moves nothing), none older than ``HORIZON`` measured
 steps: a measurement that switched drafting off expires, and the next forests measure it again. Only timings of past
 steps enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with
@@ -50,28 +53,40 @@ class StepClock:
     _t0: float | None = None
     _tokens: int = 0
     _draft: float = 0.0
+    forest: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (step, forest nodes, seconds) of windows
     _drafted: bool = False
     _verified: bool = False
     _next_verified: bool = False  # the last plan drafted: the next window verifies its forests
+    _nodes: int = 0  # forest nodes the window drafts (planned in it)
+    _verified_nodes: int = 0  # forest nodes the window verifies (planned the step before)
+    _next_nodes: int = 0
 
-    def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool) -> None:
+    def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0) -> None:
+        """One window's time against the table's prediction; ``nodes``: the forest nodes it drafted and verified
+        (0: not counted; the per-node cost is then not measured)."""
         self.steps += 1
         self.surplus[2 * verified + drafted].append((self.steps, seconds - predicted))
+        if nodes > 0:
+            self.forest.append((self.steps, nodes, seconds - predicted))
 
     def start(self, tokens: int | None) -> None:
         if tokens is not None and self.warmup > 0:
             self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
-        self._tokens, self._draft, self._drafted = tokens or 0, 0.0, False
+        self._tokens, self._draft, self._drafted, self._nodes = tokens or 0, 0.0, False, 0
         self._verified, self._next_verified = self._next_verified, False
+        self._verified_nodes, self._next_nodes = self._next_nodes, 0
 
-    def planned(self, draft_seconds: float, drafted: bool) -> None:
+    def planned(self, draft_seconds: float, drafted: bool, nodes: int = 0) -> None:
+        """The model chose the next forests: their draft passes' predicted seconds, whether any, their nodes."""
         self._draft, self._drafted, self._next_verified = draft_seconds, drafted, drafted
+        self._nodes = self._next_nodes = nodes if drafted else 0
 
     def finish(self, table: CostTable) -> CostTable:
         if self._t0 is not None:
             predicted = table.step + table.target_time(self._tokens) + self._draft
-            self.observe(time.perf_counter() - self._t0, predicted, self._drafted, self._verified)
+            self.observe(time.perf_counter() - self._t0, predicted, self._drafted, self._verified,
+                         self._nodes + self._verified_nodes)
             self._t0 = None
         return self.corrected(table)
 
@@ -113,19 +128,48 @@ class StepClock:
             base = d + v - b if min(nd, nv, nb) >= MIN_STEPS else 0.0
         return base
 
+    def node_cost(self) -> tuple[float, float] | None:
+        """(a drafting step's fixed extra, each forest node's extra) from the windows that drafted or verified forests
+        (``nodes`` each: those it drafted plus those it verified), their surplus over the bare windows' fitted as
+        ``fixed + per_node * nodes`` by medians (Theil-Sen: the median slope over pairs of windows with different
+        node counts, then the median intercept; a slow outlier moves neither); where every window held the same
+        count, all of it per node (a larger forest then costs more, never less, than measured); both never below 0.
+        A node is counted in two windows (drafted, then verified), so a planned node costs twice the fitted slope.
+        None until ``MIN_STEPS`` such windows are measured."""
+        while self.forest and self.forest[0][0] <= self.steps - HORIZON:
+            self.forest.popleft()
+        if len(self.forest) < MIN_STEPS:
+            return None
+        base = self._bare([self.median(k) for k in range(len(KINDS))])
+        pts = [(x, y - base) for _, x, y in self.forest]
+        slopes = [(y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(pts) for x1, y1 in pts[i + 1:] if x1 != x0]
+        if slopes:
+            per = max(0.0, statistics.median(slopes))
+            fixed = statistics.median(y - per * x for x, y in pts)
+            if fixed >= 0.0:
+                return fixed, 2.0 * per
+        return 0.0, 2.0 * max(0.0, statistics.median(y / x for x, y in pts))
+
     def corrected(self, table: CostTable) -> CostTable:
         """``table`` with a drafting step's measured extra added to ``draft_step`` (:meth:`extra`) and every step's
         measured surplus to ``step`` (:meth:`base`): a bare step is then predicted at what it measured and a drafting
         step at what its windows measured, so the choice weighs both steps' measured costs (with the surplus charged
         nowhere, a bare step on an H100 looked 9x cheaper than it was: results/gpu/2026-11-27, run 3)."""
-        extra, base = self.extra(), self.base()
-        if not extra and not base:
+        extra, base, node = self.extra(), self.base(), 0.0
+        fit = self.node_cost()
+        if fit is not None:  # forests' node counts measured: a fixed part and a part per node (node_cost)
+            extra, node = fit
+        if not extra and not base and not node:
             return table
-        return dataclasses.replace(table, step=table.step + base, draft_step=table.draft_step + extra)
+        return dataclasses.replace(table, step=table.step + base, draft_step=table.draft_step + extra,
+                                   node=table.node + node)
 
     def summary(self) -> dict:
         """The medians and counts by kind of window (``dsbd_load``'s ``clock``), and the extra they give."""
-        out = {"steps": self.steps, "draft_step": self.extra(), "step": self.base()}
+        fit = self.node_cost()
+        out = {"steps": self.steps, "draft_step": self.extra() if fit is None else fit[0], "step": self.base(),
+               "node": 0.0 if fit is None else fit[1],
+               "forest_nodes": statistics.median(x for _, x, _ in self.forest) if self.forest else 0}
         for k, name in enumerate(KINDS):
             out[name], out[f"n_{name}"] = self.median(k)
         return out

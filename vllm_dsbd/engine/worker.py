@@ -84,19 +84,21 @@ class _DecisionsMixin:
     def dsbd_load(self) -> dict:
         """This rank's load-aware speculation settings (``LLM.collective_rpc("dsbd_load")``): the budget (None:
         pinned or no cap), the knee probe's table {tokens: seconds} when measured, the cost model's table (``{"target":
-        {tokens: seconds}, "draft": {...}, "step": seconds, "draft_step": seconds}``, None: off; with the online
-        correction, ``step_clock.py``), the correction's averages (``clock``, None: off), the depths allowed (with the
-        cost model: chosen) so far {depth: count} and the nodes per depth the cost model chose for beam forests
-        {N: count}."""
+        {tokens: seconds}, "draft": {...}, "step": seconds, "draft_step": seconds, "node": seconds}``, None: off; with
+        the online correction, ``step_clock.py``), the correction's averages (``clock``, None: off), the depths allowed
+        (with the cost model: chosen) so far {depth: count}, the nodes per depth the cost model chose for beam forests
+        {N: count} and the exploration budget's steps and steps with a probe (``explore``, ``cost.Exploration``)."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
                 "cost": None if table is None else {"target": dict(table.target), "draft": dict(table.draft),
-                                                    "step": table.step, "draft_step": table.draft_step},
+                                                    "step": table.step, "draft_step": table.draft_step,
+                                                    "node": table.node},
                 "clock": None if (c := runner._dsbd_clock) is None else c.summary(),
                 "pass_rates": {f"{src}/{kind}/{n}": pt[0] / pt[1] for ((src, kind), n), pt
                                in runner.dsbd_pass_rates.counts.items() if pt[1] > 0},
-                "depths": dict(runner.dsbd_stats.draft_depths), "nodes": dict(runner.dsbd_stats.beam_nodes_chosen)}
+                "depths": dict(runner.dsbd_stats.draft_depths), "nodes": dict(runner.dsbd_stats.beam_nodes_chosen),
+                "explore": {"steps": runner.dsbd_explore.steps, "probes": runner.dsbd_explore.probes}}
 
     def dsbd_decisions(self) -> dict:
         """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every
