@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
         head = eagle3.load_head(args.head, target.get_input_embeddings().weight)
         vin = head.t2d
-        hh = {k: 0 for k in ks}
+        hh = {int(k): 0 for k in args.ks.split(",")}
         hkl = {"head": 0.0, "draft": 0.0, "mass_out": 0.0}
     D = models.next_token_logits_fn(models.load_hf(draft_dir))
     tok = models.load_tokenizer(target_dir)

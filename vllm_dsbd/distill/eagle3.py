@@ -282,6 +282,9 @@ def save_head(head: Eagle3Head, out_dir: str | os.PathLike, extra: dict | None =
         cfg["dsbd"] = extra
     save_file(head_state(head, dtype), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    from .artifact import _umask_modes
+
+    _umask_modes(out)  # safetensors writes private files
     return out
 
 

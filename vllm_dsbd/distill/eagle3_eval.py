@@ -148,7 +148,7 @@ def time_cost(target: Any, head: eagle3.Eagle3Head, draft: Any | None = None, *,
 
         def run():
             model(input_ids=new, position_ids=pos, past_key_values=cache, use_cache=True)
-            cache.crop(context)
+            cache.crop(-tokens)
         return run
 
     D = head.config.hidden_size
