@@ -78,9 +78,10 @@ def test_folder_reloads_bit_for_bit_and_artifact_rebuilds_it(run, tmp_path):
         assert saved[k].dtype == re[k].dtype and torch.equal(saved[k], re[k]), k
     assert json.loads((again / "config.json").read_text()) == cfgj
     # the artifact holds no LM head; assembling it from the target gives the same folder
-    art = _tensors_art = __import__("safetensors.torch", fromlist=["load_file"]).load_file(
-        str(root / "artifact" / eagle3_artifact.HEAD_FILE))
-    assert "lm_head.weight" not in art and _tensors_art.keys() == saved.keys() - {"lm_head.weight"}
+    from safetensors.torch import load_file
+
+    art = load_file(str(root / "artifact" / eagle3_artifact.HEAD_FILE))
+    assert art.keys() == saved.keys() - {"lm_head.weight"}
     built = eagle3_artifact.assemble_head(td, root / "artifact", tmp_path / "built")
     b = _tensors(built)
     assert b.keys() == saved.keys() and all(torch.equal(b[k], saved[k]) for k in saved)
@@ -164,7 +165,8 @@ def test_vocabulary_is_the_most_frequent_generated_tokens(run):
     inside[vocab] = True
     assert counts[inside].min() >= counts[~inside].max()
     head = eagle3.load_head(out, torch.zeros(1000, 128))
-    assert torch.equal(head.target_ids, vocab) and corp is not None
+    assert torch.equal(head.target_ids, vocab)
+    assert len(corp.present_shards(root / "head.work" / "corpus")) >= 1
 
 
 def test_cli_errors(run, capsys):

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import pathlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -348,7 +348,3 @@ def init_from_target(head: Eagle3Head, target: Any, seed: int = 0) -> None:
         head.fc.weight.add_(torch.randn(head.fc.weight.shape, generator=g) * 0.002)
         head.norm.weight.copy_(target.model.norm.weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[head.target_ids])
-
-
-def config_dict(c: Eagle3Config) -> dict:
-    return asdict(c)
