@@ -9,6 +9,14 @@ no vLLM, no KV cache (every step recomputes): a quick offline check of a draft, 
 
 ``--mix a`` adds a synthetic draft log_softmax(a log p + (1 - a) log q) (a = 0: the draft, 1: the target), with its
 mean KL(target || draft) over the live beams: what coverage a draft of a given KL would reach.
+
+``--head DIR`` also measures an EAGLE-3 head (``vllm_dsbd.distill --head eagle3``, pure torch) at every live beam:
+its depth-0 distribution from the target's features of the beam (what a forest's first level drafts from), q = 0
+outside its draft vocabulary. Its KL to the full target distribution is infinite where the target puts mass outside
+that vocabulary, so the table gives, for the draft and the head alike, the KL to the target renormalised over the
+head's vocabulary (the draft renormalised there too) and the target mass outside it.
+
+    python benchmarks/engine/beam_acceptance.py --head DIR --ks 4,8,16,32,64 --num-prompts 8 --json out.json
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the coverage table here")
     ap.add_argument("--mix", default="0", help="comma-separated a in [0, 1): drafts log_softmax(a log p + (1-a) log q)")
+    ap.add_argument("--head", default=None, help="also measure this EAGLE-3 head folder")
     args = ap.parse_args(argv)
     import torch
 
@@ -42,7 +51,16 @@ def main(argv=None) -> int:
         draft_dir, draft_desc = pathlib.Path(args.draft), args.draft
     else:
         draft_dir, draft_desc = draft_folder(target_dir, 8, pathlib.Path(__file__).resolve().parents[2])
-    T = models.next_token_logits_fn(models.load_hf(target_dir))
+    target = models.load_hf(target_dir)
+    T = models.next_token_logits_fn(target)
+    head = None
+    if args.head:
+        from vllm_dsbd.distill import eagle3, eagle3_eval
+
+        head = eagle3.load_head(args.head, target.get_input_embeddings().weight)
+        vin = head.t2d
+        hh = {int(k): 0 for k in args.ks.split(",")}
+        hkl = {"head": 0.0, "draft": 0.0, "mass_out": 0.0}
     D = models.next_token_logits_fn(models.load_hf(draft_dir))
     tok = models.load_tokenizer(target_dir)
     n = max(8, (args.num_prompts + 1) // 2)
@@ -56,7 +74,13 @@ def main(argv=None) -> int:
             beams = [(list(p), 0.0)]
             for step in range(args.steps):
                 seqs = torch.tensor([b[0] for b in beams])
-                lt, ld = (torch.log_softmax(f(seqs).double(), -1) for f in (T, D))
+                if head is not None:
+                    zt, aux = eagle3_eval.features(target, seqs, head.config.aux_layer_ids)
+                    lt = torch.log_softmax(zt.double(), -1)
+                    lh = torch.log_softmax(eagle3_eval.root_logits(head, seqs, aux).double(), -1)
+                else:
+                    lt = torch.log_softmax(T(seqs).double(), -1)
+                ld = torch.log_softmax(D(seqs).double(), -1)
                 V = lt.shape[1]
                 sc = torch.tensor([b[1] for b in beams], dtype=torch.float64)[:, None]
                 jt = (lt + sc).flatten()
@@ -72,6 +96,16 @@ def main(argv=None) -> int:
                         jd[tok.eos_token_id :: V] = -torch.inf
                         for k in ks:
                             hits[a][k] += top <= set(torch.topk(jd, k).indices.tolist())
+                    if head is not None:
+                        pin = torch.log_softmax(lt[:, vin], -1)
+                        for name, lq in (("head", lh), ("draft", ld)):
+                            hkl[name] += float((pin.exp() * (pin - torch.log_softmax(lq[:, vin], -1))).sum())
+                        hkl["mass_out"] += float(lt[:, ~vin].exp().sum())
+                        jh = (lh + sc).flatten()
+                        jh[tok.eos_token_id :: V] = -torch.inf
+                        for k in ks:
+                            hits_h = top <= set(torch.topk(jh, k).indices.tolist())
+                            hh[k] += hits_h
                 beams = [(beams[i // V][0] + [i % V], float(jt[i])) for i in sorted(top, key=lambda i: -float(jt[i]))]
     print(f"draft: {draft_desc}; W = {W}; {total} beam steps over {args.num_prompts} prompts")
     for a in mixes:
@@ -80,6 +114,13 @@ def main(argv=None) -> int:
         print(f"  mean KL(target || draft) over the live beams: {kls[a] / rows:.3f} nats")
         for k in ks:
             print(f"  forest width K = {k:2d}: the target's {W} pairs inside the draft's {k}: {hits[a][k] / total:.3f}")
+    if head is not None:
+        print(f"head: {args.head}; draft vocabulary {int(vin.sum())} tokens; target mass outside it "
+              f"{hkl['mass_out'] / rows:.4f}")
+        print(f"  KL over the head's vocabulary (target renormalised): head {hkl['head'] / rows:.3f}, "
+              f"draft {hkl['draft'] / rows:.3f} nats")
+        for k in ks:
+            print(f"  forest width K = {k:2d}: the target's {W} pairs inside the head's {k}: {hh[k] / total:.3f}")
     if args.json:
         import json
 
@@ -87,7 +128,11 @@ def main(argv=None) -> int:
             {"draft": draft_desc, "width": W, "beam_steps": total, "num_prompts": args.num_prompts,
              "steps": args.steps, "coverage": {str(k): hits[0.0][k] / total for k in ks} if 0.0 in hits else None,
              "mixes": {str(a): {"kl": kls[a] / rows, "coverage": {str(k): hits[a][k] / total for k in ks}}
-                       for a in mixes}}, indent=1) + "\n")
+                       for a in mixes},
+             "head": None if head is None else {
+                 "folder": args.head, "draft_vocab": int(vin.sum()), "target_mass_outside": hkl["mass_out"] / rows,
+                 "kl_in_vocab": {"head": hkl["head"] / rows, "draft": hkl["draft"] / rows},
+                 "coverage": {str(k): hh[k] / total for k in ks}}}, indent=1) + "\n")
     return 0
 
 

@@ -10,7 +10,8 @@ and vLLM load as a draft model.
         --batch-size 8 --lr 1e-3 --prompts sharegpt --device cpu --seed 0
     python -m vllm_dsbd.distill export --draft DIR --artifact drafts/NAME     # layers only, float16
     python -m vllm_dsbd.distill assemble --target DIR --artifact drafts/NAME --out DIR
-    python -m vllm_dsbd.distill eval --target DIR --draft DIR [--baseline-layers 2]
+    python -m vllm_dsbd.distill eval --target DIR --draft DIR [--baseline-layers 2] [--head DIR]
+    python -m vllm_dsbd.distill --head eagle3 --target DIR --out DIR ...   # an EAGLE-3 head instead (eagle3*.py)
 
 Python API: :class:`DistillConfig`, :func:`distill`, :func:`export_artifact`, :func:`assemble`,
 :func:`evaluate` / :func:`measure_acceptance`.

@@ -1,5 +1,5 @@
-"""CLI: ``python -m vllm_dsbd.distill [train] --target DIR --out DIR ...`` and the subcommands export, assemble,
-eval (``python -m vllm_dsbd.distill <cmd> --help``)."""
+"""CLI: ``python -m vllm_dsbd.distill [train] --target DIR --out DIR ...`` (``--head eagle3``: an EAGLE-3 head instead
+of a draft model) and the subcommands export, assemble, eval (``python -m vllm_dsbd.distill <cmd> --help``)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,45 @@ def _train_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _head_parser(prog: str) -> argparse.ArgumentParser:
+    from .eagle3_train import HeadConfig
+
+    d = HeadConfig(target="", out="")
+    p = argparse.ArgumentParser(
+        prog=prog + " --head eagle3", description="Train an EAGLE-3 head (vLLM's public format) for a Llama-family "
+        "target on its own generations, with training-time test over the forest depth and a trimmed vocabulary.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--head", required=True, choices=["eagle3"])
+    p.add_argument("--target", required=True, help="target model folder (HF format)")
+    p.add_argument("--out", required=True, help="output folder of the head (vLLM's EAGLE-3 format)")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft vocabulary: the N tokens the "
+                   "target generates most often in the corpus")
+    p.add_argument("--depth", type=int, default=d.depth, help="training-time test unroll (forest depths)")
+    p.add_argument("--depth-decay", type=float, default=d.depth_decay, help="loss weight of depth k: decay**k")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="sampled corpus size (generated tokens)")
+    p.add_argument("--beam-tokens", type=int, default=d.beam_tokens, help="beam-search corpus size (0: none)")
+    p.add_argument("--beam-width", type=int, default=d.beam_width, help="beam width of the beam-search corpus")
+    for name in ("seq_len", "max_prompt_len", "gen_batch_size", "beam_gen_batch_size", "batch_size", "warmup_steps",
+                 "gen_workers", "seed"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("epochs", "lr", "min_lr_ratio", "weight_decay", "grad_clip", "temperature"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
+    p.add_argument("--prompts", default=d.prompts, help="sharegpt, humaneval, or a .txt/.jsonl file")
+    for name in ("gen_dtype", "feature_dtype", "train_dtype"):
+        p.add_argument("--" + name.replace("_", "-"), default=getattr(d, name),
+                       choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--work-dir", default=None, help="corpus caches + features (default: <out>.work)")
+    p.add_argument("--corpus-dir", default=None, help="sampled corpus cache (default: <work>/corpus)")
+    p.add_argument("--beam-corpus-dir", default=None, help="beam corpus cache (default: <work>/corpus-beam<W>)")
+    p.add_argument("--artifact", default=None, help="also write the artifact (no LM head, float16) to this folder")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; bad arguments (or a missing / wrong target folder) print one clear line and return 2."""
     try:
@@ -78,6 +117,14 @@ def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv.pop(0) if argv and argv[0] in _SUBCOMMANDS else "train"
     prog = "python -m vllm_dsbd.distill" + ("" if cmd == "train" else f" {cmd}")
+    if cmd == "train" and any(x == "--head" or x.startswith("--head=") for x in argv):
+        from .eagle3_train import HeadConfig, train_head
+
+        a = vars(_head_parser(prog).parse_args(argv))
+        a.pop("head")
+        a["progress"] = not a.pop("no_progress")
+        train_head(HeadConfig(**a))
+        return 0
     if cmd == "train":
         a = vars(_train_parser(prog).parse_args(argv))
         a["progress"] = not a.pop("no_progress")
@@ -103,8 +150,9 @@ def _main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", required=True)
         a = p.parse_args(argv)
         from .artifact import assemble
+        from .eagle3_artifact import assemble_head, is_head_artifact
 
-        print(assemble(a.target, a.artifact, a.out))
+        print((assemble_head if is_head_artifact(a.artifact) else assemble)(a.target, a.artifact, a.out))
         return 0
     # eval
     p = argparse.ArgumentParser(prog=prog, description="Acceptance length of speculative sampling (W=1, depth "
@@ -112,6 +160,7 @@ def _main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--draft", action="append", default=[], help="draft folder (repeatable)")
+    p.add_argument("--head", action="append", default=[], help="EAGLE-3 head folder (repeatable)")
     p.add_argument("--baseline-layers", type=int, action="append", default=[],
                    help="also measure the untrained truncated_draft(target, N) (repeatable)")
     p.add_argument("--prompts", default="sharegpt")
@@ -131,9 +180,10 @@ def _main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     drafts: dict = {f"distilled:{d}": d for d in a.draft}
+    drafts.update({f"eagle3:{h}": h for h in a.head})
     drafts.update({f"truncated_draft({n})": n for n in a.baseline_layers})
     if not drafts:
-        p.error("give at least one --draft or --baseline-layers")
+        p.error("give at least one --draft, --head or --baseline-layers")
     res = evaluate(a.target, drafts, prompts=a.prompts, num_prompts=a.num_prompts, max_prompt_len=a.max_prompt_len,
                    gamma=a.gamma, max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
     res["threads"] = torch.get_num_threads()

@@ -123,8 +123,8 @@ def measure_acceptance(target: Any, draft: Any, prompt_ids: list[list[int]], *, 
 def evaluate(target_dir: str, drafts: dict[str, Any], *, prompts: str = "sharegpt", num_prompts: int = 32,
              max_prompt_len: int = 64, gamma: int = 3, max_new_tokens: int = 64, temperature: float = 1.0,
              seed: int = 0, progress: bool = True, log=print) -> dict:
-    """Acceptance of each draft in ``drafts`` (name -> HF folder, or an int n for the untrained
-    ``truncated_draft(target, n)``) on the first ``num_prompts`` held-out prompts of ``prompts``."""
+    """Acceptance of each draft in ``drafts`` (name -> HF folder, an EAGLE-3 head folder, or an int n for the
+    untrained ``truncated_draft(target, n)``) on the first ``num_prompts`` held-out prompts of ``prompts``."""
     from ..testing import models
     from . import data
 
@@ -135,9 +135,18 @@ def evaluate(target_dir: str, drafts: dict[str, Any], *, prompts: str = "sharegp
     eos = tok.eos_token_id
     results = {}
     for name, spec in drafts.items():
-        draft = models.truncated_draft(target, spec) if isinstance(spec, int) else models.load_hf(spec)
-        r = measure_acceptance(target, draft, pids, gamma=gamma, max_new_tokens=max_new_tokens,
-                               temperature=temperature, eos_token_id=eos, seed=seed, progress=progress, desc=name)
+        from . import eagle3
+
+        if not isinstance(spec, int) and eagle3.is_head_folder(spec):
+            from .eagle3_eval import measure_head_acceptance
+
+            head = eagle3.load_head(spec, target.get_input_embeddings().weight)
+            r = measure_head_acceptance(target, head, pids, gamma=gamma, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, eos_token_id=eos, seed=seed)
+        else:
+            draft = models.truncated_draft(target, spec) if isinstance(spec, int) else models.load_hf(spec)
+            r = measure_acceptance(target, draft, pids, gamma=gamma, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, eos_token_id=eos, seed=seed, progress=progress, desc=name)
         r["draft"] = spec if isinstance(spec, int) else str(spec)
         results[name] = r
         log(f"{name}: acceptance length {r['acceptance_length']:.3f} ({r['generated_tokens']} tokens / "

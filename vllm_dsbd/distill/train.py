@@ -318,6 +318,39 @@ def _atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
     os.replace(tmp, path)
 
 
+def prepare_corpus(cfg: Any, target_dir: pathlib.Path, tok: Any, fingerprint: str, cache_dir: pathlib.Path, *,
+                   eos_id: int | None, pad_id: int, tokens: int | None = None, beam_width: int | None = None, gen_batch_size: int | None = None,
+                   log: Callable[[str], None] = print) -> tuple[list[pathlib.Path], dict]:
+    """The corpus shards (cached in ``cache_dir``, generated when missing) for the settings of ``cfg`` (a
+    :class:`DistillConfig` or any object with its corpus fields); ``tokens``, ``beam_width`` and ``gen_batch_size``
+    override ``cfg``'s. Shared by the draft and the EAGLE-3 head trainers, so both read the same cache."""
+    tokens = cfg.tokens if tokens is None else tokens
+    beam_width = cfg.beam_width if beam_width is None else beam_width
+    gen_batch_size = cfg.gen_batch_size if gen_batch_size is None else gen_batch_size
+    device = torch.device(cfg.device)
+    corpus_meta = {"format": corp._FORMAT, "target_fingerprint": fingerprint, "prompts": cfg.prompts,
+                   "seq_len": cfg.seq_len, "max_prompt_len": cfg.max_prompt_len, "temperature": cfg.temperature,
+                   "gen_batch_size": gen_batch_size, "gen_dtype": cfg.gen_dtype, "seed": cfg.seed}
+    if beam_width:  # only then: a sampled corpus cached before this setting existed stays valid
+        corpus_meta["beam_width"] = beam_width
+    corp.check_meta(cache_dir, corpus_meta)
+    paths, have = corp.corpus_paths(cache_dir, tokens)
+    gen_stats: dict = {"generated_tokens_before": have, "generation_seconds": 0.0, "generated_tokens_new": 0}
+    if have < tokens:
+        texts = data.load_prompts(cfg.prompts, "train")
+        random.Random(f"prompts/{cfg.seed}").shuffle(texts)
+        # enough prompts for the corpus even if half the rows stop early (more are reused cyclically)
+        n_prompts = min(len(texts), 2 * math.ceil(tokens / (cfg.seq_len - cfg.max_prompt_len)) + 2 * gen_batch_size)
+        prompt_ids = [data.encode_prompt(tok, t, cfg.max_prompt_len) for t in texts[:n_prompts]]
+        workers = cfg.gen_workers if device.type == "cpu" else 1
+        paths, gen_stats = corp.build_corpus(
+            str(target_dir), prompt_ids, cache_dir, n_tokens=tokens, seq_len=cfg.seq_len,
+            gen_batch_size=gen_batch_size, temperature=cfg.temperature, seed=cfg.seed, device=str(device),
+            eos_id=eos_id, pad_id=pad_id, gen_dtype=cfg.gen_dtype, workers=workers, threads=cfg.threads,
+            progress=cfg.progress, log=log, beam_width=beam_width)
+    return paths, gen_stats
+
+
 def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.Path:
     """Runs (or resumes) a distillation; returns the output folder. See the module docstring."""
     from tqdm.auto import tqdm
@@ -346,28 +379,9 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id if eos_id is not None else 0)
 
     # 1. corpus ---------------------------------------------------------------------------------------------------
-    corpus_meta = {"format": corp._FORMAT, "target_fingerprint": fingerprint, "prompts": cfg.prompts,
-                   "seq_len": cfg.seq_len, "max_prompt_len": cfg.max_prompt_len, "temperature": cfg.temperature,
-                   "gen_batch_size": cfg.gen_batch_size, "gen_dtype": cfg.gen_dtype, "seed": cfg.seed}
-    if cfg.beam_width:  # only then: a sampled corpus cached before this setting existed stays valid
-        corpus_meta["beam_width"] = cfg.beam_width
-    cache_dir = work / "corpus"
-    corp.check_meta(cache_dir, corpus_meta)
+    paths, gen_stats = prepare_corpus(cfg, target_dir, tok, fingerprint, work / "corpus", eos_id=eos_id, pad_id=pad_id,
+                                      log=log)
     ckpt_path = work / CKPT
-    paths, have = corp.corpus_paths(cache_dir, cfg.tokens)
-    gen_stats: dict = {"generated_tokens_before": have, "generation_seconds": 0.0, "generated_tokens_new": 0}
-    if have < cfg.tokens:
-        texts = data.load_prompts(cfg.prompts, "train")
-        random.Random(f"prompts/{cfg.seed}").shuffle(texts)
-        # enough prompts for the corpus even if half the rows stop early (more are reused cyclically)
-        n_prompts = min(len(texts), 2 * math.ceil(cfg.tokens / (cfg.seq_len - cfg.max_prompt_len)) + 2 * cfg.gen_batch_size)
-        prompt_ids = [data.encode_prompt(tok, t, cfg.max_prompt_len) for t in texts[:n_prompts]]
-        workers = cfg.gen_workers if device.type == "cpu" else 1
-        paths, gen_stats = corp.build_corpus(
-            str(target_dir), prompt_ids, cache_dir, n_tokens=cfg.tokens, seq_len=cfg.seq_len,
-            gen_batch_size=cfg.gen_batch_size, temperature=cfg.temperature, seed=cfg.seed, device=str(device),
-            eos_id=eos_id, pad_id=pad_id, gen_dtype=cfg.gen_dtype, workers=workers, threads=cfg.threads,
-            progress=cfg.progress, log=log, beam_width=cfg.beam_width)
     corpus = Corpus(paths)
 
     # 2. draft + optimizer ----------------------------------------------------------------------------------------
