@@ -105,7 +105,7 @@ def measure_head_acceptance(target: Any, head: eagle3.Eagle3Head, prompt_ids: li
                             seed: int = 0) -> dict:
     """Pooled acceptance length (generated tokens / target passes) of speculative sampling with the head."""
     from ..core import reference, rng
-    from .evaluate import PrefixCachedLM
+    from .prefix_lm import PrefixCachedLM
 
     tf = PrefixCachedLM(target)
     df = HeadDraftFn(target, head)
