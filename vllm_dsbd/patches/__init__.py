@@ -245,7 +245,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``ray_device_key`` with CPU-aware actor resources, as #25386 proposed).
 
 20. ``grammar_forests`` - target ``vllm.v1.core.sched.scheduler.Scheduler.update_draft_token_ids`` and
-   ``.get_grammar_bitmask``.
+   ``.get_grammar_bitmask``, and ``vllm.v1.structured_output.StructuredOutputManager.should_advance``.
    What: on a DSBD engine vLLM's scheduler takes a structured request's drafts (a forest) as they are and computes no
    grammar bitmask; the DSBD worker masks every row itself, each forest node's target and draft rows by the grammar
    after output + its own path (``engine/grammar.py``, its own matcher per request from vLLM's structured-output
@@ -254,8 +254,10 @@ to add a speculative method with its own config keys and proposer; no such regis
    (structured_output/__init__.py:285-350, an ``AssertionError`` on a token the chain rejects); a forest is a tree in
    depth-major order, so both are wrong for it, and the draft's rows are drawn in the worker before the scheduler
    sees the forest. How: wrap both; DSBD engines skip the grammar cut (prefill chunks still drop their drafts) and
-   return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with the emitted tokens
-   (``update_from_output``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
+   return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with a plain request's emitted tokens
+   (``update_from_output``), never with a beam request's (``should_advance`` False: its tokens are several beams'
+   trie slots, which the matcher would reject, ending the request; the worker keeps a grammar state per beam,
+   ``engine/beams/grammar.py``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
    with per-node bitmasks.
 
 21. ``beam_outputs`` - target ``vllm.v1.engine.output_processor.LogprobsProcessor.from_new_request`` and
