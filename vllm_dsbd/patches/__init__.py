@@ -197,7 +197,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    loop (one request per live beam per token); the beams come back as vLLM's ``BeamSearchOutput``. Why: the loop
    runs at 0.07x plain decoding on an H100 (``docs/notebook``, GPU) and cannot use DSBD. How: wrap; other engines call the
    original; the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` (vLLM's loop ranks raw
-   log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs``, a width above the
+   log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs`` go on the engine
+   request (its beams follow the grammar as vLLM's loop's do, ``engine/beams/grammar.py``); a width above the
    engine's and a trie that may not fit ``max_model_len`` raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.
 
@@ -205,12 +206,13 @@ to add a speculative method with its own config keys and proposer; no such regis
    .beam_search`` (the OpenAI ``use_beam_search`` path of ``/v1/completions`` and ``/v1/chat/completions``), and
    ``to_beam_search_params`` of ``vllm.entrypoints.openai.completion.protocol.CompletionRequest`` and
    ``vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`` (they note the request's ``stop`` and
-   ``stop_token_ids`` on the ``BeamSearchParams`` they return, as ``_dsbd_stops``, an attribute only the DSBD route
-   reads: every engine gets vLLM's params otherwise unchanged).
+   ``stop_token_ids`` on the ``BeamSearchParams`` they return, as ``_dsbd_stops``, and its ``response_format`` /
+   ``structured_outputs`` as ``_dsbd_structured``, attributes only the DSBD route reads: every engine gets vLLM's
+   params otherwise unchanged).
    What/Why: as 16, for the server: one engine request per prompt, the beams back as the one finished
    ``RequestOutput`` vLLM's loop yields (n choices, best first, text, token ids, cumulative logprob, finish and stop
    reason, per-token logprobs: the 2W-entry dicts of vLLM's loop); temperature 0 on the engine request, as 16; the
-   request's stop strings and ids go to the beams (vLLM's loop ignores them). How: wrap the async generator; bad
+   request's stop strings and ids and its structured outputs go to the beams (vLLM's loop ignores them). How: wrap the async generator; bad
    requests raise ``VLLMValidationError`` with ``param`` ("n", "max_tokens", "prompt") inside it, so the server
    answers 400 and keeps serving. When it can go: with 16.
 

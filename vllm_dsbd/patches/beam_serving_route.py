@@ -151,7 +151,8 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
                 token_ids=gen, cumulative_logprob=b["cum_logprob"], logprobs=logprobs, finish_reason="stop",
                 stop_reason=reason))
             continue
-        if stop and reason is not None and reason != eos:  # a stop token id: vLLM's rule for a plain request's (kept with include...)
+        if stop and reason is not None and reason != eos:  # a stop token id: vLLM's rule for a plain request's
+            # (kept with include_stop_str_in_output)
             gen = gen if params.include_stop_str_in_output else gen[:-1]
             outputs.append(CompletionOutput(index=i, text=tokenizer.decode(gen), token_ids=gen,
                                             cumulative_logprob=b["cum_logprob"], logprobs=logprobs,
