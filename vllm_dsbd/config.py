@@ -102,6 +102,12 @@ class DSBDConfig:
             without; ``[]``: no forests (the gamma = 0 engine). "model" is there exactly when a draft model is, and
             is not mixed with the draft-free sources yet. Nodes of both draft-free sources are scored by beam score
             + estimated log-probability, N per depth, deduplicated (``engine/source_drafter.py``).
+        max_beam_slots: the most KV slots one beam request may hold (prompt + its trie, ``docs/design/beams.md``
+            §3.3), which may exceed ``max_model_len``: a beam request's slots hold every beam's tokens, while its
+            positions stay the true token positions (at most prompt + max_tokens <= ``max_model_len``). The engine
+            sizes its per-request block tables and token buffers for ``max(max_model_len, max_beam_slots)``
+            (:meth:`slot_len`) and refuses to start when its KV pool cannot hold one such request. None (default):
+            ``max_model_len`` (beam slots count against the context length, as before).
     """
 
     width: int = 2
@@ -116,6 +122,7 @@ class DSBDConfig:
     full_cuda_graphs: bool = False
     beam_nodes: int | None = None
     sources: tuple[str, ...] | None = None
+    max_beam_slots: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, bool):
@@ -168,6 +175,15 @@ class DSBDConfig:
                 raise ValueError(f"DSBD config: 'beam_nodes' = {n} sets the nodes per depth of beam requests' draft "
                                  "forests, and this engine has no forest source: leave 'beam_nodes' out")
         self._check_cost_model()
+        m = self.max_beam_slots
+        if m is not None and (not _is_int(m) or m < 1):
+            raise ValueError(f"DSBD config: 'max_beam_slots' must be an integer >= 1 (KV slots per beam request) or "
+                             f"null (max_model_len), got {m!r}")
+
+    def slot_len(self, max_model_len: int) -> int:
+        """The most KV slots (tokens in vLLM's list) one request may hold in the engine: ``max_model_len``, or
+        ``max_beam_slots`` when larger (beam requests only; others stay within ``max_model_len``)."""
+        return max(max_model_len, self.max_beam_slots or 0)
 
     def _check_sources(self) -> None:
         src = self.sources

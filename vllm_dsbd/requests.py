@@ -31,7 +31,8 @@ def _is_int(value: Any) -> bool:
 
 
 _BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width",
-                "rank_by_score", "nodes", "stop_token_ids", "stop", "include_stop_str_in_output")
+                "rank_by_score", "nodes", "stop_token_ids", "stop", "include_stop_str_in_output", "num_beam_groups",
+                "diversity_penalty")
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,16 @@ class BeamParams:
     # rule of vLLM's OpenAI server loop. The two differ only for EOS candidates with ignore_eos.
     rank_by_score: bool = False
     nodes: int | None = None  # N, draft forest nodes per depth, width <= N (default: the engine's beam_nodes)
-    # T = 0: a beam whose new token is one of these ids, or whose generated text now contains one of these strings,
+    # a beam whose new token is one of these ids, or whose generated text now contains one of these strings,
     # finishes ("stop"), as a beam ending in EOS does (engine/beams/stops.py)
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False  # the returned text keeps the stop string (front ends cut it otherwise)
+    # T = 0: diverse beam search (HF's group beam search): the W beams in G groups of W / G, each step the groups in
+    # order, a group's token log-probabilities lowered by diversity_penalty x how often earlier groups chose the token
+    # at this step (engine/beams/groups.py)
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
 
     @staticmethod
     def parse(value: Any, max_width: int, max_nodes: int | None = None) -> "BeamParams":
@@ -113,10 +119,21 @@ class BeamParams:
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"{name}['stop'] must be a string or a list of non-empty strings, got {stop!r}")
+        groups = integer("num_beam_groups", 1, width, required=False) or 1
+        if width % groups:
+            raise ValueError(f"{name}['num_beam_groups'] = {groups} must divide the width {width} (each group is a beam "
+                             "search of width / num_beam_groups beams)")
+        dp = value.get("diversity_penalty", 0.0)
+        if isinstance(dp, bool) or not isinstance(dp, (int, float)) or not math.isfinite(dp) or dp < 0:
+            raise ValueError(f"{name}['diversity_penalty'] must be a finite number >= 0, got {dp!r}")
+        if dp and groups == 1:
+            raise ValueError(f"{name}['diversity_penalty'] = {dp} needs 'num_beam_groups' > 1 (the penalty acts "
+                             "between groups)")
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
                           ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
                           depth=integer("depth", 0, required=False), dynamic_width=dyn, rank_by_score=rank,
-                          nodes=nodes, stop_token_ids=tuple(ids), stop=tuple(stop), include_stop_str_in_output=inc)
+                          nodes=nodes, stop_token_ids=tuple(ids), stop=tuple(stop), include_stop_str_in_output=inc,
+                          num_beam_groups=groups, diversity_penalty=float(dp))
 
     def engine_tokens(self) -> int:
         """vLLM ``max_tokens`` for the engine request: more than the slots the trie can ever take (at most
@@ -212,8 +229,8 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             (the message names the parameter), a bad width, a beam request's draft ``depth`` on an engine without
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
             ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids`` on its
-            SamplingParams (the beams take them in ``dsbd_beam``, at T = 0 only),
-            ``structured_outputs`` at T > 0 or with a ``depth``, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
+            SamplingParams (the beams take them in ``dsbd_beam``, at any temperature),
+            ``structured_outputs`` at T > 0, with a ``depth`` or with groups, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
             or ``min_p``, ``min_tokens``, ``logit_bias``,
             ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` or ``logprob_token_ids``.
     """
@@ -243,10 +260,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             if getattr(sampling_params, name, None):
                 raise ValueError(f"{name}: not supported on a beam request's SamplingParams (vLLM would check it on "
                                  "the request's trie slots and settled text, not on each beam); set it in "
-                                 f"extra_args[{BEAM_KEY!r}][{name!r}] (temperature 0), which each beam obeys")
-        if (beam.stop or beam.stop_token_ids) and (getattr(sampling_params, "temperature", 0.0) or 0.0) >= 1e-5:
-            raise ValueError(f"extra_args[{BEAM_KEY!r}]['stop'] / ['stop_token_ids']: served at temperature 0 only "
-                             "(beam search); beam sampling (temperature > 0) with stops is not built")
+                                 f"extra_args[{BEAM_KEY!r}][{name!r}], which each beam obeys")
+        if beam.num_beam_groups > 1 and (getattr(sampling_params, "temperature", 0.0) or 0.0) >= 1e-5:
+            raise ValueError(f"extra_args[{BEAM_KEY!r}]['num_beam_groups'] = {beam.num_beam_groups}: diverse beam "
+                             "search is served at temperature 0 only (group beam sampling is not defined here)")
         if getattr(sampling_params, "structured_outputs", None) is not None:
             if (getattr(sampling_params, "temperature", 0.0) or 0.0) >= 1e-5:
                 raise ValueError(f"structured_outputs: not supported on a beam request (extra_args[{BEAM_KEY!r}]) at "
@@ -255,6 +272,9 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             if beam.depth:
                 raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: a beam request with "
                                  "structured_outputs drafts no forest; leave 'depth' out (or 0)")
+            if beam.num_beam_groups > 1:
+                raise ValueError(f"structured_outputs: not supported with extra_args[{BEAM_KEY!r}]['num_beam_groups'] "
+                                 f"= {beam.num_beam_groups} (diverse beam search under a grammar is not built)")
         pens = [name for name, is_set in _PENALTIES if is_set(getattr(sampling_params, name, None))]
         if pens:
             raise ValueError(f"{', '.join(pens)}: not applied to a beam request (extra_args[{BEAM_KEY!r}]), as vLLM's "

@@ -82,10 +82,12 @@ def subsets_without_replacement(p: dict, k: int) -> dict:
 
 def beam_sampling_law(next_probs: NextProbs, prompt: list, *, width: int, max_new_tokens: int,
                       temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                      eos: int | None = None) -> dict:
+                      eos: int | None = None, stop_ids: Sequence[int] = ()) -> dict:
     """Exact law of the outcome (sorted tuple of all final candidates) of target beam sampling of width ``width``.
+    ``stop_ids``: more tokens that finish a beam as EOS does (a beam request's stop token ids).
 
     Returns {outcome: probability}; the probabilities sum to 1."""
+    ends = set(stop_ids) | ({eos} if eos is not None else set())
     assert temperature > 0, "the oracle is for sampling (temperature > 0)"
     cache = {}
 
@@ -111,7 +113,7 @@ def beam_sampling_law(next_probs: NextProbs, prompt: list, *, width: int, max_ne
                 new_live, new_fin = [], list(fin)
                 for seq, x in chosen:
                     pb = beam_prob[seq] * cond(seq)[x]
-                    (new_fin if eos is not None and x == eos else new_live).append((seq + (x,), pb))
+                    (new_fin if x in ends else new_live).append((seq + (x,), pb))
                 key = (tuple(sorted(new_live)), tuple(sorted(new_fin)))
                 if new_live:
                     nxt[key] += mass * pr
@@ -120,6 +122,29 @@ def beam_sampling_law(next_probs: NextProbs, prompt: list, *, width: int, max_ne
         states = nxt
     for (live, fin), mass in states.items():
         out[tuple(sorted([s for s, _ in live] + [s for s, _ in fin]))] += mass
+    return dict(out)
+
+
+def returned_law(law: dict, next_probs: NextProbs, prompt: list, width: int, ends: Sequence[int] = (),
+                 length_penalty: float = 1.0) -> dict:
+    """The law of the ``width`` beams a request returns, from ``beam_sampling_law``'s law of all final candidates:
+    each outcome's candidates ranked by vLLM's ``get_beam_search_score`` (cumulative log-probability under the model
+    over (prompt + generated tokens, one less when the last token is in ``ends``) ** length_penalty), the best
+    ``width`` kept, as a sorted tuple. {returned set: probability}."""
+    import math
+
+    cache: dict = {}
+
+    def score(seq):
+        if seq not in cache:
+            lp = sum(math.log(next_probs(list(prompt) + list(seq[:i]))[seq[i]]) for i in range(len(seq)))
+            n = len(prompt) + len(seq) - (1 if seq and seq[-1] in ends else 0)
+            cache[seq] = lp / n ** length_penalty
+        return cache[seq]
+
+    out = defaultdict(float)
+    for outcome, pr in law.items():
+        out[tuple(sorted(sorted(outcome, key=score, reverse=True)[:width]))] += pr
     return dict(out)
 
 

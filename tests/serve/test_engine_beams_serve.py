@@ -8,7 +8,7 @@ a copy of the folder, as ``test_engine_beams.py`` does) to token 102, picked so 
 both ways: on EOS after 0 to 3 tokens and at ``max_tokens`` (asserted); the tiny tokenizer has no chat template, both
 servers get the same trivial one.
 
-The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 and 4 (length penalty,
+The same requests go to both, temperature 0: ``/v1/completions`` with ``n`` = 2 and 4 (length penalty 0.5, 1.3 and 2,
 ``include_stop_str_in_output``, two prompts in one request), ``/v1/chat/completions`` with ``n`` = 2; and one at
 temperature 1 (the OpenAI default), where vLLM's beams are its temperature-0 beams and DSBD's too (beam sampling is
 only asked for with ``dsbd_beam``). Every choice is
@@ -19,6 +19,10 @@ DSBD server's and a beam search that cannot fit ``max_model_len`` are 400s namin
 afterwards still gets the same answer (``stop`` strings are served: test_beam_serving_stops.py). DSBD's beam
 counters on ``/metrics`` show draft forests verified
 and layers passed for the beam searches, and forests verified for the streamed requests.
+
+Diverse beam search (DSBD server only; vLLM's loop ignores the fields): ``use_beam_search`` with
+``num_beam_groups`` / ``diversity_penalty`` returns the beams of the same ``dsbd_beam`` request, not the beams without
+groups, and a width the groups do not divide is a 400 naming ``num_beam_groups``.
 
 Streaming (DSBD server only; vLLM refuses ``"stream": true`` with ``use_beam_search``): a ``/v1/completions`` request
 with ``"stream": true`` and the beam settings in ``vllm_xargs`` (``{"dsbd_beam": "<JSON object>"}``: vllm_xargs
@@ -64,6 +68,8 @@ def _cmpl(**kw):
 REQUESTS = [
     ("n2", *_cmpl(n=2)),
     ("n4", *_cmpl(n=4, length_penalty=1.3)),
+    ("n4_lp05", *_cmpl(n=4, length_penalty=0.5)),
+    ("n4_lp2", *_cmpl(n=4, length_penalty=2.0)),
     ("n4_stop_str", *_cmpl(n=4, include_stop_str_in_output=True)),
     ("two_prompts", *_cmpl(n=2, prompt=[PROMPT, [10, 20, 30]], max_tokens=5)),
     ("chat", "/v1/chat/completions",
@@ -202,9 +208,32 @@ def dsbd(models, plain, tmp_path_factory):  # after plain: one server at a time
                                                      vllm_xargs={"dsbd_beam": {"width": 2, "max_tokens": 4}})),
         ]
         out["stream_alive"] = proc.poll() is None
+        # diverse beam search: use_beam_search with the extra fields, the same beams as a dsbd_beam request; a bad
+        # num_beam_groups is a 400 naming it
+        groups = {"num_beam_groups": 2, "diversity_penalty": 1.0}
+        beam = {"width": WIDTH, "max_tokens": 6, "eos_token_id": EOS, **groups}
+        out["groups"] = [_post(base, *_cmpl(n=WIDTH, **groups)), _post(base, *_cmpl(n=WIDTH)),
+                         _post(base, "/v1/completions",
+                               {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "max_tokens": 6 * (WIDTH + 1) + 2,
+                                "return_token_ids": True, "vllm_xargs": {"dsbd_beam": json.dumps(beam)}}),
+                         _post(base, *_cmpl(n=WIDTH, num_beam_groups=3))]
         with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
             out["metrics_end"] = r.read().decode()
         return out
+
+
+def test_use_beam_search_takes_beam_groups(dsbd):
+    """``num_beam_groups`` / ``diversity_penalty`` on a ``use_beam_search`` request (extra fields; vLLM's own loop
+    ignores them): the choices are the beams of the same ``dsbd_beam`` request (diverse beam search,
+    ``test_engine_beam_groups.py`` tests it against an oracle), not the request's beams without groups; a width that
+    the groups do not divide is a 400 naming ``num_beam_groups``."""
+    (c1, groups), (c2, plain), (c3, direct), (c4, bad) = dsbd["groups"]
+    assert (c1, c2, c3) == (200, 200, 200), (groups, plain, direct)
+    beams = [b["token_ids"] for b in direct["kv_transfer_params"]["dsbd_beam"]]
+    # use_beam_search leaves a final EOS out of the tokens (vLLM's loop, without include_stop_str_in_output)
+    assert [c["token_ids"] for c in groups["choices"]] == [t[:-1] if t and t[-1] == EOS else t for t in beams]
+    assert [c["token_ids"] for c in groups["choices"]] != [c["token_ids"] for c in plain["choices"]]
+    assert c4 == 400 and bad["error"]["param"] == "num_beam_groups", bad
 
 
 def _split(choice):
@@ -243,8 +272,11 @@ def test_beam_search_choices_equal_plain_vllm(dsbd, plain, name):
 def test_requests_not_vacuous(plain, models):
     eos = models[2]
     n = {name: len(plain[name][1]["choices"]) for name, *_ in REQUESTS}
-    assert n == {"n2": 2, "n4": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2, "n4_t1": 4, "n2_lp2": 2,
-                 "chat_top2": 2}
+    assert n == {"n2": 2, "n4": 4, "n4_lp05": 4, "n4_lp2": 4, "n4_stop_str": 4, "two_prompts": 4, "chat": 2,
+                 "n4_t1": 4, "n2_lp2": 2, "chat_top2": 2}
+    # the length penalty changes vLLM's answer here (its beams end on EOS at different lengths)
+    assert [c["token_ids"] for c in plain["n4_lp05"][1]["choices"]] != \
+        [c["token_ids"] for c in plain["n4_lp2"][1]["choices"]]
     # the alternatives are there: per token the first 3 of the loop's 2 * n (completions return logprobs + 1), chat 2
     for c in plain["n2_lp2"][1]["choices"]:
         tops = c["logprobs"]["top_logprobs"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest
+from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest, RowTop
 from vllm_dsbd.engine.beams.step import step_one
 from vllm_dsbd.engine.cost import Subforest, passed_by_width
 from vllm_dsbd.requests import BeamParams
@@ -183,7 +183,7 @@ def test_rank_by_score_ranks_an_eos_kept_with_ignore_eos_as_vllms_offline_loop()
 
 @pytest.mark.parametrize("relayout", [False, True])
 def test_finished_beams_carry_the_candidates_of_every_token(relayout):
-    """``Finished.top``: per token the 2W best (token, log-probability) of the row it was chosen from, best first, for
+    """``Finished.top`` (as the payload lists it): per token the 2W best (token, log-probability) of the row it was chosen from, best first, for
     tokens chosen from leaves, from a forest node whose layer passed, and through the re-layout's prefix."""
     beam = BeamRequest(BeamParams(width=2, max_tokens=4, ignore_eos=True), P, temperature=0.0, seed=0,
                        relayout=relayout)
@@ -199,9 +199,10 @@ def test_finished_beams_carry_the_candidates_of_every_token(relayout):
     assert out.finished
     rows = {(): _row(t3=10.0, t5=9.5), (3,): _row(t1=10.0, t2=9.0), (3, 1): _row(t4=10.0, t0=1.0),
             (3, 2): _row(t7=10.0), (3, 1, 4): _row(t5=10.0), (3, 2, 7): _row(t6=10.0)}  # context -> its row
-    for f in beam.best():
+    for f, sent in zip(beam.best(), beam.payload()["dsbd_beam"]):
         assert len(f.top) == len(f.tokens) == 4
-        for k, (t, v, top) in enumerate(zip(f.tokens, f.logprobs, f.top)):
+        assert sent["top_logprobs"] == [RowTop.listed(t) for t in f.top]  # what the front end gets
+        for k, (t, v, top) in enumerate(zip(f.tokens, f.logprobs, sent["top_logprobs"])):
             assert len(top) == 4 and (t, v) in top
             # the row the token was chosen from: its best tokens and their log-probabilities (the first two: the
             # rest tie at logit 0 and may come in any order)

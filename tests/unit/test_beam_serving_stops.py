@@ -34,6 +34,28 @@ def test_openai_stops_become_beam_stops():
     assert (beam["stop"], beam["stop_token_ids"], beam["include_stop_str_in_output"]) == (["cd"], [7], True)
 
 
+def test_openai_group_fields_become_beam_groups():
+    """``num_beam_groups`` / ``diversity_penalty`` (extra fields of the OpenAI request) go to the beams; a bad value is
+    a ``ValueError`` naming ``extra_args['dsbd_beam'][key]``, which the route turns into a 400 naming the field."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_dsbd.patches.beam_serving_route import _validation_error
+
+    req = CompletionRequest(model="m", prompt=[1, 2], use_beam_search=True, n=4, num_beam_groups=2,
+                            diversity_penalty=0.5)
+    assert request_stops(req) == {"num_beam_groups": 2, "diversity_penalty": 0.5}
+    params = BeamSearchParams(beam_width=4, max_tokens=4)
+    beam = beam_request_params(params, 0, 3, 256, 4, temperature=0.0, stops=request_stops(req)).extra_args["dsbd_beam"]
+    assert (beam["num_beam_groups"], beam["diversity_penalty"]) == (2, 0.5)
+    for bad, name in (({"num_beam_groups": 3}, "num_beam_groups"), ({"diversity_penalty": -1}, "diversity_penalty")):
+        try:
+            beam_request_params(params, 0, 3, 256, 4, temperature=0.0, stops={"num_beam_groups": 2, **bad})
+        except ValueError as e:
+            assert _validation_error(str(e)).parameter == name
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
 def test_stopped_beams_output():
     beams = [{"token_ids": [1, 3, 4], "cum_logprob": -1.0, "logprobs": [-0.5, -0.3, -0.2], "finish_reason": "stop",
               "stop_reason": "cd"},

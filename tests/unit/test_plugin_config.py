@@ -38,7 +38,7 @@ from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
 ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
-           "cost_model", "full_cuda_graphs", "beam_nodes", "sources"]
+           "cost_model", "full_cuda_graphs", "beam_nodes", "sources", "max_beam_slots"]
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +304,7 @@ def test_engine_args_dsbd(pair):
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
         "draft": True, "verify_budget": "auto", "cost_model": "auto", "full_cuda_graphs": False, "beam_nodes": None,
-        "sources": ["model"],
+        "sources": ["model"], "max_beam_slots": None,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
     assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
@@ -559,6 +559,17 @@ def test_beam_nodes_setting_and_slots():
     assert DSBDConfig(width=4, draft=False, beam_nodes=8).num_speculative_slots == 8 * 3 + 3  # draft-free sources
 
 
+def test_max_beam_slots_setting():
+    """``max_beam_slots``: None by default (the slot length is max_model_len), else an integer >= 1; the engine's slot
+    length is the larger of it and max_model_len; refused as a non-integer or below 1."""
+    assert DSBDConfig(width=4).max_beam_slots is None and DSBDConfig(width=4).slot_len(256) == 256
+    cfg = DSBDConfig.from_dict({"width": 4, "max_beam_slots": 4096})
+    assert cfg.slot_len(256) == 4096 and cfg.slot_len(8192) == 8192 and DSBDConfig.from_dict(cfg.to_dict()) == cfg
+    for bad in (0, True, 8.0, "4096"):
+        with pytest.raises(ValueError, match=r"'max_beam_slots' must be an integer >= 1"):
+            DSBDConfig(width=4, max_beam_slots=bad)
+
+
 def test_beam_nodes_reach_the_engine_config(pair):
     target, draft = pair
     _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 2,
@@ -806,17 +817,16 @@ def test_dsbd_environment_variables_are_known_to_vllm(monkeypatch):
         envs.validate_environ(hard_fail=True)
 
 
-def test_beam_stops_are_parsed_and_refused_at_temperature_above_zero():
+def test_beam_stops_are_parsed_at_every_temperature():
     """``extra_args['dsbd_beam']`` ``stop_token_ids`` / ``stop`` / ``include_stop_str_in_output``: parsed (a string is
-    one stop string), bad values named, and refused on beam sampling (temperature > 0), served at temperature 0."""
+    one stop string), bad values named, served on beam search (temperature 0) and beam sampling (temperature > 0)."""
     cfg = DSBDConfig(width=4)
     beam = {"width": 2, "max_tokens": 4, "stop_token_ids": [7, 9], "stop": "end", "include_stop_str_in_output": True}
     bp = BeamParams.parse(beam, 4)
     assert (bp.stop_token_ids, bp.stop, bp.include_stop_str_in_output) == ((7, 9), ("end",), True)
     assert BeamParams.parse(bp.to_dict(), 4) == bp
     assert check_request(_beam_sp(beam, temperature=0.0), cfg) == 4
-    with pytest.raises(ValueError, match=r"served at temperature 0 only"):
-        check_request(_beam_sp(beam, temperature=0.7), cfg)
+    assert check_request(_beam_sp(beam, temperature=0.7), cfg) == 4
     for key, value in (("stop_token_ids", [-1]), ("stop_token_ids", 7), ("stop", [""]), ("stop", [3]),
                        ("include_stop_str_in_output", 1)):
         with pytest.raises(ValueError, match=rf"\['{key}'\]"):

@@ -40,6 +40,15 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         with vllm_runner_init(vllm_config.speculative_config, cfg.draft):  # no draft model: vLLM builds a NoDrafter
             super().__init__(vllm_config, device)
         self.dsbd_cfg = cfg
+        # a beam request's slots may exceed max_model_len (``DSBDConfig.max_beam_slots``): the input batch vLLM
+        # rebuilds at ``initialize_kv_cache`` sizes its token buffer and block tables for the slot length; other
+        # requests' forests stay within the context length (``dsbd_context_len``, ``propose_draft_token_ids``)
+        self.dsbd_context_len = self.max_model_len
+        self.max_model_len = cfg.slot_len(self.max_model_len)
+        # vLLM zeroes every request's drafts when the batch's longest sequence + num_spec_tokens passes the draft's
+        # max_model_len (``_input_fits_in_drafter``); DSBD bounds each forest itself (plain ones by the context
+        # length, beam forests by the blocks they own), and a beam request's leaves must reach the scheduler
+        self.effective_drafter_max_model_len = self.max_model_len + self.num_spec_tokens + 1
         # DSBD's environment variables, read once (vllm_dsbd/envs.py): a bad VLLM_DSBD_STATIC_VERIFY /
         # VLLM_DSBD_FUSED_VERIFY / VLLM_DSBD_STATIC_DRAFT / VLLM_DSBD_KV_COMMIT stops the start-up
         # (VLLM_DSBD_STATIC_DRAFT only with a draft model, which is all that reads it)
@@ -472,7 +481,7 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
             depth = min(cfg.depth, levels[i].depth)
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)
-            depth = min(depth, (self.max_model_len - 2 - root_pos) // max(st.width, 1))
+            depth = min(depth, (self.dsbd_context_len - 2 - root_pos) // max(st.width, 1))
             if st.eos >= 0 and st.eos in res.tokens:
                 depth = 0
             if depth <= 0:

@@ -161,7 +161,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``num_speculative_tokens = depth`` (that constructor call only). When it can go: with 13.
 
 15. ``beam_scheduler`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output``,
-   ``._free_request`` and ``.__init__``.
+   ``._free_request``, ``.__init__`` and ``.add_request``.
    What: a DSBD beam request (``extra_args["dsbd_beam"]``, ``engine/beams/``) stops when the DSBD runner says its beam
    search is over (``ModelRunnerOutput.dsbd_finished``, kept on the scheduler by 13's ``update_from_output`` wrapper),
    with its best beam's finish reason; its beams travel to the front end as the request's ``kv_transfer_params``; prefix
@@ -174,10 +174,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    changed token following (DESIGN §2 "shrinking the request at re-layout"), and the blocks past the slots it uses go
    back to the pool; vLLM's token stops (EOS, ``stop_token_ids``, which for a request that does not ignore EOS include
    the generation config's other EOS ids) are off for it, as its appended tokens are trie slots
-   (``tests/engine/test_engine_beam_eos_ids.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
+   (``tests/engine/test_engine_beam_eos_ids.py``); with ``max_beam_slots`` above ``max_model_len`` the scheduler's and
+   KV cache manager's per-request token bound is the engine's slot length (``DSBDConfig.slot_len``; the engine refuses
+   to start when its KV pool cannot hold one such request), and ``add_request`` cuts every other request's
+   ``max_tokens`` to ``max_model_len - prompt``, where vLLM's own bound stops it (``tests/engine/
+   test_engine_wide_beams.py``). Why: vLLM's token list of a beam request is prompt + trie nodes; vLLM cannot
    know when the search ends (the engine request has ``ignore_eos`` and a large ``max_tokens``), has no per-request
    output channel from the runner but ``kv_transfer_params`` (engine core -> ``RequestOutput``, across processes), would
-   cache trie blocks (K/V under trie masks and positions) for any request with the same tokens
+   cache trie blocks (K/V under trie masks and positions) for any request with the same tokens, bounds every request's
+   slots by ``max_model_len`` (scheduler.py:513-518, ``check_stop``, kv_cache_manager.py:430-432) though a beam
+   request's slots hold W beams at positions at most prompt + max_tokens
    (``tests/engine/test_engine_beams.py`` sees 144 cached tokens served instead of 112 without the cap), and would output (and
    stream) the trie's slots, which are no beam. ``_update_request_with_output`` is where the tokens vLLM appends to a
    request become the tokens it outputs, and the only place where the two can differ (the front end, in or across
@@ -187,9 +193,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    request: vLLM slices them from the rows the runner sampled, which are not its tokens'; the final output's are the
    best beam's (21). vLLM's token list only grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
    keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
-   the three; requests without ``dsbd_beam`` and non-DSBD engines are untouched. When it can go: vLLM gains in-engine
+   the four; requests without ``dsbd_beam`` and non-DSBD engines are untouched (except a plain request's ``max_tokens``
+   past ``max_model_len`` on an engine with ``max_beam_slots``, cut where vLLM stops it). When it can go: vLLM gains in-engine
    beam search (or a runner-side finish with a payload, output tokens that may differ from the appended ones, and a way
-   for the runner to rewrite a request's token list) and a per-request cap on prefix-cache commits.
+   for the runner to rewrite a request's token list), a per-request cap on prefix-cache commits and a per-request KV
+   slot bound apart from the context length.
 
 16. ``beam_search_route`` - target ``vllm.entrypoints.generate.beam_search.offline.BeamSearchOfflineMixin
    .beam_search`` (``LLM.beam_search``).
@@ -199,7 +207,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    original; the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` (vLLM's loop ranks raw
    log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs`` go on the engine
    request (its beams follow the grammar as vLLM's loop's do, ``engine/beams/grammar.py``); a width above the
-   engine's and a trie that may not fit ``max_model_len`` raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
+   engine's, a beam longer than ``max_model_len`` and a trie that may not fit the engine's slots per request
+   (``max_model_len``, or ``max_beam_slots`` when larger) raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.
 
 17. ``beam_serving_route`` - target ``vllm.entrypoints.generate.beam_search.online.BeamSearchOnlineMixin
@@ -263,15 +272,16 @@ to add a speculative method with its own config keys and proposer; no such regis
    with per-node bitmasks.
 
 21. ``beam_outputs`` - target ``vllm.v1.engine.output_processor.LogprobsProcessor.from_new_request`` and
-   ``.update_from_output``.
+   ``.update_from_output``, ``RequestState.make_request_output``.
    What: when a plain beam request (``extra_args["dsbd_beam"]`` with ``logprobs`` k <= 2W) finishes, its logprobs
    become the best beam's in vLLM's shape (per token the chosen token with its rank and the row's k best) and its
    ``cumulative_logprob`` the best beam's. Why: the request's output tokens are the beams' settled prefix and best
    beam (15), not the rows the runner sampled, so the logprobs vLLM slices from those rows are not its tokens'. How:
    wrap both; the processor notes the request's ``dsbd_beam`` settings, and a finished output that carries
    ``kv_transfer_params["dsbd_beam"]`` (only a DSBD engine sends it) gets the best beam's; every other request is
-   untouched (``tests/engine/test_engine_beam_logprobs.py``: equal to vLLM's own ``LLM.beam_search`` to 1e-4). When it
-   can go: with 15.
+   untouched (``tests/engine/test_engine_beam_logprobs.py``: equal to vLLM's own ``LLM.beam_search`` to 1e-4). A
+   finished beam request whose best beam stopped on a stop string gets its text cut there, as vLLM cuts a plain
+   request's (kept with ``include_stop_str_in_output``; ``test_engine_beam_stops.py``). When it can go: with 15.
 """
 
 from __future__ import annotations

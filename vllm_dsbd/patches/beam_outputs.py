@@ -1,4 +1,5 @@
-"""Patch: the front end of a plain beam request (``extra_args["dsbd_beam"]`` on ``generate``): its logprobs.
+"""Patch: the front end of a plain beam request (``extra_args["dsbd_beam"]`` on ``generate``): its logprobs and the
+text of a best beam stopped by a stop string.
 
 On ``vllm.v1.engine.output_processor`` (ledger entry 21 in ``patches/__init__.py``):
 
@@ -11,8 +12,15 @@ On ``vllm.v1.engine.output_processor`` (ledger entry 21 in ``patches/__init__.py
   CUMULATIVE request's intermediate outputs carry vLLM's own logprobs of the settled tokens (rows the runner
   sampled); its final output carries the beams'. Streamed (DELTA) requests with logprobs are refused.
 
-The text of a best beam stopped by a stop string is not cut here: it keeps the stop string (vLLM's detokenizer saw
-no stop string; the beams' tokens and ``stop_reason`` in ``kv_transfer_params["dsbd_beam"]`` are right).
+* ``RequestState.make_request_output``: when the request finishes and its best beam stopped on a stop string (the
+  beams' ``stop_reason`` in ``kv_transfer_params["dsbd_beam"]``), the detokenized text is cut at the string's first
+  occurrence, as vLLM cuts a plain request's (``stops.cut_at_stop``; kept with the beam's
+  ``include_stop_str_in_output``), and the output's ``stop_reason`` is the string (a stop token id's: the id). vLLM's
+  detokenizer leaves the last token of a request finished as "stop" undecoded (a stop token's text), which a stop
+  string's last token is not: it is decoded here first. The final text of a FINAL_ONLY or
+  CUMULATIVE request is cut; a streamed request's text holds back the last (longest stop string - 1) characters
+  until it finishes, as vLLM's detokenizer does for a plain request's stop strings (the settled prefix never holds a
+  whole stop string, at most its start), so streamed text is never retracted.
 
 When it can go: with ``beam_scheduler`` (vLLM gains in-engine beams with their own outputs).
 """
@@ -96,5 +104,36 @@ def patch_output_processor(mod: types.ModuleType) -> None:
 
         return update_from_output
 
+    def make_output(orig):
+        def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs):
+            kv = args[0] if args else kwargs.get("kv_transfer_params")
+            settings = getattr(self.logprobs_processor, _ATTR, None)
+            beams = (kv or {}).get(BEAM_KEY) if settings and finish_reason is not None else None
+            stop = beams[0].get("stop_reason") if beams else None
+            det = self.detokenizer
+            strings = settings.get("stop") if settings else None
+            if strings and not settings.get("include_stop_str_in_output") and getattr(det, "stop_buffer_length", 1) == 0:
+                # hold back the text a stop string's start may be, as vLLM does for a plain request's stop strings:
+                # the settled prefix never holds a whole stop string, at most its first len - 1 characters
+                strings = [strings] if isinstance(strings, str) else strings
+                det.stop_buffer_length = max(len(x) for x in strings) - 1
+            if isinstance(stop, str) and isinstance(getattr(det, "output_text", None), str):
+                from vllm.v1.engine import FinishReason
+
+                from vllm_dsbd.engine.beams.stops import cut_at_stop
+
+                if finish_reason == FinishReason.STOP and not det.include_stop_str_in_output and det.token_ids:
+                    # vLLM's detokenizer left a stop-finished request's last token undecoded (a stop token's text);
+                    # a stop string's last token is an ordinary one: decode it where the stream left off
+                    det.output_text += det.decode_next(det.token_ids[-1])
+                det.output_text = cut_at_stop(det.output_text, stop, bool(settings.get("include_stop_str_in_output")))
+                stop_reason = stop
+            elif isinstance(stop, int) and stop in (settings.get("stop_token_ids") or ()):
+                stop_reason = stop  # a stop token id: vLLM's stop_reason for a plain request
+            return orig(self, new_token_ids, pooling_output, finish_reason, stop_reason, *args, **kwargs)
+
+        return make_request_output
+
     wrap_method(PATCH_ID, procs, "from_new_request", make_new)  # a classmethod (kept one)
     wrap_method(PATCH_ID, procs, "update_from_output", make_update)
+    wrap_method(PATCH_ID, mod.RequestState, "make_request_output", make_output)

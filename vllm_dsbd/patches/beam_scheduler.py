@@ -33,10 +33,16 @@ the runner of other engines ignores them):
   are never beam requests (a KV connector is refused for DSBD beams).
 * ``__init__``: prefix caching commits a beam request's blocks only up to its prompt: trie blocks hold K/V computed
   under the trie's masks and positions, which another request with the same tokens must not be served.
+* ``__init__`` also lifts the scheduler's and KV cache manager's per-request token bound from ``max_model_len`` to the
+  engine's slot length (``DSBDConfig.slot_len``: ``max_beam_slots`` when larger), so a beam request's slots (every
+  beam's tokens; its positions stay the true ones, at most prompt + max_tokens) do not count against the model's
+  context length; it refuses to start when the KV pool cannot hold one request of that many slots. ``add_request``
+  keeps every other request within ``max_model_len``: its ``max_tokens`` is cut to ``max_model_len - prompt``, where
+  vLLM's own ``check_stop`` would have stopped it ("length"), so it stops at the same token with the same reason.
 
 When it can go: vLLM gains in-engine beam search with its own finish/output path (or lets a request finish from the
-model runner, carry a payload and output other tokens than the ones it appends), and a per-request cap on
-prefix-cache commits.
+model runner, carry a payload and output other tokens than the ones it appends), a per-request cap on prefix-cache
+commits and a per-request KV slot bound apart from the context length.
 """
 
 from __future__ import annotations
@@ -117,6 +123,38 @@ def _settled_tokens(scheduler, request) -> list[int]:
     return list(settled.get(request.request_id, ())) if settled else []
 
 
+def keep_context_len(request, max_model_len: int) -> None:
+    """A request that is not a beam request stops at ``max_model_len`` tokens on an engine whose slot length is
+    larger: its ``max_tokens`` is cut to ``max_model_len - prompt`` (vLLM's ``check_stop`` stops it there, "length",
+    as the context-length bound would)."""
+    room = max_model_len - request.num_prompt_tokens
+    if request.max_tokens > room:
+        request.max_tokens = max(room, 1)
+
+
+def lift_slot_len(scheduler) -> None:
+    """The scheduler's and KV cache manager's per-request token bound becomes the engine's slot length
+    (``DSBDConfig.slot_len``); ``ValueError`` when the KV pool cannot hold one request of that many slots."""
+    from vllm_dsbd.config import DSBDConfig
+
+    cfg = scheduler.vllm_config
+    max_model_len = cfg.model_config.max_model_len
+    slot_len = DSBDConfig.from_vllm_config(cfg).slot_len(max_model_len)
+    if slot_len <= max_model_len:
+        return
+    kv = scheduler.kv_cache_manager
+    free = kv.block_pool.get_num_free_blocks()
+    for mgr in kv.coordinator.single_type_managers:
+        need = -(-slot_len // mgr.block_size)
+        if need > free:
+            raise ValueError(f"DSBD config: 'max_beam_slots' = {slot_len} needs {need} KV blocks of {mgr.block_size} "
+                             f"tokens for one beam request, and the KV cache holds {free}; lower 'max_beam_slots' or "
+                             "give the KV cache more memory (--kv-cache-memory / --gpu-memory-utilization)")
+    scheduler.max_model_len = slot_len
+    kv.max_model_len = slot_len
+    kv.coordinator.max_model_len = slot_len
+
+
 def apply() -> None:
     when_imported(MODULE, _patch)
 
@@ -172,9 +210,20 @@ def _patch(mod: types.ModuleType) -> None:
                 return cache_blocks(request, num_tokens)
 
             coordinator.cache_blocks = cache_prompt_blocks_only
+            lift_slot_len(self)
 
         return __init__
+
+    def make_add(orig):
+        def add_request(self, request):
+            if getattr(self, "_dsbd_engine", False) and not is_beam_request(request) \
+                    and getattr(request, "sampling_params", None) is not None:
+                keep_context_len(request, self.vllm_config.model_config.max_model_len)
+            return orig(self, request)
+
+        return add_request
 
     wrap_method(PATCH_ID, mod.Scheduler, "_update_request_with_output", make_update)
     wrap_method(PATCH_ID, mod.Scheduler, "_free_request", make_free)
     wrap_method(PATCH_ID, mod.Scheduler, "__init__", make_init)
+    wrap_method(PATCH_ID, mod.Scheduler, "add_request", make_add)

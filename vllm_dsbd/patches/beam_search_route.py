@@ -20,15 +20,18 @@ differs from the cumulative log-probability for an EOS candidate kept with ``ign
 ``BeamSearchParams.structured_outputs`` go on the engine request: its beams follow the grammar as vLLM's loop's do
 (``engine/beams/grammar.py``; the grammar compiled by the backend vLLM's front end picks for the request).
 
-Refused with a ``ValueError`` naming the parameter: a beam width above the engine's DSBD width, and a request whose
-trie may not fit ``max_model_len`` (``prompt + max_tokens * (beam_width + 1) + 2`` slots; see
-``BeamParams.engine_tokens``).
+Refused with a ``ValueError`` naming the parameter: a beam width above the engine's DSBD width, a beam longer than
+``max_model_len`` (prompt + max_tokens: its positions), and a request whose trie may not fit the engine's KV slots
+per request
+(``prompt + max_tokens * (beam_width + 1) + 2`` slots, ``BeamParams.engine_tokens``, against
+``DSBDConfig.slot_len``: ``max_model_len``, or ``max_beam_slots`` when larger).
 
 When it can go: vLLM's ``LLM.beam_search`` runs in the engine and lets a speculative method serve it.
 """
 
 from __future__ import annotations
 
+import gc
 import types
 
 from vllm_dsbd.config import uses_dsbd
@@ -44,7 +47,7 @@ def apply() -> None:
 
 def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
                         temperature: float | None = None, rank_by_score: bool = False, stops: dict | None = None,
-                        structured=None):
+                        slot_len: int | None = None, structured=None):
     """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request).
 
     ``temperature``: the engine request's; None takes ``params.temperature`` (above 0: beam sampling, the explicit
@@ -52,7 +55,8 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     raw log-probabilities at every temperature. ``rank_by_score``: ``BeamParams.rank_by_score``, how the
     ``LLM.beam_search`` route ranks (vLLM's offline loop sorts candidates by the length-normalised score, its server
     loop by cumulative log-probability). ``stops``: ``dsbd_beam`` stop keys (``stop``, ``stop_token_ids``; the
-    ``use_beam_search`` route's, from the OpenAI request), with ``params.include_stop_str_in_output``.
+    ``use_beam_search`` route's, from the OpenAI request), with ``params.include_stop_str_in_output``. ``slot_len``:
+    the engine's KV slots per request (``DSBDConfig.slot_len``; None: ``max_model_len``).
     ``structured``: the ``StructuredOutputsParams`` of the beams (None: ``params.structured_outputs``; the
     ``use_beam_search`` route passes the OpenAI request's ``response_format`` / ``structured_outputs``), set on the
     engine request: its beams follow the grammar as vLLM's ``LLM.beam_search`` does (``engine/beams/grammar.py``)."""
@@ -65,11 +69,17 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
                            "eos_token_id": eos_token_id, "rank_by_score": rank_by_score, **(stops or {}),
                            "include_stop_str_in_output": bool(getattr(params, "include_stop_str_in_output", False))},
                           max_width)
-    need = prompt_len + bp.engine_tokens()
-    if need > max_model_len:
+    if prompt_len + bp.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: a beam of {bp.max_tokens} tokens after the {prompt_len}-token prompt is longer "
+                         f"than max_model_len {max_model_len}; lower max_tokens or raise max_model_len")
+    slot_len = max_model_len if slot_len is None else slot_len
+    if prompt_len + bp.engine_tokens() > slot_len:
+        where = (f"max_model_len {max_model_len}" if slot_len <= max_model_len
+                 else f"the engine's {slot_len} KV slots per beam request (max_beam_slots)")
         raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "
-                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than max_model_len "
-                         f"{max_model_len}; lower max_tokens or beam_width, or raise max_model_len")
+                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than {where}; lower "
+                         "max_tokens or beam_width, or start the engine with a larger 'max_beam_slots' in "
+                         "--speculative-config (KV slots per beam request, beyond max_model_len)")
     if temperature is None:
         temperature = params.temperature
     return SamplingParams(temperature=temperature, max_tokens=bp.engine_tokens(), ignore_eos=True,
@@ -96,24 +106,48 @@ def beam_outputs(engine_input, out, tokenizer):
 
     from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 
+    beams = finished_beams(out)
+    # each token id is decoded once (a token's text does not depend on the others here: convert_ids_list_to_tokens
+    # decodes them one by one), and tokens chosen from the same row share its list of alternatives (the payload lists
+    # a row once) and so its dict, as vLLM's loop shares a parent beam's dicts with its children: output building is
+    # not 2W decodes per beam per token
+    tops = {id(top): top for b in beams for top in (b.get("top_logprobs") or ()) if top}  # shared lists once
+    ids_seen = {int(i) for top in tops.values() for i, _ in top}
+    ids_seen = sorted(ids_seen)
+    names = dict(zip(ids_seen, convert_ids_list_to_tokens(tokenizer, ids_seen)))
+    made: dict[int, dict] = {}
+
     def position(t: int, lp: float, top) -> dict:
         if not top:  # not known (T > 0): the chosen token alone
             return {t: Logprob(logprob=lp)}
-        ids = [int(i) for i, _ in top]
-        names = convert_ids_list_to_tokens(tokenizer, ids)
-        return {i: Logprob(logprob=v, rank=r + 1, decoded_token=n) for r, (i, (_, v), n) in
-                enumerate(zip(ids, top, names))}
+        d = made.get(id(top))  # the row's 2W best, whichever of them was chosen
+        if d is None:
+            d = made[id(top)] = {int(i): Logprob(logprob=v, rank=r + 1, decoded_token=names[int(i)])
+                                 for r, (i, v) in enumerate(top)}
+        return d
 
     prompt = list(engine_input["prompt_token_ids"])
     seqs = []
-    for b in finished_beams(out):
-        tokens = prompt + list(b["token_ids"])
-        tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
-        seqs.append(BeamSearchSequence(
-            orig_prompt=engine_input, tokens=tokens,
-            logprobs=[position(t, lp, top) for t, lp, top in zip(b["token_ids"], b["logprobs"], tops)],
-            cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"]))
+    # W x tokens x 2W acyclic objects: the cyclic collector would rescan the heap many times while they are made
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for b in beams:
+            seqs.append(_sequence(engine_input, prompt, b, position, tokenizer, BeamSearchSequence))
+    finally:
+        if was:
+            gc.enable()
     return BeamSearchOutput(sequences=seqs)
+
+
+def _sequence(engine_input, prompt, b, position, tokenizer, BeamSearchSequence):
+    """One returned beam as vLLM's ``BeamSearchSequence``."""
+    tokens = prompt + list(b["token_ids"])
+    tops = b.get("top_logprobs") or [None] * len(b["token_ids"])
+    return BeamSearchSequence(
+        orig_prompt=engine_input, tokens=tokens,
+        logprobs=[position(t, lp, top) for t, lp, top in zip(b["token_ids"], b["logprobs"], tops)],
+        cum_logprob=b["cum_logprob"], text=tokenizer.decode(tokens), finish_reason=b["finish_reason"])
 
 
 def _patch(mod: types.ModuleType) -> None:
@@ -124,7 +158,8 @@ def _patch(mod: types.ModuleType) -> None:
                 return orig(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
             from vllm_dsbd.config import DSBDConfig
 
-            width = DSBDConfig.from_vllm_config(cfg).width
+            dcfg = DSBDConfig.from_vllm_config(cfg)
+            width, max_model_len = dcfg.width, cfg.model_config.max_model_len
             tokenizer = self.renderer.get_tokenizer()
             inputs = self._preprocess_cmpl(prompts)
             sps = []
@@ -133,8 +168,8 @@ def _patch(mod: types.ModuleType) -> None:
                     raise ValueError("prompts: only text and token prompts are supported for beam search on a "
                                      "DSBD engine")
                 sps.append(beam_request_params(params, tokenizer.eos_token_id, len(inp["prompt_token_ids"]),
-                                               cfg.model_config.max_model_len, width, temperature=0.0,
-                                               rank_by_score=True))
+                                               max_model_len, width, temperature=0.0, rank_by_score=True,
+                                               slot_len=dcfg.slot_len(max_model_len)))
             outs = self.generate([{"prompt_token_ids": list(inp["prompt_token_ids"])} for inp in inputs], sps,
                                  use_tqdm=use_tqdm, lora_request=lora_request)
             return [beam_outputs(inp, out, tokenizer) for inp, out in zip(inputs, outs)]

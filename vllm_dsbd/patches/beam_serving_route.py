@@ -24,11 +24,13 @@ aborts it, as any engine request) and yields one finished ``RequestOutput``; a r
 "error" yields vLLM's error output. Bad requests raise ``VLLMValidationError`` (a ``ValueError``: the server's
 handler answers 400 with ``param``, and the engine never sees the request) from inside the generator, where the
 original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
-``max_model_len`` (``prompt + max_tokens * (n + 1) + 2`` slots, ``param`` "max_tokens"; a chat request without
+the engine's KV slots per request (``prompt + max_tokens * (n + 1) + 2`` slots against ``max_model_len``, or
+``max_beam_slots`` when larger, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
 other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). The
 request's ``stop`` and ``stop_token_ids`` (which vLLM's loop ignores silently: ``BeamSearchParams`` has no such field)
-go to the beams (``beam_request_params``). Completions ``logprobs`` and chat ``logprobs``/``top_logprobs`` are served:
+go to the beams (``beam_request_params``), and so do ``num_beam_groups`` / ``diversity_penalty`` (extra request
+fields, diverse beam search: engine/beams/groups.py; a bad value is a 400 naming it). Completions ``logprobs`` and chat ``logprobs``/``top_logprobs`` are served:
 every output's per-token logprobs are the 2 * beam_width-entry dicts of vLLM's loop (its one-token requests' 2W best
 tokens of the row, with ranks, ``position_dict``), from the beams' top rows in ``kv_transfer_params["dsbd_beam"]``;
 the OpenAI serializer keeps the requested number of alternatives from them, as for vLLM's loop.
@@ -70,8 +72,13 @@ def apply() -> None:
         when_imported(module, lambda mod, cls=cls: _patch_request(getattr(mod, cls)))
 
 
+GROUP_FIELDS = ("num_beam_groups", "diversity_penalty")  # diverse beam search: extra fields of an OpenAI request
+
+
 def request_stops(request) -> dict:
-    """The ``dsbd_beam`` stop keys of an OpenAI request's ``stop`` and ``stop_token_ids`` (empty when none)."""
+    """The ``dsbd_beam`` keys an OpenAI request adds to its beams (empty when none): its ``stop`` and
+    ``stop_token_ids``, and diverse beam search's ``num_beam_groups`` / ``diversity_penalty``, extra fields of the
+    request (vLLM's request models keep unknown fields in ``model_extra``; its own loop ignores them)."""
     stop = getattr(request, "stop", None) or []
     ids = getattr(request, "stop_token_ids", None) or []
     out = {}
@@ -79,6 +86,8 @@ def request_stops(request) -> dict:
         out["stop"] = [stop] if isinstance(stop, str) else list(stop)
     if ids:
         out["stop_token_ids"] = list(ids)
+    extra = getattr(request, "model_extra", None) or {}
+    out.update({k: extra[k] for k in GROUP_FIELDS if extra.get(k) is not None})
     return out
 
 
@@ -97,7 +106,8 @@ def _patch_request(cls: type) -> None:
 
 
 # request field of a ``BeamParams.parse`` key (``beam_request_params``' messages name ``extra_args['dsbd_beam'][key]``)
-_FIELDS = {"width": "n", "max_tokens": "max_tokens", "length_penalty": "length_penalty", "ignore_eos": "ignore_eos"}
+_FIELDS = {"width": "n", "max_tokens": "max_tokens", "length_penalty": "length_penalty", "ignore_eos": "ignore_eos",
+           **{k: k for k in GROUP_FIELDS}}
 
 
 def _validation_error(message: str):
@@ -187,7 +197,8 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
     if prompt["type"] != "token":
         raise VLLMValidationError("prompt: only text and token prompts are supported for beam search on a DSBD "
                                   "engine", parameter="prompt", value=prompt["type"])
-    width = DSBDConfig.from_vllm_config(cfg).width
+    dcfg = DSBDConfig.from_vllm_config(cfg)
+    width = dcfg.width
     if isinstance(params.beam_width, int) and params.beam_width > width:
         raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's DSBD "
                                   f"width {width} (start the server with a larger 'width' in --speculative-config)",
@@ -198,6 +209,7 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
         sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
                                  cfg.model_config.max_model_len, width, temperature=0.0,
                                  stops=getattr(params, STOPS_ATTR, None),
+                                 slot_len=dcfg.slot_len(cfg.model_config.max_model_len),
                                  structured=getattr(params, STRUCTURED_ATTR, None))
     except ValueError as e:
         raise _validation_error(str(e)) from e

@@ -47,9 +47,12 @@ def step_beams(items: list[tuple[BeamRequest, int | None, Any]], static_layers: 
                 st.cands, st.passed = b.verify_layers(st.cands, st.forest, st.flogits, st.eos, st.beams)
         elif st.forest is None:
             plain.append(st)
+    layered = [st for st in steps if st.beam.temperature > 0.0 and st.forest is not None]
+    # a request with stop token ids or strings verifies layer by layer: whether a layer passes depends on which of
+    # its pairs finish a beam, which only the host's StopRule knows (the device's static check knows one EOS id)
     yield from reads.gather(_sample_plain(plain) if plain else None,
-                            _sample_layers([st for st in steps if st.beam.temperature > 0.0 and st.forest is not None],
-                                           static_layers, fused))
+                            _sample_layers([st for st in layered if st.beam.stops is None], static_layers, fused),
+                            _sample_layers([st for st in layered if st.beam.stops is not None], False, fused))
     return [st.beam.end_step(st) for st in steps]
 
 

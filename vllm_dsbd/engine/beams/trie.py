@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_dsbd.core.params import BatchParams
@@ -15,10 +16,25 @@ from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
 from .. import reads
 from ..cost import Subforest
+from .groups import group_search
 from .sampling import TopRows, top_rows
 from .stops import StopRule
 
 MAX_BACKOFF = 16  # the most beam steps drafting pauses for after failed forests (see BeamRequest.draft_skip)
+class RowTop:
+    """Row ``b`` of a step's :class:`TopRows` (a token's 2W best alternatives), kept by reference: listed as (token,
+    log-probability) pairs only for the beams a request returns, not for every trie node at every step."""
+
+    __slots__ = ("rows", "b")
+
+    def __init__(self, rows: TopRows, b: int):
+        self.rows, self.b = rows, b
+
+    @staticmethod
+    def listed(t: "RowTop | list | None") -> list[tuple[int, float]] | None:
+        return list(zip(t.rows.idx[t.b], t.rows.vals[t.b])) if isinstance(t, RowTop) else t
+
+
 @dataclass
 class Finished:
     tokens: list[int]
@@ -29,6 +45,7 @@ class Finished:
     # candidates vLLM's beam search saw there); None where not known (T > 0)
     top: list[list[tuple[int, float]] | None] = field(default_factory=list)
     stop_reason: int | str | None = None  # "stop": the EOS or stop token id, or the stop string (stops.StopRule)
+    rank: float | None = None  # diverse beam search: the penalised cumulative score it is ranked by (groups.py)
 
 
 @dataclass
@@ -83,7 +100,7 @@ class BeamRequest:
                  top_p: float = 1.0, tau: float = 0.9, min_width: int = 1, relayout: bool = True,
                  nodes: int | None = None, stops: StopRule | None = None):
         self.params = params
-        self.stops = stops if stops else None  # stop token ids and strings (T = 0; requests.check_request)
+        self.stops = stops if stops else None  # stop token ids and strings (any temperature; requests.check_request)
         self.grammar = None  # structured outputs (T = 0, no forest): a ``grammar.BeamGrammar``, set by the engine
         # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design/beams.md §3.3
         self.nodes = max(params.width, nodes or 0)
@@ -112,6 +129,7 @@ class BeamRequest:
         self.draft_skip = 0
         self._backoff = 0
         self.live: list[LiveBeam] = [LiveBeam(-1, 0.0, 0.0)]
+        self.live_groups: list[int] | None = None  # diverse beam search: each live beam's group (None: the prompt's)
         self.finished: list[Finished] = []
         self.steps = 0
         # what the beam step reads of the leaves computed so far this step: T = 0 their TopRows, T > 0 their logits
@@ -256,8 +274,15 @@ class BeamRequest:
         return cands, passed
 
     def search(self, top: TopRows, eos: int | None) -> list[tuple[int, int, float, float, float]]:
+        """T = 0: the step's W best candidates ``(beam, token, cumulative score, log-probability, sampling score)``
+        over each live beam's 2W best tokens, in vLLM's order (stable sort); EOS and stop candidates finish their beam
+        (:meth:`pair`). Without stops the 2W * W candidates are ranked as arrays (O(W) Python objects per step)."""
         W = self.params.width
         self._rows = top
+        if self.params.num_beam_groups > 1:
+            return group_search(self, top, eos)
+        if self.stops is None and self.grammar is None and len(top):
+            return self._search_arrays(top, eos, W)
         cands, g = [], self.grammar
         for b, beam in enumerate(self.live):
             if g is not None and g.ended(self, b):  # structured outputs (grammar.py): completed as it is
@@ -270,9 +295,36 @@ class BeamRequest:
         cands = sorted(cands, key=self._rank_key(), reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
         return cands[:W]
 
-    def _row_top(self, b: int) -> list[tuple[int, float]] | None:
-        """Beam b's row as the last search saw it (its 2W best tokens); None at T > 0."""
-        return None if self._rows is None else list(zip(self._rows.idx[b], self._rows.vals[b]))
+    def _search_arrays(self, top: TopRows, eos: int | None, W: int) -> list[tuple[int, int, float, float, float]]:
+        """:meth:`search` without stops, on arrays: float64 sums (as vLLM's Python floats), EOS candidates finish in
+        beam order, the others ranked by a stable descending sort of their keys in candidate order (beam, then rank),
+        which is vLLM's ``sorted(..., reverse=True)``."""
+        vals = np.asarray(top.vals, dtype=np.float64)
+        idx = np.asarray(top.idx, dtype=np.int64)
+        cum = np.asarray([b.score for b in self.live], dtype=np.float64)[:, None] + vals
+        ok = np.ones(idx.shape, dtype=bool)
+        if eos is not None:
+            hit = idx == eos
+            if hit.any():
+                ok = ~hit
+                for b, r in zip(*np.nonzero(hit)):
+                    b, v = int(b), float(vals[b, r])
+                    self._finish(self.live[b], [eos], [v], float(cum[b, r]), "stop", self._row_top(b), eos)
+        key = cum
+        se, lp = self._eos_score, self.params.length_penalty
+        if self.params.rank_by_score and se is not None:
+            n = self.prompt_len + self.steps + 1
+            key = cum / np.where(idx == se, float((n - 1) ** lp), float(n ** lp))
+        flat = np.flatnonzero(ok.ravel())
+        order = flat[np.argsort(-key.ravel()[flat], kind="stable")[:W]]
+        b_, r_ = np.divmod(order, vals.shape[1])
+        c = cum[b_, r_].tolist()
+        return list(zip(b_.tolist(), idx[b_, r_].tolist(), c, vals[b_, r_].tolist(), c))
+
+    def _row_top(self, b: int) -> "RowTop | None":
+        """Beam b's row as the last search saw it (its 2W best tokens, :class:`RowTop`: listed only for the answer);
+        None at T > 0."""
+        return None if self._rows is None else RowTop(self._rows, b)
 
     def _rank_key(self):
         """How a step's candidates are ranked: by cumulative log-probability (vLLM's server loop), or with
@@ -290,11 +342,12 @@ class BeamRequest:
         string finishes the beam (None);
         any other is a candidate ``(beam, token, cumulative raw score, v, sampling score)``."""
         beam = self.live[b]
+        rank = sample_score if self.params.num_beam_groups > 1 else None
         if eos is not None and t == eos:
-            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), t)
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), t, rank)
             return None
         if self.stops is not None and (why := self.stops.check(lambda k: self._tail(beam.node, k), t)) is not None:
-            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), why)
+            self._finish(beam, [t], [v], beam.score + v, "stop", self._row_top(b), why, rank)
             return None
         return (b, t, beam.score + v, v, sample_score)
 
@@ -309,8 +362,9 @@ class BeamRequest:
         B, old = self.base, self.live
         done = not cands or self.steps >= self.params.max_tokens
         if done:  # the last step: the new beams are final ("length"); nothing more is scheduled
-            for b, t, cum, v, _ in cands:
-                self._finish(old[b], [t], [v], cum, "length", self._row_top(b))
+            for b, t, cum, v, ss in cands:
+                self._finish(old[b], [t], [v], cum, "length", self._row_top(b), None,
+                             ss if self.params.num_beam_groups > 1 else None)
             self.live = []
             start = self._start
             # vLLM appends one token before the scheduler stops the request (patch beam_scheduler); any id will do
@@ -429,20 +483,22 @@ class BeamRequest:
         return (self.prefix[-more:] if more > 0 and self.prefix else []) + toks[::-1]
 
     def _finish(self, beam: LiveBeam, extra: list[int], extra_lp: list[float], cum: float, reason: str,
-                extra_top=None, stop_reason: int | str | None = None) -> None:
+                extra_top=None, stop_reason: int | str | None = None, rank: float | None = None) -> None:
         toks, lps, tops = self._path(beam.node)
-        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top], stop_reason))
+        self.finished.append(Finished(toks + extra, cum, lps + extra_lp, reason, tops + [extra_top], stop_reason,
+                                      rank))
 
     # the answer ------------------------------------------------------------------------------------------------
     def best(self) -> list[Finished]:
         """The n best beams by vLLM's length-normalised score (``get_beam_search_score``: the sequence length
-        counts the prompt, minus one when the last token is EOS or a stop token id that finished the beam)."""
+        counts the prompt, minus one when the last token is EOS or a stop token id that finished the beam; diverse beam
+        search ranks the penalised cumulative score, ``Finished.rank``, the same way)."""
         eos, lp, P = getattr(self, "_eos_score", None), self.params.length_penalty, self.prompt_len
 
         def key(f: Finished) -> float:
             by_id = f.finish_reason == "stop" and isinstance(f.stop_reason, int)
             n = P + len(f.tokens) - (1 if f.tokens and (by_id or (eos is not None and f.tokens[-1] == eos)) else 0)
-            return f.cum_logprob / (n ** lp)
+            return (f.cum_logprob if f.rank is None else f.rank) / (n ** lp)
 
         ranked = sorted(self.finished, key=key, reverse=True)
         return ranked[: self.params.n or self.params.width]
@@ -474,9 +530,20 @@ class BeamRequest:
         return list(new)
 
     def payload(self) -> dict[str, Any]:
-        """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``)."""
+        """What the finished request carries to the front end (``RequestOutput.kv_transfer_params``). Tokens chosen
+        from the same row (one beam's, at one step: a trie node's children) share its list of alternatives, listed
+        once."""
+        listed: dict[Any, Any] = {}
+
+        def top(t):
+            key = (id(t.rows), t.b) if isinstance(t, RowTop) else id(t)
+            if key not in listed:
+                listed[key] = RowTop.listed(t)
+            return listed[key]
+
         return {BEAM_KEY: [{"token_ids": f.tokens, "cum_logprob": f.cum_logprob, "logprobs": f.logprobs,
-                            "top_logprobs": f.top, "finish_reason": f.finish_reason, "stop_reason": f.stop_reason}
+                            "top_logprobs": [top(t) for t in f.top], "finish_reason": f.finish_reason,
+                            "stop_reason": f.stop_reason}
                            for f in self.best()],
                 "dsbd_beam_steps": self.steps, "dsbd_trie_slots": self.base - self.prompt_len + len(self.tokens)}
 
