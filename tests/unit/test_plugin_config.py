@@ -714,6 +714,9 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
     with pytest.raises(ValueError, match=r"\['depth'\] = 2: a beam request with structured_outputs drafts no forest"):
         check_request(_beam_sp({"width": 2, "max_tokens": 8, "depth": 2}, structured_outputs=so, temperature=0.0),
                       cfg)
+    with pytest.raises(ValueError, match=r"^structured_outputs: not supported with .*'num_beam_groups'\] = 2"):
+        check_request(_beam_sp({"width": 2, "max_tokens": 8, "num_beam_groups": 2}, structured_outputs=so,
+                               temperature=0.0), cfg)
 
 
 def _beam_sp(beam, **kw):
