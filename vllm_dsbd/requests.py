@@ -179,9 +179,9 @@ _RULES = (
     ("bad_words", bool),
 )
 # Structured outputs (``structured_outputs``: JSON, regex, choice, grammar; the OpenAI server's response_format and
-# forced tool calls) are served on plain requests: such a request drafts no forest (engine/runner.py), so its one target
-# row per step is the row vLLM's scheduler computed the grammar bitmask for, and vLLM masks it before DSBD samples. A
-# beam request with them is refused in :func:`check_request`.
+# forced tool calls) are served on plain requests, every forest row masked by the grammar after its own path
+# (engine/grammar.py), and on beam requests at temperature 0 as vLLM's beam search applies them, without a forest
+# (engine/beams/grammar.py); a beam request with them at temperature > 0 is refused in :func:`check_request`.
 # SamplingParams a DSBD request may not set: (attribute, what counts as set). Each would have to act on every forest
 # node with that node's own history or grammar state (and on the draft alike, for exactness), which is not built.
 # Refused, never ignored.
@@ -230,7 +230,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             a draft model, or on a beam request: ``max_tokens`` below what its trie may take, neither
             ``ignore_eos`` nor a beam ``eos_token_id`` (vLLM would stop it on EOS), ``stop`` / ``stop_token_ids`` on its
             SamplingParams (the beams take them in ``dsbd_beam``, at any temperature),
-            ``structured_outputs``, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
+            ``structured_outputs`` at T > 0, with a ``depth`` or with groups, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
             or ``min_p``, ``min_tokens``, ``logit_bias``,
             ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` or ``logprob_token_ids``.
     """
@@ -265,9 +265,16 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             raise ValueError(f"extra_args[{BEAM_KEY!r}]['num_beam_groups'] = {beam.num_beam_groups}: diverse beam "
                              "search is served at temperature 0 only (group beam sampling is not defined here)")
         if getattr(sampling_params, "structured_outputs", None) is not None:
-            raise ValueError(f"structured_outputs: not supported on a beam request (extra_args[{BEAM_KEY!r}]): the "
-                             "grammar would need a state per beam, advanced along every trie and forest path; a plain "
-                             "request (no beam) with structured outputs is served, without a draft forest")
+            if (getattr(sampling_params, "temperature", 0.0) or 0.0) >= 1e-5:
+                raise ValueError(f"structured_outputs: not supported on a beam request (extra_args[{BEAM_KEY!r}]) at "
+                                 "temperature > 0 (beam sampling under a grammar is not built); beam search "
+                                 "(temperature 0) and plain requests with structured outputs are served")
+            if beam.depth:
+                raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: a beam request with "
+                                 "structured_outputs drafts no forest; leave 'depth' out (or 0)")
+            if beam.num_beam_groups > 1:
+                raise ValueError(f"structured_outputs: not supported with extra_args[{BEAM_KEY!r}]['num_beam_groups'] "
+                                 f"= {beam.num_beam_groups} (diverse beam search under a grammar is not built)")
         pens = [name for name, is_set in _PENALTIES if is_set(getattr(sampling_params, name, None))]
         if pens:
             raise ValueError(f"{', '.join(pens)}: not applied to a beam request (extra_args[{BEAM_KEY!r}]), as vLLM's "

@@ -17,7 +17,8 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
   gives the greedy tokens of the Hugging Face model;
 * a token budget too small for every leaf (6 tokens per step): a beam step split over several target passes gives
   the same beams;
-* bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs)
+* bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs
+  on beam sampling)
   raise a ValueError naming the parameter, and a good request afterwards still works;
 * beam sampling (T = 1, seeded) with forests: with the target as its own draft nearly every layer passes (<= 0.5
   target passes per beam step) and a rerun repeats the beams; with the truncated draft, fixed width emits W pairs on
@@ -255,13 +256,16 @@ def dsbd(setup, plain):  # after plain: one engine at a time
         # bad requests: a ValueError naming the parameter; the engine keeps serving
         bad = []
         for bp, match in ((BeamSearchParams(beam_width=8, max_tokens=4), r"\['width'\] = 8 is above"),
-                          (BeamSearchParams(beam_width=4, max_tokens=60), r"^max_tokens: a beam search of width 4"),
-                          (BeamSearchParams(beam_width=2, max_tokens=4,
-                                            structured_outputs=StructuredOutputsParams(regex="[ab]+")),
-                           r"^structured_outputs")):
+                          (BeamSearchParams(beam_width=4, max_tokens=60), r"^max_tokens: a beam search of width 4")):
             with pytest.raises(ValueError, match=match) as err:
                 llm.beam_search([{"prompt_token_ids": SHORT[0]}], bp)
             bad.append(str(err.value))
+        # structured outputs on beam sampling (T > 0; beam search with them: test_engine_beam_structured.py)
+        with pytest.raises(ValueError, match=r"^structured_outputs: .* temperature > 0") as err:
+            llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
+                temperature=1.0, max_tokens=20, ignore_eos=True, structured_outputs=StructuredOutputsParams(
+                    regex="[ab]+"), extra_args={"dsbd_beam": {"width": 2, "max_tokens": 4}}), use_tqdm=False)
+        bad.append(str(err.value))
         with pytest.raises(ValueError, match=r"\['n'\] must be an integer in \[1, 2\]") as err:
             llm.generate([{"prompt_token_ids": SHORT[0]}], vllm.SamplingParams(
                 max_tokens=20, extra_args={"dsbd_beam": {"width": 2, "max_tokens": 4, "n": 3}}), use_tqdm=False)

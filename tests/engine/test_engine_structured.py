@@ -14,7 +14,8 @@ masks the forest (patch ``grammar_forests``) and advances its matcher with the e
   over 10 colours (in batches of 100 beside 8 unconstrained drafting requests) against 1,000 of plain vLLM,
   two-sample chi-square at p = 1e-6; power: the same statistic rejects a planted wrong variant, every forest node's
   target row masked by the root's bitmask instead of its own path's;
-* a beam request (``dsbd_beam``) with structured outputs is refused with the reason.
+* a beam sampling request (``dsbd_beam`` at T > 0) with structured outputs is refused with the reason (beam search
+  with them: ``test_engine_beam_structured.py``).
 """
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def greedy_dsbd(greedy_plain):  # after greedy_plain: one engine at a time
         runner.dsbd_static = False
         with pytest.raises(ValueError, match=r"^structured_outputs: not supported on a beam request") as err:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], vllm.SamplingParams(
-                temperature=0, max_tokens=100, ignore_eos=True, structured_outputs=SO(choice=CHOICES),
+                temperature=0.5, max_tokens=100, ignore_eos=True, structured_outputs=SO(choice=CHOICES),
                 extra_args={"dsbd_beam": {"width": 2, "max_tokens": 4}}), use_tqdm=False)
         out["beam_refusal"] = str(err.value)
         out["after_refusal"] = [_out(o) for o in llm.generate([{"prompt_token_ids": PROMPTS[0]}], _structured("choice"),
@@ -210,7 +211,8 @@ def test_mixed_batch_equals_plain_vllm_and_others_draft(greedy_plain, greedy_dsb
 
 
 def test_beam_request_with_structured_outputs_is_refused(greedy_dsbd):
-    assert "a plain request (no beam) with structured outputs is served" in greedy_dsbd["beam_refusal"]
+    assert "beam search (temperature 0) and plain requests with structured outputs are served" in \
+        greedy_dsbd["beam_refusal"]
     assert greedy_dsbd["after_refusal"][0][1] in CHOICES  # the engine keeps serving
 
 

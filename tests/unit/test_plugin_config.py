@@ -704,11 +704,19 @@ def test_check_request_refuses_what_dsbd_does_not_apply():
     assert check_request(_beam_sp({"width": 2, "max_tokens": 8}, **neutral), cfg) == 4
     with pytest.raises(ValueError, match=r"dsbd_width"):
         check_request(SamplingParams(extra_args={"dsbd_width": 9}), cfg)
-    # structured outputs: served on a plain request (it drafts no forest), refused on a beam request with the reason
+    # structured outputs: served on a plain request and on beam search (T = 0, no forest); refused on beam sampling
+    # (T > 0) and with a pinned draft depth, with the reason
     so = StructuredOutputsParams(regex="[ab]+")
     assert check_request(SamplingParams(structured_outputs=so), cfg) == 4
-    with pytest.raises(ValueError, match=r"^structured_outputs: not supported on a beam request .*a plain request"):
-        check_request(_beam_sp({"width": 2, "max_tokens": 8}, structured_outputs=so), cfg)
+    assert check_request(_beam_sp({"width": 2, "max_tokens": 8}, structured_outputs=so, temperature=0.0), cfg) == 4
+    with pytest.raises(ValueError, match=r"^structured_outputs: not supported on a beam request .*temperature > 0"):
+        check_request(_beam_sp({"width": 2, "max_tokens": 8}, structured_outputs=so, temperature=0.5), cfg)
+    with pytest.raises(ValueError, match=r"\['depth'\] = 2: a beam request with structured_outputs drafts no forest"):
+        check_request(_beam_sp({"width": 2, "max_tokens": 8, "depth": 2}, structured_outputs=so, temperature=0.0),
+                      cfg)
+    with pytest.raises(ValueError, match=r"^structured_outputs: not supported with .*'num_beam_groups'\] = 2"):
+        check_request(_beam_sp({"width": 2, "max_tokens": 8, "num_beam_groups": 2}, structured_outputs=so,
+                               temperature=0.0), cfg)
 
 
 def _beam_sp(beam, **kw):

@@ -14,7 +14,8 @@ accepted, a dead slot's padding) leaves its row unmasked, as vLLM leaves a termi
 
 The masks go on first, before the logits rules and the penalties (vLLM masks in ``sample_tokens``, before its
 sampler): :func:`mask_target_` on the target's rows before verification, :class:`DraftGrammar` on the draft's rows
-before each beam step (so the Q recorded for verification is the masked law). Beam requests take none (refused).
+before each beam step (so the Q recorded for verification is the masked law). Beam requests follow vLLM's beam search
+under the grammar instead, without a forest (``beams/grammar.py``, on a :class:`RequestGrammar` of their own).
 """
 from __future__ import annotations
 

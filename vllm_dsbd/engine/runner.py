@@ -579,6 +579,8 @@ class DSBDRunnerMixin(ShapePlanMixin, KVCommitMixin):
         if not self.dsbd_cfg.drafting:  # an engine without a forest source drafts no forest
             return None
         beam = st.beam
+        if beam.grammar is not None:  # structured outputs: no forest (engine/beams/grammar.py)
+            return None
         depth = min(self.dsbd_cfg.depth, beam.params.max_tokens - beam.steps - 1)
         if beam.params.depth is not None:  # pinned by the request
             depth = min(depth, beam.params.depth)

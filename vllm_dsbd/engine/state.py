@@ -15,6 +15,7 @@ from vllm_dsbd.core.params import BatchParams, HostFacts
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
+from .beams.grammar import BeamGrammar
 from .beams.stops import StopRule
 from .beams.trie import BeamRequest
 from .cost import Acceptance
@@ -136,6 +137,8 @@ class Requests:
                                   self.cfg.width_threshold, self.cfg.min_width,
                                   relayout=envs.read(only=(envs.BEAM_RELAYOUT,)).beam_relayout, nodes=nodes,
                                   stops=self._stops(bp))
+            if st.structured and self._compile_grammar is not None:  # vLLM's beam search under a grammar
+                st.beam.grammar = BeamGrammar(self._compile_grammar(req_id, sp))
         self._states[req_id] = st
         return st
 

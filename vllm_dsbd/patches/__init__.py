@@ -206,7 +206,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    loop (one request per live beam per token); the beams come back as vLLM's ``BeamSearchOutput``. Why: the loop
    runs at 0.07x plain decoding on an H100 (``docs/notebook``, GPU) and cannot use DSBD. How: wrap; other engines call the
    original; the engine request runs at temperature 0 whatever ``BeamSearchParams.temperature`` (vLLM's loop ranks raw
-   log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs``, a width above the
+   log-probabilities at any temperature, so its beams are the T = 0 beams); ``structured_outputs`` go on the engine
+   request (its beams follow the grammar as vLLM's loop's do, ``engine/beams/grammar.py``); a width above the
    engine's, a beam longer than ``max_model_len`` and a trie that may not fit the engine's slots per request
    (``max_model_len``, or ``max_beam_slots`` when larger) raise ``ValueError`` naming the parameter. When it can go: vLLM runs ``LLM.beam_search`` in the engine and lets a
    speculative method serve it.
@@ -215,12 +216,13 @@ to add a speculative method with its own config keys and proposer; no such regis
    .beam_search`` (the OpenAI ``use_beam_search`` path of ``/v1/completions`` and ``/v1/chat/completions``), and
    ``to_beam_search_params`` of ``vllm.entrypoints.openai.completion.protocol.CompletionRequest`` and
    ``vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest`` (they note the request's ``stop`` and
-   ``stop_token_ids`` on the ``BeamSearchParams`` they return, as ``_dsbd_stops``, an attribute only the DSBD route
-   reads: every engine gets vLLM's params otherwise unchanged).
+   ``stop_token_ids`` on the ``BeamSearchParams`` they return, as ``_dsbd_stops``, and its ``response_format`` /
+   ``structured_outputs`` as ``_dsbd_structured``, attributes only the DSBD route reads: every engine gets vLLM's
+   params otherwise unchanged).
    What/Why: as 16, for the server: one engine request per prompt, the beams back as the one finished
    ``RequestOutput`` vLLM's loop yields (n choices, best first, text, token ids, cumulative logprob, finish and stop
    reason, per-token logprobs: the 2W-entry dicts of vLLM's loop); temperature 0 on the engine request, as 16; the
-   request's stop strings and ids go to the beams (vLLM's loop ignores them). How: wrap the async generator; bad
+   request's stop strings and ids and its structured outputs go to the beams (vLLM's loop ignores them). How: wrap the async generator; bad
    requests raise ``VLLMValidationError`` with ``param`` ("n", "max_tokens", "prompt") inside it, so the server
    answers 400 and keeps serving. When it can go: with 16.
 
@@ -255,7 +257,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``ray_device_key`` with CPU-aware actor resources, as #25386 proposed).
 
 20. ``grammar_forests`` - target ``vllm.v1.core.sched.scheduler.Scheduler.update_draft_token_ids`` and
-   ``.get_grammar_bitmask``.
+   ``.get_grammar_bitmask``, and ``vllm.v1.structured_output.StructuredOutputManager.should_advance``.
    What: on a DSBD engine vLLM's scheduler takes a structured request's drafts (a forest) as they are and computes no
    grammar bitmask; the DSBD worker masks every row itself, each forest node's target and draft rows by the grammar
    after output + its own path (``engine/grammar.py``, its own matcher per request from vLLM's structured-output
@@ -264,8 +266,10 @@ to add a speculative method with its own config keys and proposer; no such regis
    (structured_output/__init__.py:285-350, an ``AssertionError`` on a token the chain rejects); a forest is a tree in
    depth-major order, so both are wrong for it, and the draft's rows are drawn in the worker before the scheduler
    sees the forest. How: wrap both; DSBD engines skip the grammar cut (prefill chunks still drop their drafts) and
-   return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with the emitted tokens
-   (``update_from_output``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
+   return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with a plain request's emitted tokens
+   (``update_from_output``), never with a beam request's (``should_advance`` False: its tokens are several beams'
+   trie slots, which the matcher would reject, ending the request; the worker keeps a grammar state per beam,
+   ``engine/beams/grammar.py``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
    with per-node bitmasks.
 
 21. ``beam_outputs`` - target ``vllm.v1.engine.output_processor.LogprobsProcessor.from_new_request`` and

@@ -17,9 +17,12 @@ differs from the cumulative log-probability for an EOS candidate kept with ``ign
 (temperature > 0) is only asked for explicitly, with ``extra_args["dsbd_beam"]`` on a ``SamplingParams``
 (``beam_request_params`` with its ``temperature`` left to the params' own builds such a request).
 
-Refused with a ``ValueError`` naming the parameter: ``structured_outputs`` (the trie's beams would each need their
-own grammar state), a beam width above the engine's DSBD width, a beam longer than ``max_model_len`` (prompt +
-max_tokens: its positions), and a request whose trie may not fit the engine's KV slots per request
+``BeamSearchParams.structured_outputs`` go on the engine request: its beams follow the grammar as vLLM's loop's do
+(``engine/beams/grammar.py``; the grammar compiled by the backend vLLM's front end picks for the request).
+
+Refused with a ``ValueError`` naming the parameter: a beam width above the engine's DSBD width, a beam longer than
+``max_model_len`` (prompt + max_tokens: its positions), and a request whose trie may not fit the engine's KV slots
+per request
 (``prompt + max_tokens * (beam_width + 1) + 2`` slots, ``BeamParams.engine_tokens``, against
 ``DSBDConfig.slot_len``: ``max_model_len``, or ``max_beam_slots`` when larger).
 
@@ -44,7 +47,7 @@ def apply() -> None:
 
 def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: int, max_width: int,
                         temperature: float | None = None, rank_by_score: bool = False, stops: dict | None = None,
-                        slot_len: int | None = None):
+                        slot_len: int | None = None, structured=None):
     """The engine request's ``SamplingParams`` for one prompt of a beam search (``ValueError`` on a bad request).
 
     ``temperature``: the engine request's; None takes ``params.temperature`` (above 0: beam sampling, the explicit
@@ -53,15 +56,14 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     ``LLM.beam_search`` route ranks (vLLM's offline loop sorts candidates by the length-normalised score, its server
     loop by cumulative log-probability). ``stops``: ``dsbd_beam`` stop keys (``stop``, ``stop_token_ids``; the
     ``use_beam_search`` route's, from the OpenAI request), with ``params.include_stop_str_in_output``. ``slot_len``:
-    the engine's KV slots per request (``DSBDConfig.slot_len``; None: ``max_model_len``)."""
+    the engine's KV slots per request (``DSBDConfig.slot_len``; None: ``max_model_len``).
+    ``structured``: the ``StructuredOutputsParams`` of the beams (None: ``params.structured_outputs``; the
+    ``use_beam_search`` route passes the OpenAI request's ``response_format`` / ``structured_outputs``), set on the
+    engine request: its beams follow the grammar as vLLM's ``LLM.beam_search`` does (``engine/beams/grammar.py``)."""
     from vllm.sampling_params import SamplingParams
 
     from vllm_dsbd.requests import BEAM_KEY, BeamParams
 
-    if getattr(params, "structured_outputs", None) is not None:
-        raise ValueError("structured_outputs: not supported for beam search on a DSBD engine (each beam would need its "
-                         "own grammar state along the trie and forest paths: not built); a plain request (no beam "
-                         "search) with structured outputs is served")
     bp = BeamParams.parse({"width": params.beam_width, "max_tokens": params.max_tokens,
                            "length_penalty": params.length_penalty, "ignore_eos": params.ignore_eos,
                            "eos_token_id": eos_token_id, "rank_by_score": rank_by_score, **(stops or {}),
@@ -81,7 +83,9 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     if temperature is None:
         temperature = params.temperature
     return SamplingParams(temperature=temperature, max_tokens=bp.engine_tokens(), ignore_eos=True,
-                          detokenize=False, skip_clone=True, extra_args={BEAM_KEY: bp.to_dict()})
+                          detokenize=False, skip_clone=True, extra_args={BEAM_KEY: bp.to_dict()},
+                          structured_outputs=structured if structured is not None
+                          else getattr(params, "structured_outputs", None))
 
 
 def finished_beams(out) -> list[dict]:

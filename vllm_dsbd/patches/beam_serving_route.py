@@ -34,6 +34,9 @@ fields, diverse beam search: engine/beams/groups.py; a bad value is a 400 naming
 every output's per-token logprobs are the 2 * beam_width-entry dicts of vLLM's loop (its one-token requests' 2W best
 tokens of the row, with ranks, ``position_dict``), from the beams' top rows in ``kv_transfer_params["dsbd_beam"]``;
 the OpenAI serializer keeps the requested number of alternatives from them, as for vLLM's loop.
+The request's ``response_format`` (``json_object``, ``json_schema``) and ``structured_outputs`` (which vLLM's loop
+also ignores silently: ``to_beam_search_params`` drops them) go to the beams as well: they follow the grammar as
+``LLM.beam_search``'s beams do (``engine/beams/grammar.py``).
 The engine request runs at temperature 0 whatever the request's temperature: vLLM's loop ranks the raw log-probabilities its one-token requests return
 (``entrypoints/generate/beam_search/online.py:59-65`` passes the temperature to those requests, whose logprobs are
 computed before any temperature, v1/sample/sampler.py:80-93), so its beams do not depend on the temperature and the
@@ -59,6 +62,8 @@ MODULE = "vllm.entrypoints.generate.beam_search.online"
 REQUEST_MODULES = {"vllm.entrypoints.openai.completion.protocol": "CompletionRequest",
                    "vllm.entrypoints.openai.chat_completion.protocol": "ChatCompletionRequest"}
 STOPS_ATTR = "_dsbd_stops"  # the request's stop strings and stop token ids, for the beams (``beam_request_params``)
+# the request's ``response_format`` / ``structured_outputs`` as ``StructuredOutputsParams``, for the beams
+STRUCTURED_ATTR = "_dsbd_structured"
 
 
 def apply() -> None:
@@ -91,6 +96,8 @@ def _patch_request(cls: type) -> None:
         def to_beam_search_params(self, *args, **kwargs):
             params = orig(self, *args, **kwargs)
             setattr(params, STOPS_ATTR, request_stops(self))
+            extract = getattr(self, "extract_structured_outputs", None)
+            setattr(params, STRUCTURED_ATTR, extract() if extract is not None else None)
             return params
 
         return to_beam_search_params
@@ -130,7 +137,8 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
     end of ``BeamSearchOnlineMixin.beam_search``: an EOS-finished beam's tokens keep the EOS only with
     ``include_stop_str_in_output`` while its logprobs always have the EOS step; the text skips a final EOS. A beam
     finished by a stop token id is treated as by EOS; one finished by a stop string keeps its tokens, and its text is
-    cut at the stop string (kept with ``include_stop_str_in_output``), as vLLM cuts a plain request's."""
+    cut at the stop string (kept with ``include_stop_str_in_output``), as vLLM cuts a plain request's. One its grammar
+    completed (finish reason "stop", no stop reason: ``engine/beams/grammar.py``) keeps its tokens and text."""
     from vllm import CompletionOutput, RequestOutput
     from vllm.logprobs import Logprob
 
@@ -153,13 +161,14 @@ def beam_request_output(prompt, request_id: str, out, tokenizer, params):
                 token_ids=gen, cumulative_logprob=b["cum_logprob"], logprobs=logprobs, finish_reason="stop",
                 stop_reason=reason))
             continue
-        if stop and reason != eos:  # a stop token id: vLLM's rule for a plain request's (kept with include...)
+        if stop and reason is not None and reason != eos:  # a stop token id: vLLM's rule for a plain request's
+            # (kept with include_stop_str_in_output)
             gen = gen if params.include_stop_str_in_output else gen[:-1]
             outputs.append(CompletionOutput(index=i, text=tokenizer.decode(gen), token_ids=gen,
                                             cumulative_logprob=b["cum_logprob"], logprobs=logprobs,
                                             finish_reason="stop", stop_reason=reason))
             continue
-        if stop and not params.include_stop_str_in_output:
+        if stop and reason is not None and not params.include_stop_str_in_output:
             gen = gen[:-1]  # vLLM's completed beam: the tokens before EOS (its logprobs keep the EOS step)
         tokens = prompt_token_ids + gen
         if tokens[-1] == eos and not params.ignore_eos:  # vLLM's test, literally (tokens may be the prompt alone)
@@ -200,7 +209,8 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
         sp = beam_request_params(params, tokenizer.eos_token_id, len(prompt_token_ids),
                                  cfg.model_config.max_model_len, width, temperature=0.0,
                                  stops=getattr(params, STOPS_ATTR, None),
-                                 slot_len=dcfg.slot_len(cfg.model_config.max_model_len))
+                                 slot_len=dcfg.slot_len(cfg.model_config.max_model_len),
+                                 structured=getattr(params, STRUCTURED_ATTR, None))
     except ValueError as e:
         raise _validation_error(str(e)) from e
     sp.output_kind = RequestOutputKind.FINAL_ONLY

@@ -9,10 +9,16 @@ in compact depth-major order: its second node is usually a sibling of the first,
 chain masks are another path's. The DSBD worker masks every row of a structured request itself, each by the grammar
 after its own path (``engine/grammar.py``), target and draft rows alike.
 
+A beam request's emitted tokens are trie slots of several beams, no one sequence: vLLM's matcher would reject them
+and end the request (``update_from_output``, "grammar rejected tokens"); the worker keeps each beam's grammar state
+itself (``engine/beams/grammar.py``).
+
 How: on a DSBD engine, ``update_draft_token_ids`` takes the runner's drafts as they are (no grammar cut; prefill
 chunks still drop theirs), and ``get_grammar_bitmask`` returns None (nothing for vLLM's runner to mask). vLLM's
-scheduler still advances its matcher with every emitted token in ``update_from_output`` (and ends a request whose
-tokens it rejects), so its grammar state is the accepted path's. Non-DSBD engines call the originals.
+scheduler still advances its matcher with every emitted token of a plain request in ``update_from_output`` (and ends
+a request whose tokens it rejects), so its grammar state is the accepted path's; ``StructuredOutputManager.
+should_advance`` (the scheduler module's name for it) says no for a beam request (``extra_args["dsbd_beam"]``), whose
+matcher vLLM then never advances. Non-DSBD engines call the originals.
 
 When it can go: vLLM lets a speculative method describe tree-shaped drafts (per-node bitmasks from the scheduler).
 """
@@ -57,5 +63,22 @@ def _patch(mod: types.ModuleType) -> None:
 
         return get_grammar_bitmask
 
+    def make_advance(orig):
+        def should_advance(self, request) -> bool:
+            if uses_dsbd(self.vllm_config) and _is_beam(request):
+                return False
+            return orig(self, request)
+
+        return should_advance
+
     wrap_method(PATCH_ID, mod.Scheduler, "update_draft_token_ids", make_update)
     wrap_method(PATCH_ID, mod.Scheduler, "get_grammar_bitmask", make_bitmask)
+    wrap_method(PATCH_ID, mod.StructuredOutputManager, "should_advance", make_advance)
+
+
+def _is_beam(request) -> bool:
+    """Whether a scheduler ``Request`` is a DSBD beam request (``extra_args["dsbd_beam"]``)."""
+    from vllm_dsbd.requests import BEAM_KEY
+
+    sp = getattr(request, "sampling_params", None)
+    return sp is not None and (sp.extra_args or {}).get(BEAM_KEY) is not None

@@ -15,6 +15,7 @@ from vllm_dsbd.core import rng
 
 from .. import reads
 from . import sampling as beam_sampling
+from .grammar import structured_tops
 from .trie import BeamRequest, LiveBeam, PendingStep, StepResult, beam_params
 
 def step_one(beam: BeamRequest, eos_score_token: int | None,
@@ -169,16 +170,23 @@ def beam_rows(logits: torch.Tensor, plan: list, ks: list[int]) -> reads.Reader[d
     spans = [(plan[k].first_row, plan[k].leaves + plan[k].forest_nodes) for k in ks]
     idx = torch.tensor([a + j for a, m in spans for j in range(m)], dtype=torch.int64, device=logits.device)
     rows = logits[idx].float()
-    out, at, det = {}, 0, []
+    out, at, det, gram = {}, 0, [], []
     for k, (_, m) in zip(ks, spans):
         beam = plan[k].state.beam
-        if beam.temperature <= 0.0:
+        if beam.grammar is not None:  # structured outputs (grammar.py): leaves only, never a forest
+            if plan[k].forest_nodes:
+                raise RuntimeError("DSBD beams: a structured beam request was scheduled a forest")
+            gram.append((k, at, m))
+        elif beam.temperature <= 0.0:
             det.append((k, at, m, 2 * beam.params.width))
         else:
             out[k] = rows[at : at + m]
         at += m
-    if det:
-        sel = torch.cat([torch.arange(a, a + m) for _, a, m, _ in det]).to(logits.device)
-        tops = yield from beam_sampling.top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det])
-        out.update({k: t for (k, *_), t in zip(det, tops)})
+    sel = torch.cat([torch.arange(a, a + m) for _, a, m, _ in det]).to(logits.device) if det else None
+    gsel = torch.cat([torch.arange(a, a + m) for _, a, m in gram]).to(logits.device) if gram else None
+    tops, gtops = yield from reads.gather(
+        beam_sampling.top_rows(rows[sel], [w for *_, w in det], [m for _, _, m, _ in det]) if det else None,
+        structured_tops(rows[gsel], [(plan[k].state.beam, m) for k, _, m in gram]) if gram else None)
+    out.update({k: t for (k, *_), t in zip(det, tops or [])})
+    out.update({k: t for (k, *_), t in zip(gram, gtops or [])})
     return out

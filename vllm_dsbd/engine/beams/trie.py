@@ -101,6 +101,7 @@ class BeamRequest:
                  nodes: int | None = None, stops: StopRule | None = None):
         self.params = params
         self.stops = stops if stops else None  # stop token ids and strings (any temperature; requests.check_request)
+        self.grammar = None  # structured outputs (T = 0, no forest): a ``grammar.BeamGrammar``, set by the engine
         # N, the draft forest's nodes per depth (>= width; None: the width): over-drafting, docs/design/beams.md §3.3
         self.nodes = max(params.width, nodes or 0)
         self.relayout = relayout  # re-layout after every step (False: dead slots stay as holes, the prefix in the trie)
@@ -280,11 +281,15 @@ class BeamRequest:
         self._rows = top
         if self.params.num_beam_groups > 1:
             return group_search(self, top, eos)
-        if self.stops is None and len(top):
+        if self.stops is None and self.grammar is None and len(top):
             return self._search_arrays(top, eos, W)
-        cands = []
+        cands, g = [], self.grammar
         for b, beam in enumerate(self.live):
+            if g is not None and g.ended(self, b):  # structured outputs (grammar.py): completed as it is
+                continue
             for v, t in zip(top.vals[b], top.idx[b]):
+                if g is not None and not g.allows(b, t):
+                    continue
                 if (c := self.pair(b, t, v, beam.score + v, eos)) is not None:
                     cands.append(c)
         cands = sorted(cands, key=self._rank_key(), reverse=True)  # stable, as vLLM's sorted(..., reverse=True)
