@@ -319,8 +319,9 @@ def harvest(logits: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]
     if not rows:
         return
     idx = torch.tensor([r for _, r, _ in rows], dtype=torch.int64, device=logits.device)
-    lp = torch.log_softmax(logits[idx].float(), dim=-1)
-    vals, ids = torch.topk(lp, RECYCLE_K, dim=-1)
+    x = logits[idx].float()
+    vals, ids = torch.topk(x, RECYCLE_K, dim=-1)  # log_softmax's top-k, without writing the [rows, V] log-softmax
+    vals = vals - torch.logsumexp(x, dim=-1, keepdim=True)
     host, = yield [torch.stack([vals.double(), ids.double()])]
     vals_l, ids_l = host.tolist()
     for (st, _, ctx), v, t in zip(rows, vals_l, ids_l):
