@@ -33,7 +33,7 @@ import torch
 
 from . import artifact as art
 from . import eagle3
-from .train import Corpus, machine_info, prepare_corpus
+from .train import Corpus, machine_info, prepare_corpus, special_ids
 
 
 @dataclass
@@ -239,10 +239,7 @@ def train_head(cfg: HeadConfig, log: Callable[[str], None] = print) -> pathlib.P
     target = models.load_hf(target_dir, dtype=torch.float32)
     fingerprint = art.target_fingerprint(target)
     tok = models.load_tokenizer(target_dir)
-    eos_id = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
-    if isinstance(eos_id, list):
-        eos_id = eos_id[0]
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id if eos_id is not None else 0)
+    eos_id, pad_id = special_ids(tok, target)
 
     # 1. corpus: sampled (+ beam-searched) ----------------------------------------------------------------------
     sets = [("sampled", cfg.tokens, 0, cfg.gen_batch_size, cfg.corpus_dir or work / "corpus")]

@@ -351,6 +351,16 @@ def prepare_corpus(cfg: Any, target_dir: pathlib.Path, tok: Any, fingerprint: st
     return paths, gen_stats
 
 
+def special_ids(tok, target) -> tuple[int | None, int]:
+    """(EOS id, padding id) for corpus generation: the tokenizer's, else the model config's EOS (the first of a list);
+    padding falls back to EOS, then 0."""
+    eos_id = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id if eos_id is not None else 0)
+    return eos_id, pad_id
+
+
 def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.Path:
     """Runs (or resumes) a distillation; returns the output folder. See the module docstring."""
     from tqdm.auto import tqdm
@@ -373,10 +383,7 @@ def distill(cfg: DistillConfig, log: Callable[[str], None] = print) -> pathlib.P
         raise ValueError(f"{target_dir}: not a Llama-family causal LM (no model.layers)")
     fingerprint = art.target_fingerprint(target)
     tok = models.load_tokenizer(target_dir)
-    eos_id = tok.eos_token_id if tok.eos_token_id is not None else target.config.eos_token_id
-    if isinstance(eos_id, list):
-        eos_id = eos_id[0]
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_id if eos_id is not None else 0)
+    eos_id, pad_id = special_ids(tok, target)
 
     # 1. corpus ---------------------------------------------------------------------------------------------------
     paths, gen_stats = prepare_corpus(cfg, target_dir, tok, fingerprint, work / "corpus", eos_id=eos_id, pad_id=pad_id,
