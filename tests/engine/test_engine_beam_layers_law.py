@@ -33,8 +33,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report, report_power  # noqa: E402
-from planted import planted_verify_layer  # noqa: E402
-from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
+from planted import planted_beam_layer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -103,12 +102,8 @@ def runs(tmp_path_factory):
             runner.dsbd_static_layers = static
             out["static" if static else "layered"] = _run(llm)
         runner.dsbd_static_layers = False
-        real = beam_sampling_mod.verify_layer_static
-        beam_sampling_mod.verify_layer_static = planted_verify_layer("with_replacement", static=True)
-        try:
+        with planted_beam_layer("with_replacement"):
             out["planted"] = _run(llm)
-        finally:
-            beam_sampling_mod.verify_layer_static = real
     probs = functools.cache(lambda ctx: hf_next_probs(target)(list(ctx)))
     law = beam_sampling_law(lambda ctx: probs(tuple(ctx)), PROMPT, width=WIDTH, max_new_tokens=STEPS,
                             temperature=1.0, top_k=TOP_K, eos=EOS)

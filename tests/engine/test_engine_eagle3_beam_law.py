@@ -22,8 +22,7 @@ import vllm  # noqa: E402
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, mde_tv, report  # noqa: E402
-from planted import planted_verify_layer  # noqa: E402
-from vllm_dsbd.engine.beams import sampling as beam_sampling_mod  # noqa: E402
+from planted import planted_beam_layer  # noqa: E402
 from vllm_dsbd.testing.heads import bigram_target, head_folder  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,12 +61,8 @@ def runs(tmp_path_factory):
         assert runner_of(llm).drafter.head
         runner_of(llm).dsbd_static_layers = True  # every verified layer of a step in one call, as on a device
         exact = _run(llm)
-        real = beam_sampling_mod.verify_layer_static
-        beam_sampling_mod.verify_layer_static = planted_verify_layer(PLANTED, static=True)
-        try:
+        with planted_beam_layer(PLANTED):
             planted = _run(llm, N_PLANTED)
-        finally:
-            beam_sampling_mod.verify_layer_static = real
     law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0,
                             top_k=TOP_K)
     return exact, planted, law

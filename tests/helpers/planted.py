@@ -10,6 +10,7 @@ power check never silently turns into a no-op).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import textwrap
 
@@ -73,6 +74,20 @@ def planted_verify_layer(variant: str, static: bool = False):
     changed."""
     mod, name = (static_mod, "verify_layer_static") if static else (verify_mod, "verify_layer")
     return _planted(mod, name, STATIC_VARIANTS if static else VARIANTS, variant)
+
+
+@contextlib.contextmanager
+def planted_beam_layer(variant: str):
+    """Inside the block, the layer beam requests verify with (``engine.beams.sampling.verify_layer_static``) is the
+    planted ``variant`` of the static core's layer; restored after."""
+    from vllm_dsbd.engine.beams import sampling as beam_sampling_mod
+
+    real = beam_sampling_mod.verify_layer_static
+    beam_sampling_mod.verify_layer_static = planted_verify_layer(variant, static=True)
+    try:
+        yield
+    finally:
+        beam_sampling_mod.verify_layer_static = real
 
 
 def _planted(mod, name: str, variants: dict, variant: str, extra: dict | None = None):
