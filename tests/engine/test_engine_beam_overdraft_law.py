@@ -28,7 +28,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, report  # noqa: E402
 from planted import planted_beam_layer  # noqa: E402
-from vllm_dsbd.engine import runner as runner_mod  # noqa: E402
+from vllm_dsbd.engine import proposing as proposing_mod  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +55,12 @@ def _recording(real, sizes: Counter):
 
 def _run(llm) -> tuple[Counter, dict]:
     before = beam_counters(llm)
-    sizes, real = Counter(), runner_mod.propose_beam_forests
-    runner_mod.propose_beam_forests = _recording(real, sizes)
+    sizes, real = Counter(), proposing_mod.propose_beam_forests
+    proposing_mod.propose_beam_forests = _recording(real, sizes)
     try:
         outs = llm.generate([{"prompt_token_ids": PROMPT}] * N, [_params(s) for s in range(N)], use_tqdm=False)
     finally:
-        runner_mod.propose_beam_forests = real
+        proposing_mod.propose_beam_forests = real
     after = beam_counters(llm)
     sets = beam_sets(outs)
     return sets, {**{k: after[k] - before[k] for k in after}, "depth_sizes": sizes}

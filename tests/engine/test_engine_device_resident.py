@@ -101,10 +101,11 @@ class Observer:
             obs.calls.append(("propose", len(jobs), mode))
             return out
 
+        from vllm_dsbd.engine import proposing as proposing_mod
         from vllm_dsbd.engine import runner as runner_mod
 
         orig_beam_step = runner_mod.DSBDRunnerMixin._beam_steps
-        orig_propose_beams = runner_mod.propose_beam_forests
+        orig_propose_beams = proposing_mod.propose_beam_forests
 
         def beam_step(self, plan, logits, ks, results, moves):  # a step's beam requests of one kind: rows, steps
             if not obs.active:
@@ -128,7 +129,7 @@ class Observer:
 
         monkeypatch.setattr(reads, "fetch", fetch)
         monkeypatch.setattr(runner_mod.DSBDRunnerMixin, "_beam_steps", beam_step)
-        monkeypatch.setattr(runner_mod, "propose_beam_forests", propose_beams)
+        monkeypatch.setattr(proposing_mod, "propose_beam_forests", propose_beams)
         monkeypatch.setattr(sampler, "verify", verify)
         monkeypatch.setattr(drafter.DSBDDrafter, "propose_forests", propose)
         monkeypatch.setattr(drafter.DSBDDrafter, "forward_ragged", sim_device.draft_forward(orig_forward, lambda: obs.active))
