@@ -29,7 +29,7 @@ from collections import Counter
 import pytest
 
 from engine_utils import (  # the CPU engine environment first
-    beam_counters, beam_sets, dsbd_llm, runner_of, sharpened, tiny_pair)
+    beam_law_run, dsbd_llm, runner_of, sharpened, tiny_pair)
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
@@ -46,18 +46,8 @@ SHARPEN = 3.0  # the draft's logits are the truncated target's x 3 (engine_utils
 # over 4 steps 100 / 203; x 3, top-k 4, 3 steps 148 / 164; x 3, top-k 3, 3 steps 218 / 70 (the exact rule: 8 / 70)
 
 
-def _params(seed):
-    beam = {"width": WIDTH, "max_tokens": STEPS, "ignore_eos": True, "depth": DEPTH}
-    return vllm.SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=STEPS * (WIDTH + 1) + 2,
-                               ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
-
-
 def _run(llm, n=N) -> tuple[Counter, dict]:
-    before = beam_counters(llm)
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * n, [_params(s) for s in range(n)], use_tqdm=False)
-    after = beam_counters(llm)
-    sets = beam_sets(outs)
-    return sets, {k: after[k] - before[k] for k in after}
+    return beam_law_run(llm, PROMPT, n, width=WIDTH, steps=STEPS, depth=DEPTH, top_k=TOP_K)
 
 
 @pytest.fixture(scope="module")

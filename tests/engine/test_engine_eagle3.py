@@ -32,8 +32,7 @@ from engine_utils import dsbd_llm, metric, peaky_pair, runner_of, tiny_pair  # t
 import vllm  # noqa: E402
 
 import chisq  # noqa: E402
-import vllm_dsbd.core.verify as verify_mod  # noqa: E402
-from planted import planted_verify_layer  # noqa: E402
+from planted import planted_core_layer  # noqa: E402
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.testing.heads import bigram_target, draft_ids, head_folder  # noqa: E402
 from vllm_dsbd.testing.models import load_hf  # noqa: E402
@@ -228,15 +227,10 @@ def law(run, tmp_path_factory):  # after run: one engine at a time
         out["greedy"] = _greedy(llm, [WIDTH])
         out["greedy_counters"] = tuple(a - b for a, b in zip(_counters(llm), before))
         for name in ("exact", "planted"):
-            real = verify_mod.verify_layer
-            if name == "planted":
-                verify_mod.verify_layer = planted_verify_layer(PLANTED)
-            try:
+            with planted_core_layer(PLANTED if name == "planted" else None):
                 before = _counters(llm)
                 out[name] = _law_sample(llm, 70_000)
                 out[name + "_counters"] = tuple(a - b for a, b in zip(_counters(llm), before))
-            finally:
-                verify_mod.verify_layer = real
         out["aux_layers"] = runner.model.model.aux_hidden_state_layers
     return out
 

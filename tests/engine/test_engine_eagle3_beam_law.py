@@ -17,8 +17,8 @@ from collections import Counter
 
 import pytest
 
-from engine_utils import beam_counters, beam_sets, dsbd_llm, peaky_pair, runner_of  # the CPU engine environment first
-import vllm  # noqa: E402
+from engine_utils import beam_law_run, dsbd_llm, peaky_pair, runner_of  # the CPU engine environment first
+import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, mde_tv, report  # noqa: E402
@@ -37,17 +37,8 @@ TARGET_SCALE = 0.3
 HEAD_COLD = 1.5  # the head: the target's logits x 1.5
 
 
-def _params(seed):
-    beam = {"width": WIDTH, "max_tokens": STEPS, "ignore_eos": True, "depth": DEPTH}
-    return vllm.SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=STEPS * (WIDTH + 1) + 2,
-                               ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
-
-
 def _run(llm, n=N) -> tuple[Counter, dict]:
-    before = beam_counters(llm)
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * n, [_params(s) for s in range(n)], use_tqdm=False)
-    after = beam_counters(llm)
-    return beam_sets(outs), {k: after[k] - before[k] for k in after}
+    return beam_law_run(llm, PROMPT, n, width=WIDTH, steps=STEPS, depth=DEPTH, top_k=TOP_K)
 
 
 @pytest.fixture(scope="module")

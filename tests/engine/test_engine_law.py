@@ -47,9 +47,8 @@ from engine_utils import dsbd_llm, metric, peaky_pair, sharpened  # sets the CPU
 import vllm
 
 import chisq
-import vllm_dsbd.core.verify as verify_mod
 from beam_oracle import binned, hf_next_probs, plain_sampling_law
-from planted import planted_verify_layer
+from planted import planted_core_layer
 
 pytestmark = pytest.mark.slow
 
@@ -128,15 +127,10 @@ def dsbd_cold(dsbd, tmp_path_factory):
     with dsbd_llm(target, speculative_config={"method": "dsbd", "model": str(draft), "num_speculative_tokens": DEPTH,
                                               "width": WIDTH, "verify_budget": None}) as llm:
         for name in ("exact", "planted"):
-            real = verify_mod.verify_layer
-            if name == "planted":
-                verify_mod.verify_layer = planted_verify_layer(PLANTED)
-            try:
+            with planted_core_layer(PLANTED if name == "planted" else None):
                 before = _counters(llm)
                 samples = _prefix(_sample(llm, 50_000, temperature=HOT, width=WIDTH), COLD_TOKENS)
                 after = _counters(llm)
-            finally:
-                verify_mod.verify_layer = real
             out[name] = samples, {k: after[k] - (before[k] or 0) for k in after}
         before = _counters(llm)
         more = _prefix(_sample(llm, 50_000 + N_LAW, temperature=HOT, width=WIDTH, n=N_GOF - N_LAW), COLD_TOKENS)

@@ -144,6 +144,20 @@ def beam_counters(llm) -> dict:
     return out
 
 
+def beam_law_run(llm, prompt, n: int, *, width: int, steps: int, depth: int, top_k: int) -> tuple[Counter, dict]:
+    """``n`` seeded beam-sampling requests (T = 1, seeds 0 .. n - 1, ``dsbd_beam`` with ``depth``) on ``prompt``: the
+    beam-set outcome (:func:`beam_sets`) and the beam counters' growth (:func:`beam_counters`) over them."""
+    import vllm
+
+    beam = {"width": width, "max_tokens": steps, "ignore_eos": True, "depth": depth}
+    params = [vllm.SamplingParams(temperature=1.0, top_k=top_k, seed=s, max_tokens=steps * (width + 1) + 2,
+                                  ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam}) for s in range(n)]
+    before = beam_counters(llm)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    after = beam_counters(llm)
+    return beam_sets(outs), {k: after[k] - before[k] for k in after}
+
+
 def with_eos(source, folder, eos: int):
     """Copies the model folder ``source`` to ``folder`` with token ``eos`` as its EOS (tokenizer, config.json and
     generation_config.json), so that a random test model really ends sequences. Returns ``folder``."""

@@ -77,6 +77,19 @@ def planted_verify_layer(variant: str, static: bool = False):
 
 
 @contextlib.contextmanager
+def planted_core_layer(variant: str | None):
+    """Inside the block, the core's layer (``core.verify.verify_layer``, plain requests' general verification) is the
+    planted ``variant`` (None: the real one, so one loop runs both); restored after."""
+    real = verify_mod.verify_layer
+    if variant is not None:
+        verify_mod.verify_layer = planted_verify_layer(variant)
+    try:
+        yield
+    finally:
+        verify_mod.verify_layer = real
+
+
+@contextlib.contextmanager
 def planted_beam_layer(variant: str):
     """Inside the block, the layer beam requests verify with (``engine.beams.sampling.verify_layer_static``) is the
     planted ``variant`` of the static core's layer; restored after."""
