@@ -196,18 +196,28 @@ def generate_beam_batch(model: Any, prompts: list[list[int]], *, seq_len: int, b
         if eos_id is not None and eos_id in g:
             g = g[: g.index(eos_id) + 1]
         seqs.append(list(prompts[i]) + (g or [eos_id if eos_id is not None else pad_id]))
-    L = max(len(s) for s in seqs)
-    rows = torch.full((B * W, seq_len), pad_id, dtype=torch.int32)
+    return rows_shard(model, seqs, plen.repeat_interleave(W).tolist(), seq_len=seq_len, pad_id=pad_id, device=device)
+
+
+@torch.no_grad()
+def rows_shard(model: Any, seqs: list[list[int]], prompt_lengths: list[int], *, seq_len: int, pad_id: int,
+               device: torch.device, batch: int = 16) -> Shard:
+    """A shard of finished rows (prompt + generated tokens, ``prompt_lengths[r]`` of them the prompt): the target's
+    final hidden state at every generated position comes from forward passes over the rows, ``batch`` at a time."""
+    N = len(seqs)
+    rows = torch.full((N, seq_len), pad_id, dtype=torch.int32)
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    prompt_lengths = plen.repeat_interleave(W)
-    x = torch.full((B * W, L), pad_id, dtype=torch.long)
+    plen = torch.tensor(prompt_lengths, dtype=torch.long)
     for r, s in enumerate(seqs):
         rows[r, : len(s)] = torch.tensor(s, dtype=torch.int32)
-        x[r, : len(s)] = torch.tensor(s)
-    am = (torch.arange(L)[None, :] < lengths[:, None]).long()
-    h = model.model(input_ids=x.to(device), attention_mask=am.to(device), use_cache=False).last_hidden_state.cpu()
-    hidden = torch.cat([h[r, prompt_lengths[r] - 1: lengths[r] - 1] for r in range(B * W)])
-    return Shard(rows, lengths, prompt_lengths.long(), hidden.to(torch.float16))
+    hidden = []
+    for a in range(0, N, batch):
+        L = int(lengths[a: a + batch].max())
+        x = rows[a: a + batch, :L].long()
+        am = (torch.arange(L)[None, :] < lengths[a: a + batch, None]).long()
+        h = model.model(input_ids=x.to(device), attention_mask=am.to(device), use_cache=False).last_hidden_state.cpu()
+        hidden += [h[r - a, plen[r] - 1: lengths[r] - 1] for r in range(a, min(a + batch, N))]
+    return Shard(rows, lengths, plen, torch.cat(hidden).to(torch.float16))
 
 
 def present_shards(cache_dir: pathlib.Path) -> dict[int, pathlib.Path]:
@@ -281,14 +291,16 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
                  seq_len: int, gen_batch_size: int, temperature: float, seed: int, device: str, eos_id: int | None,
                  pad_id: int, gen_dtype: str = "bfloat16", workers: int = 1, threads: int | None = None,
                  progress: bool = True, log: Callable[[str], None] = print,
-                 beam_width: int = 0) -> tuple[list[pathlib.Path], dict]:
+                 beam_width: int = 0, maker: Callable[[], Any] | None = None) -> tuple[list[pathlib.Path], dict]:
     """Makes sure ``cache_dir`` holds shards 0..k-1 with at least ``n_tokens`` loss (generated) tokens; returns
     their paths and generation stats. ``prompt_ids``: the (already shuffled, encoded) training prompts; they are
     reused cyclically when the corpus needs more sequences than there are prompts (with other samples each time).
 
     ``workers`` > 1 generates shards in that many processes (``threads`` torch threads each): on a CPU shared with
     other jobs, single-threaded processes degrade gracefully where one multi-threaded process stalls.
-    ``beam_width`` W >= 2: each prompt gives its W final beams of the target's beam search instead of one sample."""
+    ``beam_width`` W >= 2: each prompt gives its W final beams of the target's beam search instead of one sample.
+    ``maker``: makes, once, an object whose ``make(todo, prompt_ids, cache_dir, ...)`` writes the shards instead of
+    the HF loop and whose ``close()`` ends it (``corpus_vllm.build_corpus``: vLLM; ``workers`` is then ignored)."""
     from tqdm.auto import tqdm
 
     cache_dir = pathlib.Path(cache_dir)
@@ -316,8 +328,14 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
     job = {"target_dir": str(target_dir), "gen_dtype": gen_dtype, "device": str(device), "prompt_ids": prompt_ids,
            "cache_dir": str(cache_dir), "seq_len": seq_len, "gen_batch_size": gen_batch_size,
            "temperature": temperature, "seed": seed, "eos_id": eos_id, "pad_id": pad_id, "beam_width": beam_width}
+    vgen = None
     while True:
-        if workers <= 1:
+        if maker is not None:
+            if vgen is None:
+                vgen = maker()
+            vgen.make(todo, prompt_ids, cache_dir, gen_batch_size=gen_batch_size, temperature=temperature,
+                      eos_id=eos_id, pad_id=pad_id, on_shard=lambda k, n: bar.update(n))
+        elif workers <= 1:
             if threads:
                 torch.set_num_threads(threads)
             model = _load_gen_model(str(target_dir), gen_dtype, str(device))
@@ -372,9 +390,11 @@ def build_corpus(target_dir: str, prompt_ids: list[list[int]], cache_dir: pathli
             expect += int(0.9 * rows * sum(seq_len - len(p) for p in _shard_prompts(prompt_ids, k, gen_batch_size)))
             k += 1
     bar.close()
+    if vgen is not None:
+        vgen.close()
     stats["generation_seconds"] = round(time.time() - t0, 1)
     stats["generated_tokens_new"] = got - have
     log(f"generated {got - have} tokens in {stats['generation_seconds']:.0f} s "
-        f"({workers} worker(s)); corpus: {got} tokens in {len(paths)} shards")
+        f"({type(vgen).__name__ if vgen is not None else f'{workers} worker(s)'}); corpus: {got} tokens in {len(paths)} shards")
     return paths, stats
 

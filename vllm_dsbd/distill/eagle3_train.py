@@ -67,6 +67,7 @@ class HeadConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gen_workers: int = 1
+    gen_engine: str = "hf"  # "hf" or "vllm" (train.DistillConfig.gen_engine)
     device: str = "cpu"
     seed: int = 0
     threads: int | None = None
@@ -90,6 +91,8 @@ class HeadConfig:
             raise ValueError("--lr and --epochs must be > 0, --depth-decay in (0, 1]")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError("--max-minutes must be > 0")
+        if self.gen_engine not in ("hf", "vllm"):
+            raise ValueError(f"--gen-engine must be hf or vllm, got {self.gen_engine!r}")
         for name in ("gen_dtype", "feature_dtype", "train_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16")

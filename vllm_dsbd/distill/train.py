@@ -29,6 +29,7 @@ import torch
 
 from . import artifact as art
 from . import corpus as corp
+from . import corpus_vllm
 from . import data
 
 CKPT = "checkpoint.pt"
@@ -65,6 +66,7 @@ class DistillConfig:
     kl_chunk: int = 128  # positions per chunk of the fused KL
     compile_loss: bool = True  # torch.compile the elementwise part of the loss (falls back to eager)
     gen_workers: int = 1  # processes generating the corpus
+    gen_engine: str = "hf"  # "hf": the HF loop (corpus.py); "vllm": a vLLM engine (corpus_vllm.py, ~50x on CPU)
     device: str = "cpu"
     seed: int = 0
     save_every: int = 50
@@ -105,6 +107,8 @@ class DistillConfig:
             raise ValueError("--min-lr-ratio must be in [0, 1]")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
+        if self.gen_engine not in ("hf", "vllm"):
+            raise ValueError(f"--gen-engine must be hf or vllm, got {self.gen_engine!r}")
         for name in ("gen_dtype", "train_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16")
@@ -333,6 +337,9 @@ def prepare_corpus(cfg: Any, target_dir: pathlib.Path, tok: Any, fingerprint: st
                    "gen_batch_size": gen_batch_size, "gen_dtype": cfg.gen_dtype, "seed": cfg.seed}
     if beam_width:  # only then: a sampled corpus cached before this setting existed stays valid
         corpus_meta["beam_width"] = beam_width
+    gen_engine = getattr(cfg, "gen_engine", "hf")
+    if gen_engine != "hf":  # likewise: HF caches made before the setting existed stay valid
+        corpus_meta["gen_engine"] = gen_engine
     corp.check_meta(cache_dir, corpus_meta)
     paths, have = corp.corpus_paths(cache_dir, tokens)
     gen_stats: dict = {"generated_tokens_before": have, "generation_seconds": 0.0, "generated_tokens_new": 0}
@@ -343,7 +350,8 @@ def prepare_corpus(cfg: Any, target_dir: pathlib.Path, tok: Any, fingerprint: st
         n_prompts = min(len(texts), 2 * math.ceil(tokens / (cfg.seq_len - cfg.max_prompt_len)) + 2 * gen_batch_size)
         prompt_ids = [data.encode_prompt(tok, t, cfg.max_prompt_len) for t in texts[:n_prompts]]
         workers = cfg.gen_workers if device.type == "cpu" else 1
-        paths, gen_stats = corp.build_corpus(
+        build = corp.build_corpus if gen_engine == "hf" else corpus_vllm.build_corpus
+        paths, gen_stats = build(
             str(target_dir), prompt_ids, cache_dir, n_tokens=tokens, seq_len=cfg.seq_len,
             gen_batch_size=gen_batch_size, temperature=cfg.temperature, seed=cfg.seed, device=str(device),
             eos_id=eos_id, pad_id=pad_id, gen_dtype=cfg.gen_dtype, workers=workers, threads=cfg.threads,
