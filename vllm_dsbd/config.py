@@ -99,9 +99,10 @@ class DSBDConfig:
             tokens from the rows it computed for the request: each live beam, each verified forest node, each plain
             root) and "lookup" (continuations of each beam's or sequence's last tokens in its prompt, its own output
             and its sibling beams). None (default): ``["model"]`` with a draft model, ``["recycle", "lookup"]``
-            without; ``[]``: no forests (the gamma = 0 engine). "model" is there exactly when a draft model is, and
-            is not mixed with the draft-free sources yet. Nodes of both draft-free sources are scored by beam score
-            + estimated log-probability, N per depth, deduplicated (``engine/source_drafter.py``).
+            without; ``[]``: no forests (the gamma = 0 engine). "model" is there exactly when a draft model is. Nodes
+            of both draft-free sources are scored by beam score + estimated log-probability, N per depth,
+            deduplicated (``engine/source_drafter.py``); with "model" beside them, each node's draft row is mixed
+            with the sources' candidates there (``engine/mixing.py``).
         max_beam_slots: the most KV slots one beam request may hold (prompt + its trie, ``docs/design/beams.md``
             §3.3), which may exceed ``max_model_len``: a beam request's slots hold every beam's tokens, while its
             positions stay the true token positions (at most prompt + max_tokens <= ``max_model_len``). The engine
@@ -200,10 +201,6 @@ class DSBDConfig:
                 "names 'model' and this engine has no draft model: give one (--spec-model) or leave 'model' out"
                 if not self.draft else "leaves out 'model' and the engine has a draft model: add 'model' or leave "
                 "the draft model out (--spec-model)"))
-        if "model" in src and len(src) > 1:
-            raise ValueError(f"DSBD config: 'sources' = {list(src)}: the draft model is not mixed with the "
-                             "draft-free sources yet; use ['model'] with a draft model, or no draft model and "
-                             f"{list(FREE_SOURCES)}")
         object.__setattr__(self, "sources", src)
 
     @property
@@ -213,7 +210,8 @@ class DSBDConfig:
 
     @property
     def free_sources(self) -> tuple[str, ...]:
-        """The draft-free sources ("recycle", "lookup") this engine drafts from (empty with a draft model)."""
+        """The draft-free sources ("recycle", "lookup") this engine drafts from (alone, or mixed into the draft
+        model's rows when "model" is there too)."""
         return tuple(s for s in self.sources if s != "model")
 
     @property

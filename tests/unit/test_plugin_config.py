@@ -516,7 +516,6 @@ def test_dsbd_config_defaults_and_roundtrip():
         ({"draft": False, "sources": ["recycle", "recycle"]}, r"'sources' must be a list of distinct names"),
         ({"draft": False, "sources": ["suffix"]}, r"'sources' must be a list of distinct names from \['model'"),
         ({"sources": ["recycle"]}, r"leaves out 'model' and the engine has a draft model"),
-        ({"sources": ["model", "lookup"]}, r"the draft model is not mixed with the draft-free sources yet"),
         ({"draft": False, "mode": "single"}, r"'mode'='single' keeps beams in draft layers and needs a draft model"),
         ({"draft": False, "width": 0}, r"'width' must be an integer >= 1, got 0"),
         ({"verify_budget": 12.5}, r"'verify_budget' must be 'auto'.*got 12.5"),

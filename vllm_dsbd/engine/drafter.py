@@ -27,8 +27,10 @@ from vllm_dsbd.core import rng
 from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.joint import NEG_INF
 from vllm_dsbd.core.sampling import beam_step
+from vllm_dsbd.core.sources import NMAX
 
 from . import head as head_mod
+from . import mixing
 from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scope
 from .kv import batch_slots
 from .penalties import DraftPenalties
@@ -99,6 +101,8 @@ class DraftJob:
     width: int | None = None  # nodes per depth at most (load-aware speculation); None: the request's width
     # with penalties or logits rules: prompt and output tokens, root included
     history: tuple[list[int], list[int]] | None = None
+    # a draft mixed with the draft-free sources (mixing.py): the text's last tokens up to the root
+    tail: list[int] | None = None
 
 
 class DSBDDrafter(DraftModelProposer):
@@ -260,11 +264,14 @@ class DSBDDrafter(DraftModelProposer):
         eos = (params.eos >= 0)[:, None]
         live_np = np.ones((R, W), dtype=bool)  # host copy of the last step's continuing draws (read from depth 2 on)
         steps, valid_np, parent_np, token_np = [], [], [], []  # the steps' valid, parent and token slots, numpy [R, W]
-        drafted = chains = params.facts.width_max == 1 and self.chain_drafting
+        # mixed with the draft-free sources (mixing.py): per request, per slot, the slot's last tokens (None: no
+        # beam there); the general loop only (it reads each depth's draws, which the next contexts need)
+        ctx = [[j.tail] + [None] * (W - 1) for j in jobs] if any(j.tail is not None for j in jobs) else None
+        drafted = chains = params.facts.width_max == 1 and self.chain_drafting and ctx is None
         if chains:  # every request at width 1: the same draws, one host copy in all
             steps, valid_np, parent_np, token_np, depth_np, depth = yield from self._draft_chains(
                 full, scores, live, params, depth_np, depth, L, root_pos, brow_np, bs, owned, block_rows, pen, hid)
-        elif self.static_drafting and G > 1:  # wider: the same draws, one host copy in all when the bet holds
+        elif self.static_drafting and G > 1 and ctx is None:  # wider: the same draws, one host copy in all when the bet holds
             if self._static_skip:
                 self._static_skip -= 1
             else:
@@ -290,6 +297,9 @@ class DSBDDrafter(DraftModelProposer):
                     depth = torch.from_numpy(depth_np.copy()).to(dev)
                 if not (live_np.any(1) & (depth_np >= d)).any():
                     break
+            if ctx is not None:
+                full = mixing.mix(full.view(R * W, V), [None if c is None else jobs[r].state.sources.propose(c)
+                                                       for r in range(R) for c in ctx[r]]).view(R, W, V)
             if pen is not None:
                 full = pen.apply(full)
             st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
@@ -304,6 +314,9 @@ class DSBDDrafter(DraftModelProposer):
             host = host.numpy()
             v_np, p_np, t_np = host[:, :ws].astype(bool), host[:, ws : 2 * ws], host[:, 2 * ws : 3 * ws]
             live_np = _pad_cols(host[:, 3 * ws :].astype(bool), W, False)
+            if ctx is not None:  # the draws' contexts: their parents' and their token
+                ctx = [[(ctx[r][p_np[r, s]] + [int(t_np[r, s])])[-NMAX:] if live_np[r, s] and ctx[r][p_np[r, s]]
+                        is not None else None for s in range(W)] for r in range(R)]
             valid_np.append(_pad_cols(v_np, W, False))
             parent_np.append(_pad_cols(p_np, W, 0))
             token_np.append(_pad_cols(t_np, W, 0))

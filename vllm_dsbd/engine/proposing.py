@@ -4,7 +4,8 @@
 For each plain request a draft job (its depth from the engine, the load plan and the cost model, its catch-up tokens
 and, for the draft's rules, its history) and for each beam request that stepped a beam draft job; all drafted side by
 side in one device read (``reads.gather``). With an EAGLE-3 head, this step's target features are kept first
-(``engine/head.py``). The step in vLLM's hooks: docs/design/step.md §3.1.
+(``engine/head.py``); with a draft mixed with the draft-free sources, each job's text is indexed for lookup and its
+last tokens go with it (``engine/mixing.py``). The step in vLLM's hooks: docs/design/step.md §3.1.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import functools
 
 import torch
 
-from . import head, load, reads
+from . import head, load, mixing, reads
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .drafter import DraftJob
+from .source_drafter import sources_of
 
 
 class ProposeMixin:
@@ -65,8 +67,10 @@ class ProposeMixin:
             if st.penalties is not None or st.rules is not None or st.grammar is not None:
                 prompt, output = self._history(i, n_before)
                 history = (prompt, output + res.tokens)
+            tail = (mixing.plain_tail(sources_of(st, cfg), batch.token_ids_cpu[i], n_before, res.tokens)
+                    if self._dsbd_mixed else None)
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
-                                 width=min(st.width, levels[i].width), history=history))
+                                 width=min(st.width, levels[i].width), history=history, tail=tail))
         # plain and beam requests' forests side by side: one read of the device for both (``engine/reads.py``)
         beam_forests = (self.drafter.propose_beam_forests if self._dsbd_sources
                         else functools.partial(propose_beam_forests, self.drafter))
@@ -151,4 +155,6 @@ class ProposeMixin:
         P = beam.prompt_len  # the catch-up's linear tokens: the prompt's, then the beams' common prefix
         tail = self.input_batch.token_ids_cpu[i, start:P].tolist() if start < P else []
         tail += beam.prefix[max(0, start - P):]
-        return BeamDraftJob(st, i, tail, start, depth, max_nodes, nodes)
+        linear = (mixing.beam_linear(sources_of(st, self.dsbd_cfg), self.input_batch.token_ids_cpu[i], P, beam.prefix)
+                  if self._dsbd_mixed else None)
+        return BeamDraftJob(st, i, tail, start, depth, max_nodes, nodes, linear)

@@ -79,7 +79,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self._dsbd_beam_moves: list = []  # this step's K/V moves of beam requests (the features move with them)
         self._dsbd_feature_rows: list = []  # this pass's plain requests' (batch row, state, first row, position, linear rows)
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
-        self._dsbd_recycle = self._dsbd_sources and "recycle" in cfg.sources
+        # a draft model mixed with the draft-free sources (mixing.py): the model drafts, the sources are kept
+        self._dsbd_mixed = self.dsbd_cfg.draft and bool(self.dsbd_cfg.free_sources)
+        self._dsbd_recycle = (self._dsbd_sources or self._dsbd_mixed) and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed,
                                       load_tokenizer=lambda: _tokenizer(vllm_config.model_config),
@@ -284,8 +286,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         if self._dsbd_head and isinstance(out, tuple):  # (hidden states, auxiliary hidden states)
             self._dsbd_aux = out[1]
         rows, self._dsbd_prompt_rows = self._dsbd_prompt_rows, []
-        if rows and isinstance(out, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
-            recycle_prompt(self.model, out, rows)
+        hidden = out[0] if isinstance(out, tuple) else out  # a head's target: (hidden states, auxiliary states)
+        if rows and isinstance(hidden, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
+            recycle_prompt(self.model, hidden, rows)
         return out
 
     def execute_model(self, *args, **kwargs):

@@ -32,6 +32,7 @@ from .beams import sampling as beam_sampling
 from .beams.drafter import BeamDraftJob, _grow
 from .beams.trie import BeamForest, beam_params
 from .drafter import DraftJob, _layout_np, _pad_cols
+from .mixing import beam_tail
 
 from .state import PendingForest, RequestState, batch_params
 
@@ -231,18 +232,6 @@ def _one(forest: Forest, i: int, G: int, W: int, V: int) -> Forest:
     qj = torch.nn.functional.pad(qj, (0, W * V - qj.shape[2], 0, G - g), value=-math.inf)
     return Forest(parent=pad(forest.parent, 0), token=pad(forest.token, 0), valid=pad(forest.valid, False),
                   score=pad(forest.score, -math.inf), q_joint=qj, depth=forest.depth[i : i + 1].clone())
-
-
-def beam_tail(beam, linear: list[int], node: int, n: int) -> list[int]:
-    """The last ``n`` tokens of a beam request's sequence ending at trie node ``node`` (-1: the linear context)."""
-    path = []
-    while node >= 0 and len(path) < n:
-        path.append(beam.tokens[node])
-        node = beam.parents[node]
-    path.reverse()
-    if len(path) < n:
-        path = list(linear[len(linear) - (n - len(path)):]) + path if n > len(path) else path
-    return path[-n:]
 
 
 def row_contexts(plan: list, token_ids, discard) -> list[tuple[RequestState, int, list[int]]]:

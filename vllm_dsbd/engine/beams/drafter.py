@@ -20,8 +20,9 @@ import torch
 
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.sampling import beam_step
+from vllm_dsbd.core.sources import NMAX
 
-from .. import reads
+from .. import mixing, reads
 from ..attention import ForestBatch, ForestEntry
 from ..kv import slots_of
 from ..chunks import VERIFY_BUDGET
@@ -40,6 +41,8 @@ class BeamDraftJob:
     max_nodes: int  # forest nodes the scheduler can take after the leaves
     # N, nodes per depth: the request's (None), or fewer chosen by the cost model (>= W; engine/cost.py)
     nodes: int | None = None
+    # a draft mixed with the draft-free sources (mixing.py): the linear context's last tokens
+    linear: list[int] | None = None
 
     @property
     def width(self) -> int:
@@ -174,7 +177,15 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     beams_of = [[(b.node, b.score if job.state.beam.temperature <= 0.0 else b.sample_score, True)
                  for b in job.state.beam.live] for job in jobs]
     forests = None
-    if drafter.static_drafting and _static_layout(jobs) and not head:  # a head: the general loop (its hidden states)
+    mixed = any(j.linear is not None for j in jobs)  # mixed with the draft-free sources (engine/mixing.py)
+    if mixed:  # lookup also indexes each live beam's newest tokens (as the draft-free drafter does)
+        for job in jobs:
+            beam = job.state.beam
+            for b in beam.live:
+                tail = mixing.beam_tail(beam, job.linear, b.node, NMAX + job.depth + 1)
+                job.state.sources.add_transitions(tail, min(NMAX, len(tail)))
+    # a head: the general loop (its hidden states); mixed: likewise (each depth's contexts)
+    if drafter.static_drafting and _static_layout(jobs) and not head and not mixed:
         if drafter.beam_static_skip:
             drafter.beam_static_skip -= 1
         else:
@@ -200,6 +211,11 @@ def _draft_loop(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Tenso
     for d in range(1, max(j.depth for j in jobs) + 1):
         layer_of = {}
         go = [k for k, job in enumerate(jobs) if _goes(job, forests[k], beams_of[k], d)]
+        for k in go:
+            job, f = jobs[k], forests[k]
+            if job.linear is not None:  # mixed with the draft-free sources (engine/mixing.py)
+                leaf_logits[k] = mixing.mix(leaf_logits[k], [job.state.sources.propose(mixing.text_tail(
+                    job.state.beam, job.linear, f.tokens, f.parents, nd)) if c else None for nd, _, c in beams_of[k]])
         pairs_of = _depth_pairs([jobs[k] for k in go], [leaf_logits[k] for k in go], [beams_of[k] for k in go], d,
                                 _budget(drafter))
         for k, (pairs, q) in zip(go, pairs_of):
