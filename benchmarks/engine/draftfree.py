@@ -11,6 +11,8 @@ whether every prompt's beams and tokens are the same.
 
     python benchmarks/engine/draftfree.py [--prompts 4] [--steps 48] [--nodes 16,32] [--depth 3] [--sources recycle]
         [--check]    (--nodes "": the greedy rows only)
+    python benchmarks/engine/draftfree.py --model HEAD_OR_DRAFT --sources model[,recycle,lookup] ...
+        (a draft model or EAGLE-3 head, alone or mixed with the draft-free sources: engine/mixing.py)
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--sources", default="recycle,lookup")
+    ap.add_argument("--model", default=None, help="a draft model or EAGLE-3 head folder (--sources must name 'model')")
     ap.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds, ','-separated")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--json", help="write the table here")
@@ -81,6 +84,8 @@ def main() -> int:
               enable_prefix_caching=False, disable_log_stats=False)
     spec = {"method": "dsbd", "width": W, "num_speculative_tokens": a.depth, "beam_nodes": max(nodes, default=a.width),
             "sources": [s for s in a.sources.split(",") if s], "cost_model": None}
+    if a.model:
+        spec["model"] = a.model
     llm = vllm.LLM(**kw, speculative_config=spec)
     rows, beams, greedy = {}, {}, {}
     t0 = time.time()
@@ -133,7 +138,7 @@ def main() -> int:
         print(f"| {kind} | " + " | ".join(cells) + f" | {g['tokens'] / g['iterations']:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "rows": {f"{k}|{n}": v for (k, n), v in rows.items()}, "same": same}, f,
+            json.dump({"args": {**vars(a), "model": a.model and "MODEL"}, "rows": {f"{k}|{n}": v for (k, n), v in rows.items()}, "same": same}, f,
                       indent=1)
     return 0
 

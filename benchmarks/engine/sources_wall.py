@@ -5,11 +5,14 @@ run, on the workloads where beams are used (issue 38, item 3).
 SmolLM2-135M-Instruct, float32, eager, on this machine's cores; prompt kinds of ``draftfree.py`` (code edits from
 HumanEval's last problems, ShareGPT eval chats; held out from the draft's training). Per source set (``none`` =
 ``[]``, ``recycle``, ``lookup``, ``recycle,lookup`` = the default without a draft model, ``model`` = the committed
-draft) one engine (width 4, depth 3, cost model ``"auto"``), and per kind:
+draft, ``head`` = the EAGLE-3 head of ``--head``; ``model,recycle,lookup`` / ``head,recycle,lookup``: the draft or
+head mixed with the draft-free sources, ``engine/mixing.py``) one engine (width 4, depth 3, cost model ``"auto"``), and per kind:
 
 - **greedy b1**: plain requests at T = 0 one at a time (``dsbd_width`` 2, as the demo), tokens per second and
   tokens per target pass (``vllm:dsbd_target_passes``);
 - **greedy N in one call**: the same prompts in one call;
+- **T=1 b1** (with ``--sampled``): plain requests at T = 1 one at a time (the engine's width), tokens per second and
+  per target pass;
 - **beams**: ``LLM.beam_search`` W = 4, T = 0 (beams inside the DSBD engine), best-beam tokens per second and target
   passes per beam step (``vllm:dsbd_beam_*``); beams compared with vLLM's own loop on the plain engine.
 
@@ -47,7 +50,7 @@ def metric(llm, name: str) -> float:
     return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name)
 
 
-def engine(folder: Path, source_set: str | None, draft: Path | None):
+def engine(folder: Path, source_set: str | None, draft: Path | None, head: Path | None = None):
     """A plain vLLM engine (``source_set`` None) or a DSBD engine drafting from ``source_set``."""
     import vllm
 
@@ -56,8 +59,12 @@ def engine(folder: Path, source_set: str | None, draft: Path | None):
         spec = {"method": "dsbd", "width": 4}
         if source_set != "none":  # an engine without forests takes no depth
             spec["num_speculative_tokens"] = 3
-        if source_set == "model":
-            spec["model"] = str(draft)
+        names = source_set.split(",")
+        if names[0] in ("model", "head"):  # the draft or the head, alone or mixed with the draft-free sources
+            if names[0] == "head" and head is None:
+                raise SystemExit("a 'head' source set needs --head HEAD_FOLDER")
+            spec["model"] = str(draft if names[0] == "model" else head)
+            spec["sources"] = ["model"] + names[1:]
         else:
             spec["sources"] = [] if source_set == "none" else source_set.split(",")
     return vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
@@ -74,9 +81,10 @@ def timed(llm, fn):
     return out, secs, {k: metric(llm, k) - c0[k] for k in COUNTERS}, cpu
 
 
-def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool, greedy: bool = True
-               ) -> tuple[list[dict], dict]:
-    """The rows of one engine, and its best beams by kind (``greedy`` False: the beam rows only)."""
+def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool, greedy: bool = True,
+               sampled: bool = False) -> tuple[list[dict], dict]:
+    """The rows of one engine, and its best beams by kind (``greedy`` False: the beam rows only; ``sampled``: also
+    the T = 1 row)."""
     import vllm
     from vllm.sampling_params import BeamSearchParams
 
@@ -96,6 +104,12 @@ def run_engine(llm, enc, kinds, tokens: int, beam_tokens: int, dsbd: bool, greed
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             rows.append({"kind": kind, "row": f"greedy {len(ps)} in one call", "tokens": n, "seconds": s2, "cpu": u2,
                          "per_pass": n / c2["vllm:dsbd_target_passes"] if dsbd else 1.0})
+        if sampled:  # no per-request seed: plain vLLM's CPU runner cannot seed a request's generator
+            st = vllm.SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+            outs, s4, c4, u4 = timed(llm, lambda: [llm.generate([p], st, use_tqdm=False)[0] for p in ps])
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append({"kind": kind, "row": "T=1 b1", "tokens": n, "seconds": s4, "cpu": u4,
+                         "per_pass": n / c4["vllm:dsbd_target_passes"] if dsbd else 1.0})
         llm.beam_search(ps[:1], BeamSearchParams(beam_width=4, max_tokens=2, ignore_eos=True))  # warm-up
         outs, s3, c3, u3 = timed(llm, lambda: llm.beam_search(ps, bp))
         beams[kind] = [[list(s.tokens[len(p["prompt_token_ids"]):]) for s in o.sequences] for o, p in zip(outs, ps)]
@@ -151,6 +165,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every engine, alternating their order; each row keeps its fastest (a shared machine)")
     ap.add_argument("--beams-only", action="store_true", help="the beam rows only (no greedy rows)")
+    ap.add_argument("--sampled", action="store_true", help="also the T = 1 row (plain requests one at a time)")
+    ap.add_argument("--head", default=None, help="an EAGLE-3 head folder (the 'head' source sets)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import torch
@@ -172,8 +188,9 @@ def main() -> int:
     for rep in range(a.repeats):  # engines alternate forward and back; each row keeps its fastest run
         for s in order if rep % 2 == 0 else order[::-1]:
             print(f"engine: {'plain vLLM' if s is None else 'DSBD sources ' + s} (run {rep + 1})", flush=True)
-            llm = engine(folder, s, draft)
-            rows, beams = run_engine(llm, enc, kinds, a.tokens, a.beam_tokens, s is not None, not a.beams_only)
+            llm = engine(folder, s, draft, a.head and Path(a.head))
+            rows, beams = run_engine(llm, enc, kinds, a.tokens, a.beam_tokens, s is not None, not a.beams_only,
+                                     a.sampled)
             shutdown(llm)
             if s is None:
                 ref_beams = beams
@@ -211,9 +228,11 @@ def main() -> int:
         f"{'-' if r.get('same_beams') is None else ('yes' if r['same_beams'] else 'NO')} |" for r in all_rows]
     table = "\n".join(lines)
     print("\n" + table + f"\n\n{time.time() - t0:.0f} s; draft: {draft_kind}")
-    (out / "rows.json").write_text(json.dumps({"args": vars(a), "draft": draft_kind, "rows": all_rows}, indent=1))
+    args = {**vars(a), "head": a.head and "HEAD"}  # no machine path in a results page
+    (out / "rows.json").write_text(json.dumps({"args": args, "draft": draft_kind, "rows": all_rows}, indent=1))
+    cmd = " ".join("HEAD" if a.head and x == a.head else x for x in sys.argv[1:])
     (out / "README.md").write_text(
-        f"# Wall-clock by forest source\n\n`benchmarks/engine/sources_wall.py {' '.join(sys.argv[1:])}`, "
+        f"# Wall-clock by forest source\n\n`benchmarks/engine/sources_wall.py {cmd}`, "
         f"{os.cpu_count()} CPU threads; draft for `model`: {draft_kind}.\n\n{table}\n\n![speed over sources = []]"
         "(sources.png)\n")
     plot([r for r in all_rows if r["set"] != "plain vLLM"], sets, out / "sources.png")
