@@ -5,6 +5,10 @@ At temperature 0 and width 1, DSBD is greedy speculative decoding: on chat promp
 plain greedy vLLM's and vLLM's own ``draft_model`` speculation's with the same draft, token for token, and the metrics
 must show that forests were drafted and accepted (so the equality is not that of a run without speculation). The DSBD
 engine has width 2; the requests ask for width 1 (``extra_args``).
+
+The committed EAGLE-3 head (``drafts/smollm2-135m-eagle3``, trained on the target's features; ``head_folder``), alone
+and mixed with the draft-free sources: greedy tokens and ``LLM.beam_search`` results equal plain vLLM's, with layers
+passed by forests that a head which reads the target's features drafted.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 from vllm.sampling_params import BeamSearchParams  # noqa: E402
 from vllm_dsbd.testing import models  # noqa: E402
 
-from vllm_dsbd.testing.drafts import draft_folder  # noqa: E402
+from vllm_dsbd.testing.drafts import draft_folder, head_folder  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +71,26 @@ def runs(models_and_prompts):
                                                "width": 2, "verify_budget": None}, extra_args={"dsbd_width": 1},
                              beams=True)
     dsbd_m["plain_beams"] = plain_m["beams"]
-    return plain, sd, sd_m, dsbd, dsbd_m
+    head = head_folder(target)
+    assert head is not None, "drafts/smollm2-135m-eagle3 is missing"
+    heads = {name: _generate(target, prompts, {"method": "dsbd", "model": str(head), "num_speculative_tokens": 3,
+                                               "width": 2, "verify_budget": None, "sources": sources},
+                             extra_args={"dsbd_width": 1}, beams=True)
+             for name, sources in (("head", ["model"]), ("head+sources", ["model", "recycle", "lookup"]))}
+    return plain, sd, sd_m, dsbd, dsbd_m, heads
+
+
+@pytest.mark.parametrize("name", ["head", "head+sources"])
+def test_committed_head_equals_vllm_with_layers_passed(runs, name):
+    plain, dsbd_m, (greedy, m) = runs[0], runs[4], runs[5][name]
+    print(name, {k: v for k, v in m.items() if k != "beams"})
+    assert greedy == plain
+    assert [[t for t, _ in b] for b in m["beams"]] == [[t for t, _ in b] for b in dsbd_m["plain_beams"]]
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0 and m["beam_layers_passed"] > 0
 
 
 def test_width1_equals_plain_greedy_and_draft_model(runs):
-    plain, sd, _, dsbd, _ = runs
+    plain, sd, _, dsbd, *_ = runs
     for i, (a, b, c) in enumerate(zip(plain, sd, dsbd)):
         assert c == a, (PROMPTS[i], c, a)
         assert c == b, (PROMPTS[i], c, b)
@@ -79,7 +98,7 @@ def test_width1_equals_plain_greedy_and_draft_model(runs):
 
 
 def test_drafts_were_made_and_accepted(runs):
-    _, _, sd_m, _, dsbd_m = runs
+    _, _, sd_m, _, dsbd_m, _ = runs
     assert dsbd_m["vllm:spec_decode_num_drafts"] > 0 and dsbd_m["vllm:spec_decode_num_accepted_tokens"] > 0, dsbd_m
     assert sd_m["vllm:spec_decode_num_drafts"] > 0 and sd_m["vllm:spec_decode_num_accepted_tokens"] > 0, sd_m
 
