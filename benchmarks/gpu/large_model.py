@@ -24,6 +24,8 @@ size B (B = 1: ``--b1-prompts`` prompts one after the other; B > 1: B prompts in
                + lookup; what ``vllm serve TARGET --speculative-method dsbd`` runs), labelled "draft-free"
   dsbd_head    the ``dsbd`` rows with an EAGLE-3 head as the draft (Llama-3.1-8B-shaped, one layer, a 32,000-token
                draft vocabulary, dummy weights: ``head_folder``), labelled "EAGLE-3 head"
+  dsbd_head_mixed  the same head mixed with the draft-free sources (``"sources": ["model", "recycle", "lookup"]``,
+               ``engine/mixing.py``: the general depth loops and the sources' host work), "EAGLE-3 head + sources"
   dsbd_chain   a width-1 DSBD engine with ``full_cuda_graphs`` (every forest a chain: its decode passes have no
                forest attention and replay vLLM's full graphs): plain requests at each rate
 CUDA graphs are on (vLLM's defaults; the plugin lowers a DSBD engine to piecewise graphs or eager, logged) unless
@@ -284,10 +286,11 @@ def draft_model_rows(bench: Bench, target: Path, draft: Path, kw: dict) -> None:
         shutdown(llm)
 
 
-def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict, tag: str | None = None) -> None:
+def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict, tag: str | None = None,
+              sources: list[str] | None = None) -> None:
     """The DSBD engine's rows; ``draft`` None: an engine without a draft model, its forests from the draft-free sources
     (recycle + lookup: no draft pass, the forest's own host and device work counted), rows labelled "draft-free";
-    ``tag``: the rows' label (an EAGLE-3 head's: "EAGLE-3 head ")."""
+    ``tag``: the rows' label (an EAGLE-3 head's: "EAGLE-3 head "); ``sources``: the speculative config's."""
     import vllm
     from vllm.sampling_params import BeamSearchParams
 
@@ -296,7 +299,7 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict, tag: str
     args = bench.args
     spec = {"method": "dsbd", "num_speculative_tokens": args.depth,
             "width": max(args.widths + [args.beam_width]), "dynamic_width": False,
-            **({"model": str(draft)} if draft is not None else {})}
+            **({"model": str(draft)} if draft is not None else {}), **({"sources": sources} if sources else {})}
     tag = tag if tag is not None else "" if draft is not None else "draft-free "
     llm = vllm.LLM(model=str(target), speculative_config=spec, **kw)
     cfg = llm.llm_engine.vllm_config
@@ -430,7 +433,8 @@ def main() -> int:
     args.batches, args.beam_batches, args.widths = ints(args.batches), ints(args.beam_batches), ints(args.widths)
     args.rates = [float(r) for r in args.rates.split(",")]
     engines = [] if args.report else [e for e in args.engines.split(",") if e]
-    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_free", "dsbd_chain", "dsbd_head"}:
+    if unknown := set(engines) - {"plain", "draft_model", "dsbd", "dsbd_free", "dsbd_chain", "dsbd_head",
+                                     "dsbd_head_mixed"}:
         ap.error(f"unknown engines {sorted(unknown)}")
 
     import torch
@@ -453,6 +457,9 @@ def main() -> int:
              "dsbd_free": lambda: dsbd_rows(bench, target, None, kw),
              "dsbd_head": lambda: dsbd_rows(bench, target, head_folder(Path(args.work), args.tiny), kw,
                                             tag="EAGLE-3 head "),
+             "dsbd_head_mixed": lambda: dsbd_rows(bench, target, head_folder(Path(args.work), args.tiny), kw,
+                                                  tag="EAGLE-3 head + sources ",
+                                                  sources=["model", "recycle", "lookup"]),
              "dsbd_chain": lambda: dsbd_chain_rows(bench, target, draft, kw)}
     for e in engines:
         t0 = time.perf_counter()

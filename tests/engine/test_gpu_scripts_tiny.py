@@ -1,6 +1,6 @@
 """The GPU benchmark scripts' flows on CPU (``--tiny``), so a GPU loan never finds them broken: ``large_model.py`` with
-the plain and DSBD engines (with the draft model, draft-free, and with an EAGLE-3 head) and ``step_profile.py`` with
-the DSBD engine, each in a subprocess through the real vLLM.
+the plain and DSBD engines (with the draft model, draft-free, with an EAGLE-3 head alone and mixed with the sources)
+and ``step_profile.py`` with the DSBD engine, each in a subprocess through the real vLLM.
 Checked beyond "it ran": rows that say "depth 3 pinned" drafted depth 3 in every decision the engine counted and
 needed fewer target passes than tokens at the set rate 0.8; rows of the user's engine (cost model) record the depths
 it chose, one per request and decoding step; the report has every row."""
@@ -32,7 +32,7 @@ def _run(tmp_path: Path, script: str, *args: str) -> str:
 
 def test_large_model_rows_say_what_they_drafted(tmp_path):
     out = tmp_path / "lm"
-    _run(tmp_path, "large_model.py", "--engines", "plain,dsbd,dsbd_free,dsbd_head", "--batches", "1",
+    _run(tmp_path, "large_model.py", "--engines", "plain,dsbd,dsbd_free,dsbd_head,dsbd_head_mixed", "--batches", "1",
          "--b1-prompts", "1",
          "--max-tokens", "8", "--beam-tokens", "5", "--rates", "0.8", "--widths", "4", "--out", str(out))
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
@@ -53,6 +53,9 @@ def test_large_model_rows_say_what_they_drafted(tmp_path):
     assert head["depths"] == {"3": head["passes"]} and head["passes"] < head["tokens"], head  # the head drafted
     head_beam = next(r for r in rows if r["method"] == "DSBD EAGLE-3 head beam search, depth 3 pinned (set rate)")
     assert head_beam["passes"] < head_beam["tokens"], head_beam
+    mixed = next(r for r in rows
+                 if r["method"] == "DSBD EAGLE-3 head + sources plain requests, depth 3 pinned (set rate)")
+    assert mixed["depths"] == {"3": mixed["passes"]} and mixed["passes"] < mixed["tokens"], mixed
     report = (out / "README.md").read_text()
     assert report.count("\n| ") == len(rows) + 1, report  # header + one line per row
 
