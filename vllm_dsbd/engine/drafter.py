@@ -6,7 +6,9 @@ per depth under forest attention. Forest nodes are written at the slots where th
 after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
 drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4. The draft may be an EAGLE-3 head
 (``engine/head.py``): each row then also takes a hidden state, the target's feature for the catch-up rows and the
-head's own output at the parent node for forest nodes (docs/design/forests.md, "EAGLE-3 heads as the draft").
+head's own output at the parent node for forest nodes (docs/design/forests.md, "EAGLE-3 heads as the draft"). With
+the draft-free sources beside the draft (``DraftJob.tail``), each depth's rows are mixed with their candidates before
+the draft step (``engine/mixing.py``; the general loop only: the chain and static loops are skipped).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ A catch-up pass computes the draft K/V still missing (linear context causally, t
 each depth's pairs go after the trie (forest node c at slot ``base + len(trie) + c``) and become the request's draft
 tokens after its remaining leaves. A forest is cut (deepest nodes first) to the draft slots and the KV blocks the
 request owns now: the drafter may not write beyond them. Catch-up, depth steps, the static loop's bet:
-docs/design/beams.md §3.3 ("Beam drafting").
+docs/design/beams.md §3.3 ("Beam drafting"). With the draft-free sources beside the draft (``BeamDraftJob.linear``),
+each depth's rows are mixed with their candidates first (``engine/mixing.py``; the general loop only).
 """
 from __future__ import annotations
 
