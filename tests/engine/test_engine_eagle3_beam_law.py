@@ -37,25 +37,32 @@ TARGET_SCALE = 0.3
 HEAD_COLD = 1.5  # the head: the target's logits x 1.5
 
 
-def _run(llm, n=N) -> tuple[Counter, dict]:
-    return beam_law_run(llm, PROMPT, n, width=WIDTH, steps=STEPS, depth=DEPTH, top_k=TOP_K)
+def head_law_runs(root, prompt=PROMPT, sources=None, on_exact=None):
+    """The beam-sampling runs of this file's setting on ``prompt``: (exact, planted, law, extra). ``sources``: the
+    speculative config's (default: the head alone); ``on_exact(llm, run, head)``: runs the exact sample itself and
+    returns (sample, extra) (``test_engine_mixed_beam_law.py``)."""
+    target = bigram_target(peaky_pair()[0], root / "target", scale=TARGET_SCALE)
+    head = head_folder(target, root / "head", 200, seed=1, aux_layers=[1, 2, 3], bigram=HEAD_COLD)
+    spec = {"method": "dsbd", "model": str(head), "num_speculative_tokens": DEPTH, "width": WIDTH,
+            **({"sources": sources} if sources else {})}
+    with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048, speculative_config=spec) as llm:
+        assert runner_of(llm).drafter.head
+        runner_of(llm).dsbd_static_layers = True  # every verified layer of a step in one call, as on a device
+
+        def run(n=N) -> tuple[Counter, dict]:
+            return beam_law_run(llm, prompt, n, width=WIDTH, steps=STEPS, depth=DEPTH, top_k=TOP_K)
+
+        exact, extra = on_exact(llm, run, head) if on_exact is not None else (run(), None)
+        with planted_beam_layer(PLANTED):
+            planted = run(N_PLANTED)
+    law = beam_sampling_law(hf_next_probs(target), prompt, width=WIDTH, max_new_tokens=STEPS, temperature=1.0,
+                            top_k=TOP_K)
+    return exact, planted, law, extra
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bigram")
-    target = bigram_target(peaky_pair()[0], root / "target", scale=TARGET_SCALE)
-    head = head_folder(target, root / "head", 200, seed=1, aux_layers=[1, 2, 3], bigram=HEAD_COLD)
-    with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048,
-                  speculative_config={"method": "dsbd", "model": str(head), "num_speculative_tokens": DEPTH,
-                                      "width": WIDTH}) as llm:
-        assert runner_of(llm).drafter.head
-        runner_of(llm).dsbd_static_layers = True  # every verified layer of a step in one call, as on a device
-        exact = _run(llm)
-        with planted_beam_layer(PLANTED):
-            planted = _run(llm, N_PLANTED)
-    law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0,
-                            top_k=TOP_K)
+    exact, planted, law, _ = head_law_runs(tmp_path_factory.mktemp("bigram"))
     return exact, planted, law
 
 

@@ -11,16 +11,15 @@
 """
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 
 from engine_utils import dsbd_llm, metric, peaky_pair, runner_of, tiny_pair  # the CPU engine environment first
-import vllm  # noqa: E402
+import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
 from planted import planted_core_layer  # noqa: E402
-from test_engine_eagle3 import LAW_N, LAW_PROMPT, LAW_TOKENS, HOT, PLANTED, WIDTH, _beams, _greedy  # noqa: E402
+from test_engine_eagle3 import LAW_N, PLANTED, WIDTH, _beams, _greedy, _law_sample  # noqa: E402
 from test_engine_eagle3 import head, plain  # noqa: E402,F401  (fixtures)
 from vllm_dsbd.testing.heads import bigram_target, draft_ids, head_folder  # noqa: E402
 
@@ -99,14 +98,6 @@ def test_mixed_head_drafts_the_sources_candidates(mixed_runs, head):
     outside = mixed_runs["head"]["drafted"] - set(draft_ids(head))
     print(f"drafted outside the head's vocabulary: {len(outside)} tokens")
     assert outside  # q = 0 there for the head alone: only the sources' part of the mixture proposes them
-
-
-def _law_sample(llm, seed0):
-    outs = llm.generate([{"prompt_token_ids": LAW_PROMPT}] * LAW_N,
-                        [vllm.SamplingParams(temperature=HOT, max_tokens=LAW_TOKENS, ignore_eos=True,
-                                             seed=None if seed0 is None else seed0 + i) for i in range(LAW_N)],
-                        use_tqdm=False)
-    return Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs)
 
 
 @pytest.fixture(scope="module")

@@ -14,44 +14,30 @@ from __future__ import annotations
 
 import pytest
 
-from engine_utils import beam_law_run, dsbd_llm, peaky_pair, runner_of  # the CPU engine environment first
+from engine_utils import runner_of  # the CPU engine environment first
 import vllm  # noqa: E402,F401  (a broken vLLM must fail the suite, never skip it)
 
-from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
 from chisq import goodness_of_fit, mde_tv, report  # noqa: E402
-from planted import planted_beam_layer  # noqa: E402
 from test_engine_eagle3_beam_law import (  # noqa: E402
-    DEPTH, HEAD_COLD, N, N_PLANTED, PLANTED, STEPS, TARGET_SCALE, TOP_K, WIDTH)
+    DEPTH, N, N_PLANTED, PLANTED, STEPS, TOP_K, WIDTH, head_law_runs)
 from test_engine_eagle3_beam_law import PROMPT as HEAD_PROMPT  # noqa: E402
 from test_engine_mixed import MixedRows, _drafted  # noqa: E402
-from vllm_dsbd.testing.heads import bigram_target, draft_ids, head_folder  # noqa: E402
+from vllm_dsbd.testing.heads import draft_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [239, 5, 47, 71, 170] + HEAD_PROMPT  # the beams' most drawn tokens first (module docstring)
 
 
-def _run(llm, n=N):
-    return beam_law_run(llm, PROMPT, n, width=WIDTH, steps=STEPS, depth=DEPTH, top_k=TOP_K)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bigram")
-    target = bigram_target(peaky_pair()[0], root / "target", scale=TARGET_SCALE)
-    head = head_folder(target, root / "head", 200, seed=1, aux_layers=[1, 2, 3], bigram=HEAD_COLD)
-    with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=2048,
-                  speculative_config={"method": "dsbd", "model": str(head), "num_speculative_tokens": DEPTH,
-                                      "width": WIDTH, "sources": ["model", "recycle", "lookup"]}) as llm:
+    def on_exact(llm, run, head):
         assert runner_of(llm)._dsbd_mixed
-        runner_of(llm).dsbd_static_layers = True  # every verified layer of a step in one call, as on a device
         with MixedRows() as mixed:
-            exact, drafted = _drafted(llm, lambda: _run(llm))
-        with planted_beam_layer(PLANTED):
-            planted = _run(llm, N_PLANTED)
-    law = beam_sampling_law(hf_next_probs(target), PROMPT, width=WIDTH, max_new_tokens=STEPS, temperature=1.0,
-                            top_k=TOP_K)
-    return exact, planted, law, (mixed.rows, len(drafted - set(draft_ids(head))))
+            exact, drafted = _drafted(llm, run)
+        return exact, (mixed.rows, len(drafted - set(draft_ids(head))))
+
+    return head_law_runs(tmp_path_factory.mktemp("bigram"), PROMPT, ["model", "recycle", "lookup"], on_exact)
 
 
 def test_mixed_forests_ran(runs):
