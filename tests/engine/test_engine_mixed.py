@@ -8,6 +8,11 @@
 * The law at T = 0.9 of a plain request's first 2 tokens (W = 4), drafted by the agreeing bigram head mixed with the
   sources, equals plain vLLM's (two-sample chi-square, p = 1e-6, 800 requests each, as ``test_engine_eagle3.py``); the
   with-replacement rule planted into the verification is rejected by the same statistic.
+* The user's engine (cost model ``"auto"``, load-aware budget) with the head mixed in starts and decodes greedily as
+  plain vLLM.
+
+Shapes are pinned elsewhere (cost model off, ``dsbd_llm``'s default; ``verify_budget`` null): the equality and law
+tests need forests in every step, which the cost model would mostly switch off on these tiny models.
 """
 from __future__ import annotations
 
@@ -133,3 +138,11 @@ def test_mixed_law_equals_plain_vllm_and_planted_rule_is_rejected(law):
     bad, _, bad_thr = chisq.two_sample(law["planted"], law["plain"])
     chisq.report(f"  {PLANTED} rule planted (must differ)", bad, df, bad_thr)
     assert bad > bad_thr
+
+
+def test_default_engine_mixed_serves(head, plain, law):  # after law: one engine at a time
+    with dsbd_llm(tiny_pair()[0], max_num_seqs=4,
+                  speculative_config={"method": "dsbd", "model": str(head), "sources": MIXED,
+                                      "cost_model": "auto"}) as llm:
+        assert runner_of(llm)._dsbd_mixed and runner_of(llm).dsbd_cost is not None
+        assert _greedy(llm, [None]) == plain[0]

@@ -18,7 +18,7 @@ drafter (``engine/source_drafter.py``) turns the candidates into forest nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 NMAX = 4  # the longest suffix lookup matches
 RECYCLE_K = 8  # tokens a recycled row keeps
@@ -77,10 +77,16 @@ class SourceIndex:
 
     def index_text(self, tokens: Sequence[int]) -> None:
         """Indexes the request's linear text (prompt + output) from where the last call stopped."""
-        if len(tokens) < self.indexed:  # shorter (a resumed or re-laid out request): index it again
+        self.index_new(lambda lo: tokens[lo:], len(tokens))
+
+    def index_new(self, get: Callable[[int], Sequence[int]], n: int) -> None:
+        """:meth:`index_text` of a text of ``n`` tokens given as ``get(lo)``, its tokens from ``lo`` on: only those
+        not indexed yet and the ``NMAX`` before them are asked for (a caller need not build the whole text)."""
+        if n < self.indexed:  # shorter (a resumed or re-laid out request): index it again
             self.indexed = 0
-        self.add_transitions(tokens, self.indexed)
-        self.indexed = len(tokens)
+        lo = max(0, self.indexed - NMAX)
+        self.add_transitions(get(lo), self.indexed - lo)
+        self.indexed = n
 
     # proposing ----------------------------------------------------------------------------------------------
     def propose(self, context: Sequence[int]) -> dict[int, float]:

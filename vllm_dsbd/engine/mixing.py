@@ -60,6 +60,17 @@ def beam_tail(beam, linear: list[int], node: int, n: int) -> list[int]:
     return path[-n:]
 
 
+def index_live_beams(src, beam, linear: list[int], depth: int) -> list[list[int]]:
+    """Indexes each live beam's newest tokens for lookup (its last ``NMAX + depth + 1``: what a forest of ``depth``
+    drafted from it may match); returns each live beam's last ``NMAX`` tokens (its context)."""
+    out = []
+    for b in beam.live:
+        tail = beam_tail(beam, linear, b.node, NMAX + depth + 1)
+        src.add_transitions(tail, min(NMAX, len(tail)))
+        out.append(tail[-NMAX:])
+    return out
+
+
 def text_tail(beam, linear: list[int], nodes: list[int], parents: list[int], node: int, n: int = NMAX) -> list[int]:
     """The last ``n`` tokens of the sequence ending at ``node`` of a beam request's trie extended by a forest
     (``nodes``/``parents``: the forest's tokens and parents, numbered after the trie's ``len(beam.tokens)`` nodes;
@@ -75,20 +86,10 @@ def text_tail(beam, linear: list[int], nodes: list[int], parents: list[int], nod
     return beam_tail(beam, linear, node, n - len(path)) + path
 
 
-def _index_new(src, get, n: int) -> None:
-    """Indexes the transitions of a request's linear text (``n`` tokens, ``get(lo)``: its tokens from ``lo``) that
-    ``src`` has not seen (``SourceIndex.indexed``), reading only those and the ``NMAX`` before them."""
-    if n < src.indexed:  # shorter (a resumed or re-laid out request): index it again
-        src.indexed = 0
-    lo = max(0, src.indexed - NMAX)
-    src.add_transitions(get(lo), src.indexed - lo)
-    src.indexed = n
-
-
 def plain_tail(src, ids_row, n_before: int, new: list[int]) -> list[int]:
     """A plain request's text (``ids_row[:n_before]`` then the step's ``new`` tokens) indexed for lookup; returns its
     last ``NMAX`` tokens (the root's context)."""
-    _index_new(src, lambda lo: ids_row[lo:n_before].tolist() + list(new), n_before + len(new))
+    src.index_new(lambda lo: ids_row[lo:n_before].tolist() + list(new), n_before + len(new))
     return (ids_row[max(0, n_before - NMAX):n_before].tolist() + list(new))[-NMAX:]
 
 
@@ -101,5 +102,5 @@ def beam_linear(src, ids_row, P: int, prefix: list[int]) -> list[int]:
     def get(lo: int) -> list[int]:
         return ids_row[lo:P].tolist() + list(prefix) if lo < P else list(prefix[lo - P:])
 
-    _index_new(src, get, P + len(prefix))
+    src.index_new(get, P + len(prefix))
     return get(max(0, P + len(prefix) - LINEAR_TAIL))

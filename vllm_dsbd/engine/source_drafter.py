@@ -32,7 +32,7 @@ from .beams import sampling as beam_sampling
 from .beams.drafter import BeamDraftJob, _grow
 from .beams.trie import BeamForest, beam_params
 from .drafter import DraftJob, _layout_np, _pad_cols
-from .mixing import beam_tail
+from .mixing import beam_tail, index_live_beams
 
 from .state import PendingForest, RequestState, batch_params
 
@@ -160,11 +160,9 @@ class SourceDrafter:
             linear = job.prompt_tail  # the whole linear context (no draft K/V: the catch-up starts at 0)
             src.index_text(linear)
             t0 = beam.temperature <= 0.0
-            frontier = []  # (node, score, continues, last tokens)
-            for b in beam.live:
-                tail = beam_tail(beam, linear, b.node, NMAX + job.depth + 1)
-                src.add_transitions(tail, min(NMAX, len(tail)))  # the beam's newest tokens
-                frontier.append((b.node, b.score if t0 else b.sample_score, True, tail[-NMAX:]))
+            # (node, score, continues, last tokens); the beams' newest tokens indexed for lookup
+            frontier = [(b.node, b.score if t0 else b.sample_score, True, tail)
+                        for b, tail in zip(beam.live, index_live_beams(src, beam, linear, job.depth))]
             eos = None if beam.params.ignore_eos else beam.params.eos_token_id
             f = BeamForest([], [], [], [])
             for d in range(1, job.depth + 1):

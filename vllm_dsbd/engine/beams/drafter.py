@@ -21,7 +21,6 @@ import torch
 
 from vllm_dsbd.core import rng
 from vllm_dsbd.core.sampling import beam_step
-from vllm_dsbd.core.sources import NMAX
 
 from .. import mixing, reads
 from ..attention import ForestBatch, ForestEntry
@@ -181,10 +180,7 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     mixed = any(j.linear is not None for j in jobs)  # mixed with the draft-free sources (engine/mixing.py)
     if mixed:  # lookup also indexes each live beam's newest tokens (as the draft-free drafter does)
         for job in jobs:
-            beam = job.state.beam
-            for b in beam.live:
-                tail = mixing.beam_tail(beam, job.linear, b.node, NMAX + job.depth + 1)
-                job.state.sources.add_transitions(tail, min(NMAX, len(tail)))
+            mixing.index_live_beams(job.state.sources, job.state.beam, job.linear, job.depth)
     # a head: the general loop (its hidden states); mixed: likewise (each depth's contexts)
     if drafter.static_drafting and _static_layout(jobs) and not head and not mixed:
         if drafter.beam_static_skip:
