@@ -142,6 +142,17 @@ class DSBDStats:
         for row, res in pairs:
             self._record_row(row, res, prom)
 
+    def record_bare(self, n: int) -> None:
+        """A step of ``n`` requests without forests sampled by vLLM's sampler (engine/bare.py): one token each."""
+        if n <= 0:
+            return
+        self.iterations += n
+        self.tokens += n
+        prom = self._prometheus()
+        if prom is not None:
+            prom["passes"].inc(n)
+            prom["tokens"].inc(n)
+
     def _record_row(self, row, res, prom) -> None:
         if self.decisions is not None:
             self.decisions.update(repr((row.state.req_id, row.context_len,

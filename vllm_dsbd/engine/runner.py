@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, chunks, cost, grammar, memory, penalties, reads, sampler
+from . import attention, bare, chunks, cost, grammar, memory, penalties, reads, sampler
 from .beams.step import beam_rows, step_beams
 from .drafter import DSBDDrafter, NoDrafter, vllm_runner_init
 from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts
@@ -83,6 +83,10 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self._dsbd_mixed = self.dsbd_cfg.draft and bool(self.dsbd_cfg.free_sources)
         self._dsbd_recycle = (self._dsbd_sources or self._dsbd_mixed) and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
+        # a step without forests or beam steps whose requests all sample as vLLM samples runs vLLM's own sampler
+        # (engine/bare.py); the recycle rows of such steps wait on the device until the drafter reads the tables
+        self._dsbd_bare = False
+        self._dsbd_late_rows = bare.LateRows()
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed,
                                       load_tokenizer=lambda: _tokenizer(vllm_config.model_config),
                                       compile_grammar=grammar.Compiler(vllm_config))
@@ -180,6 +184,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._dsbd_plan, self._dsbd_forest = self._plan_step(scheduler_output, num_scheduled_tokens,
                                                              spec_decode_metadata is not None)
+        self._dsbd_bare = spec_decode_metadata is None and all(r.state.vllm_sampler for r in self._dsbd_plan)
         return logits_indices, spec_decode_metadata
 
     def _plan_step(self, scheduler_output, num_scheduled_tokens, has_spec_rows: bool):
@@ -355,10 +360,12 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
     def _sample(self, logits, spec_decode_metadata):
         from vllm.v1.outputs import SamplerOutput
 
-        self.input_batch.update_async_output_token_ids()
         plan, self._dsbd_plan = self._dsbd_plan, None
         if plan is None:
             raise RuntimeError("DSBD: _sample called without a plan from _prepare_inputs")
+        if self._dsbd_bare:
+            return self._bare_sample(logits, plan)
+        self.input_batch.update_async_output_token_ids()
         discard = self.discard_request_mask.np[: len(plan)]
         results: list[sampler.RowResult | None] = [None] * len(plan)
         spec = [k for k, r in enumerate(plan) if r.state.beam is None]
@@ -378,8 +385,11 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                if plan[k].state.penalties is not None or plan[k].state.rules is not None
                or plan[k].state.grammar is not None else None
                for k in spec]
-        # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
+        # the recycle source's rows (draft-free sources): their contexts before the step changes the beams (the
+        # rows of earlier bare steps first: the newest row of a key wins)
         recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
+        if len(self._dsbd_late_rows):
+            self._dsbd_late_rows.drain()
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, *_ = reads.run(reads.gather(
             harvest(logits, recycled) if recycled else None,
@@ -404,6 +414,19 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         ids = sampler.sampled_token_ids(results, len(plan))
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
+
+    def _bare_sample(self, logits, plan):
+        """A step without forests or beam steps: vLLM's own sampler (engine/bare.py); the tokens stay on the device
+        for vLLM's bookkeeping, the recycle rows are queued on the device."""
+        out = super()._sample(logits, None)
+        discard = self.discard_request_mask.np[: len(plan)]
+        if self._dsbd_recycle and self._dsbd_late_rows.add(
+                logits, bare.recycle_roots(plan, self.input_batch.token_ids_cpu, discard)):
+            self._dsbd_late_rows.drain()
+        self.dsbd_stats.record_bare(int(len(plan) - discard.sum()))
+        self._dsbd_results = bare.BareTokens(out.sampled_token_ids)
+        self._dsbd_last_plan = plan
+        return out
 
     def _history(self, i: int, end: int | None = None) -> tuple[list[int], list[int]]:
         """Batch row ``i``'s prompt and output tokens before this step's (up to ``end``, default all), as vLLM's

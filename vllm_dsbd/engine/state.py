@@ -15,6 +15,7 @@ from vllm_dsbd.core.params import BatchParams, HostFacts
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
+from . import bare
 from .beams.grammar import BeamGrammar
 from .beams.stops import StopRule
 from .beams.trie import BeamRequest
@@ -63,6 +64,9 @@ class RequestState:
     # and drafts takes (docs/deviations.md D22)
     structured: bool = False
     grammar: Any = None
+    seeded: bool = False  # the request gave a seed (its T > 0 draws then depend on it alone)
+    # vLLM's sampler draws its token when it has no forest (engine/bare.py: a step without forests is vLLM's step)
+    vllm_sampler: bool = False
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -122,6 +126,7 @@ class Requests:
             max_tokens=sp.max_tokens,
             draft_len=0,  # prefix-cache hits have the target's K/V, not necessarily the draft's
             structured=getattr(sp, "structured_outputs", None) is not None,
+            seeded=sp.seed is not None,
         )
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is None:
@@ -129,6 +134,7 @@ class Requests:
             st.rules = RequestRules.of(sp)
             if st.structured and self._compile_grammar is not None:
                 st.grammar = self._compile_grammar(req_id, sp)
+            st.vllm_sampler = bare.vllm_samples(st)
         else:
             bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
             # N, the forest's nodes per depth: the request's, else the engine's beam_nodes, else the request's width
