@@ -37,6 +37,7 @@ class DSBDStats:
         self.decisions = hashlib.blake2b(digest_size=16) if track_decisions else None
         self.iterations = 0  # target passes over a request (with or without a forest)
         self.forest_iterations = 0  # those that verified a forest
+        self.bare_steps = 0  # steps sampled by vLLM's sampler: no forest, no beam step (engine/bare.py)
         self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
         self.width_per_layer = [Counter() for _ in range(cfg.depth)]  # layer d -> Counter(K)
         self.tokens = 0
@@ -146,6 +147,7 @@ class DSBDStats:
         """A step of ``n`` requests without forests sampled by vLLM's sampler (engine/bare.py): one token each."""
         if n <= 0:
             return
+        self.bare_steps += 1
         self.iterations += n
         self.tokens += n
         prom = self._prometheus()

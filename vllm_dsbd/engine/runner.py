@@ -86,6 +86,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         # a step without forests or beam steps whose requests all sample as vLLM samples runs vLLM's own sampler
         # (engine/bare.py); the recycle rows of such steps wait on the device until the drafter reads the tables
         self._dsbd_bare = False
+        self.dsbd_vllm_sampler = True  # False: every step through DSBD's verification (the tests' reference)
         self._dsbd_late_rows = bare.LateRows()
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed,
                                       load_tokenizer=lambda: _tokenizer(vllm_config.model_config),
@@ -184,7 +185,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._dsbd_plan, self._dsbd_forest = self._plan_step(scheduler_output, num_scheduled_tokens,
                                                              spec_decode_metadata is not None)
-        self._dsbd_bare = spec_decode_metadata is None and all(r.state.vllm_sampler for r in self._dsbd_plan)
+        self._dsbd_bare = (self.dsbd_vllm_sampler and spec_decode_metadata is None
+                           and all(r.state.vllm_sampler for r in self._dsbd_plan))
         return logits_indices, spec_decode_metadata
 
     def _plan_step(self, scheduler_output, num_scheduled_tokens, has_spec_rows: bool):
