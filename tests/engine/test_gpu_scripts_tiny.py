@@ -1,6 +1,7 @@
 """The GPU benchmark scripts' flows on CPU (``--tiny``), so a GPU loan never finds them broken: ``large_model.py`` with
-the plain and DSBD engines (with the draft model, draft-free, with an EAGLE-3 head alone and mixed with the sources)
-and ``step_profile.py`` with the DSBD engine, each in a subprocess through the real vLLM.
+the plain and DSBD engines (with the draft model, draft-free, with an EAGLE-3 head alone and mixed with the sources),
+``step_profile.py`` with the DSBD engine, and ``decompose.py`` (plain vLLM against DSBD without forests, the rows that
+need CUDA skipped with the reason, the time budget), each in a subprocess through the real vLLM.
 Checked beyond "it ran": rows that say "depth 3 pinned" drafted depth 3 in every decision the engine counted and
 needed fewer target passes than tokens at the set rate 0.8; rows of the user's engine (cost model) record the depths
 it chose, one per request and decoding step; the report has every row."""
@@ -71,3 +72,36 @@ def test_step_profile_rows_say_what_they_drafted(tmp_path):
     auto = rows["DSBD W=4, cost model"]
     assert sum(auto["depths"].values()) > 0, auto
     assert all(r["step_ms"] > 0 and r["target forward"] > 0 for r in rows.values()), rows
+
+
+def test_decompose_rows_are_numbers_or_say_why(tmp_path):
+    """decompose.py (issue 47 item 1) on CPU: plain vLLM (d) and DSBD ``"sources": []`` start together in subprocesses
+    of their own and measure one after the other; the rows that need CUDA or the V2 runner say so."""
+    out = tmp_path / "dec"
+    _run(tmp_path, "decompose.py", "--engines", "d,dsbd_none,a,b,ngram_gpu", "--batches", "1,2", "--steps", "3",
+         "--prof-steps", "2", "--out", str(out))
+    engines = json.loads((out / "decompose.json").read_text())["engines"]
+    for name, spec in (("d", None), ("dsbd_none", "dsbd")):
+        res = engines[name]
+        assert not res.get("error") and res["info"]["runner"] == "V1" and res["info"]["spec"] == spec, res
+        assert [r["batch"] for r in res["rows"]] == [1, 2], res
+        for r in res["rows"]:
+            assert r["step_ms"] > 0 and r["ms_per_token"] > 0 and r["phases_ms"]["forward"] > 0, r
+            assert r["tokens_per_req_step"] == 1.0 and r["spec_slots_per_step"] == 0, r  # nothing drafted
+            assert r["profile"]["aten ops"] > 0 and r["sync"] is None, r  # no CUDA: no sync-debug pass
+    assert engines["dsbd_none"]["rows"][0]["depths"] == {}, engines["dsbd_none"]  # a DSBD engine, no forests
+    for name in ("a", "b", "ngram_gpu"):
+        assert engines[name]["skipped"].startswith("needs CUDA: "), engines[name]
+    readme = (out / "README.md").read_text()
+    tax = next(line for line in readme.splitlines() if line.startswith("| 1 | - | - | - | "))
+    assert tax.split(" | ")[9] not in ("-", ""), tax  # DSBD [] - (d) at batch 1
+    assert "V2 model runner" in readme, readme
+
+
+def test_decompose_keeps_to_its_budget(tmp_path):
+    """No time left: no engine starts, each says why (the parent alone: no vLLM engine)."""
+    out = tmp_path / "dec"
+    _run(tmp_path, "decompose.py", "--engines", "d,c", "--budget-s", "1", "--out", str(out))
+    engines = json.loads((out / "decompose.json").read_text())["engines"]
+    assert engines["d"]["skipped"].startswith("not run: ") and "budget" in engines["d"]["skipped"], engines
+    assert engines["c"]["skipped"].startswith("needs CUDA"), engines
