@@ -516,11 +516,13 @@ def main() -> int:
     ap.add_argument("--prof-steps", type=int, default=3)
     ap.add_argument("--sync-steps", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=None, help="128 (tiny: 32)")
-    ap.add_argument("--budget-s", type=float, default=250, help="the whole run, engine start-ups included")
+    ap.add_argument("--budget-s", type=float, default=None, help="the whole run, engine start-ups included (250; "
+                    "tiny 540: two shared CPU cores can take minutes to start an engine)")
     ap.add_argument("--parallel", type=int, default=None, help="engines starting together (3; tiny 2; GPU memory: "
                     "~22 GiB each)")
-    ap.add_argument("--start-s", type=float, default=170, help="the most one engine may take to start")
-    ap.add_argument("--measure-s", type=float, default=60, help="the most one engine's measurement may take")
+    ap.add_argument("--start-s", type=float, default=None, help="the most one engine may take to start (170; tiny 400)")
+    ap.add_argument("--measure-s", type=float, default=None, help="the most one engine's measurement may take (60; "
+                    "tiny 200)")
     ap.add_argument("--min-start-s", type=float, default=None, help="no engine starts with less left (45; tiny 20)")
     ap.add_argument("--gpu-util", type=float, default=0.3, help="gpu_memory_utilization (a start-up check only)")
     ap.add_argument("--kv-gib", type=float, default=4.0, help="kv_cache_memory_bytes in GiB (no memory profiling)")
@@ -534,6 +536,9 @@ def main() -> int:
     args.prompt_len = args.prompt_len or (32 if args.tiny else 128)
     args.min_start_s = args.min_start_s if args.min_start_s is not None else (20 if args.tiny else 45)
     args.parallel = args.parallel or (2 if args.tiny else 3)
+    for key, gpu, tiny in (("budget_s", 250, 540), ("start_s", 170, 400), ("measure_s", 60, 200)):
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else gpu)
     if args.child:
         args.parent_pid, args.deadline = int(args.parent_pid), float(args.deadline)
         return child(args)
@@ -541,9 +546,11 @@ def main() -> int:
     if unknown := set(names) - set(ENGINES):
         ap.error(f"unknown engines {sorted(unknown)}; known: {', '.join(ENGINES)}")
 
-    import large_model as lm  # beside this script: the model folders (no torch, no vLLM in this process)
+    import large_model as lm  # beside this script: the shapes (no torch, no vLLM in this process)
+    from vllm_dsbd.testing.models import dummy_llama_folder
 
-    target, _, _ = lm.model_folders(Path(args.work), args.tiny)
+    target = dummy_llama_folder(Path(args.work) / "target", lm.TINY_T if args.tiny else lm.LLAMA_8B,
+                                "float32" if args.tiny else "bfloat16")
     cuda = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                           text=True).stdout.strip().splitlines() if not args.tiny else []
     device = cuda[0] if cuda else "cpu"
