@@ -157,15 +157,15 @@ def profile_counts(engine, steps: int, cuda: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
     c, busy, kernels, apis = collections.Counter(), 0.0, 0, collections.Counter()
-    for e in prof.key_averages():
+    for e in prof.events():  # the GPU's side: kernels (graph replays' included), copies, their time
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            busy += e.time_range.elapsed_us()
+            for kind in ("HtoD", "DtoH", "DtoD"):
+                c[f"memcpy {kind}"] += e.name.startswith(f"Memcpy {kind}")
+            kernels += not e.name.startswith(("Memcpy", "Memset"))
+    for e in prof.key_averages():  # the host's side: runtime and driver calls, aten ops
         name, n = e.key, e.count
         if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            busy += getattr(e, "self_device_time_total", 0.0)
-            for kind in ("HtoD", "DtoH", "DtoD"):
-                if name.startswith(f"Memcpy {kind}"):
-                    c[f"memcpy {kind}"] += n
-            if not name.startswith(("Memcpy", "Memset")):
-                kernels += n
             continue
         c["launches"] += n if name in LAUNCH else 0
         c["graph launches"] += n if name in GRAPH else 0
@@ -330,7 +330,9 @@ def child(args) -> int:
         result["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
         save()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no engine teardown: the parent ends the process group, the GPU's memory goes with it
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -105,3 +105,29 @@ def test_decompose_keeps_to_its_budget(tmp_path):
     engines = json.loads((out / "decompose.json").read_text())["engines"]
     assert engines["d"]["skipped"].startswith("not run: ") and "budget" in engines["d"]["skipped"], engines
     assert engines["c"]["skipped"].startswith("needs CUDA"), engines
+
+
+def test_decompose_counters_without_an_engine(monkeypatch):
+    """The GPU-only sync-debug pass (stacks of torch's "called a synchronizing CUDA operation" warnings) and the
+    profiler's counters, driven by a stand-in engine: no CUDA and no vLLM needed."""
+    import warnings
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import decompose
+
+    class Engine:
+        def step(self):
+            torch.ones(8).add_(1).sum()
+            warnings.warn("called a synchronizing CUDA operation")
+            warnings.warn("something else")
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    got = decompose.sync_stacks(Engine(), 3)
+    assert got["syncs per step"] == 1 and len(got["stacks"]) == 1 and got["stacks"][0][1] == 3, got
+    assert "test_gpu_scripts_tiny.py:" in got["stacks"][0][0], got
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        counts = decompose.profile_counts(Engine(), 2, cuda=False)
+    assert counts["aten ops"] >= 3 and "launches" not in counts, counts
