@@ -88,7 +88,8 @@ PHASES = {"schedule": [(S, "schedule")],
           "drafting": [(R, "propose_draft_token_ids")],
           "output": [(S, "update_from_output"), (O, "process_outputs")]}
 COLUMNS = list(PHASES) + ["other"]
-LAUNCH = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel"}
+LAUNCH = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+          "cudaLaunchCooperativeKernel"}
 GRAPH = {"cudaGraphLaunch", "cuGraphLaunch"}
 SYNC = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
         "cuCtxSynchronize", "cuEventSynchronize"}
@@ -446,22 +447,24 @@ def report(args, results: dict, device: str) -> str:
                          f"{r['tokens_per_req_step']:.2f} | {r['spec_slots_per_step']:.1f} | "
                          f"{_f(r['step_ms'] / d['step_ms'] if d else None, '{:.2f}x')} | "
                          f"{_f(info.get('startup_s'), '{:.0f}')} | "
-                         + (" ".join(f"{k}:{v}" for k, v in sorted(r.get("depths", {}).items())) or "-") + " |")
+                         + (" ".join(f"{k}:{v}" for k, v in sorted(r.get("depths", {}).items())) or "-")
+                         + " |")
     lines += ["", "## Configuration tax and DSBD's own work (step ms; + = slower)", "",
-              "| batch | (a) | (b) | (c) | (d) | V2 -> V1 (b - a) | FULL -> PIECEWISE (c - b) | async -> sync (d - c) | "
-              "tax (d - a) | DSBD [] - (d) | DSBD default - (d) | ngram - (d) | ngram_gpu - (b) | "
-              "V1 runner > 5% of (a)? |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| batch | (a) | (b) | (c) | (d) | V2 -> V1 (b - a) | FULL -> PIECEWISE (c - b) | "
+              "async -> sync (d - c) | tax (d - a) | DSBD [] - (d) | DSBD default - (d) | ngram - (d) | "
+              "ngram_gpu - (b) | V1 runner > 5% of (a)? |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in args.batches:
         s = {n: (_row(results, n, b) or {}).get("step_ms") for n in ENGINES}
         dif = lambda x, y: None if s[x] is None or s[y] is None else s[x] - s[y]  # noqa: E731
         v1 = None if s["a"] is None or s["b"] is None else s["b"] / s["a"] - 1
-        lines.append(f"| {b} | " + " | ".join(_f(s[k]) for k in "abcd") + " | " + " | ".join(_f(dif(x, y), "{:+.2f}") for x, y in (
-            ("b", "a"), ("c", "b"), ("d", "c"), ("d", "a"), ("dsbd_none", "d"), ("dsbd_default", "d"),
-            ("ngram", "d"), ("ngram_gpu", "b"))) + " | "
-            + ("-" if v1 is None else f"{'yes' if v1 > 0.05 else 'no'} ({100 * v1:+.1f}%)") + " |")
+        pairs = (("b", "a"), ("c", "b"), ("d", "c"), ("d", "a"), ("dsbd_none", "d"), ("dsbd_default", "d"),
+                 ("ngram", "d"), ("ngram_gpu", "b"))
+        lines.append(f"| {b} | " + " | ".join(_f(s[k]) for k in "abcd") + " | "
+                     + " | ".join(_f(dif(x, y), "{:+.2f}") for x, y in pairs) + " | "
+                     + ("-" if v1 is None else f"{'yes' if v1 > 0.05 else 'no'} ({100 * v1:+.1f}%)") + " |")
     plain = {n: results[n]["info"] for n in "abcd" if results.get(n, {}).get("info")}
-    same = lambda i: next((p for p, j in plain.items() if all(i.get(k) == j.get(k) for k in  # noqa: E731
-                                                                   ("runner", "cudagraph_mode", "async"))), None)
+    same = lambda i: next((p for p, j in plain.items()  # noqa: E731
+                           if all(i.get(k) == j.get(k) for k in ("runner", "cudagraph_mode", "async"))), None)
     lines += ["", "Speculative engines against the plain engine of the same resolved configuration (runner, graphs, "
               "async), where one ran:", "", "| engine | configuration | plain engine | batch | step ms | plain ms | "
               "difference |", "|---|---|---|---|---|---|---|"]
@@ -479,7 +482,8 @@ def report(args, results: dict, device: str) -> str:
     keys = ["launches", "graph launches", "kernels run", "memcpy HtoD", "memcpy DtoH", "memcpy DtoD", "syncs",
             "blocking cudaMemcpy", "gpu busy ms", "aten ops"]
     lines += ["", f"## Per step, from torch.profiler ({args.prof_steps} steps)", "",
-              "| engine | batch | " + " | ".join(keys) + " | sync-debug syncs |", "|---|---|" + "---|" * (len(keys) + 1)]
+              "| engine | batch | " + " | ".join(keys) + " | sync-debug syncs |",
+              "|---|---|" + "---|" * (len(keys) + 1)]
     for n in order:
         for r in results[n].get("rows") or []:
             p = r.get("profile") or {}

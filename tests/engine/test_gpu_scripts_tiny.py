@@ -131,3 +131,37 @@ def test_decompose_counters_without_an_engine(monkeypatch):
         warnings.simplefilter("ignore")
         counts = decompose.profile_counts(Engine(), 2, cuda=False)
     assert counts["aten ops"] >= 3 and "launches" not in counts, counts
+
+
+def test_decompose_report_of_a_gpu_run(monkeypatch):
+    """The tables a GPU run writes (every engine, the profiler's CUDA counts, sync stacks), from made-up rows: the tax
+    columns are the differences of the right rows and the V1 question is answered."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "gpu"))
+    import decompose
+
+    step = {"a": 6.0, "b": 6.6, "c": 7.0, "d": 8.0, "dsbd_none": 19.0, "dsbd_default": 20.0, "ngram": 9.0,
+            "ngram_gpu": 7.0}
+    cfg = {"a": ("V2", "FULL_AND_PIECEWISE", True), "b": ("V1", "FULL_AND_PIECEWISE", True),
+           "c": ("V1", "PIECEWISE", True), "ngram_gpu": ("V1", "FULL_AND_PIECEWISE", True)}
+    profile = {"launches": 900, "graph launches": 33, "kernels run": 1200, "memcpy HtoD": 5, "memcpy DtoH": 3,
+               "memcpy DtoD": 1, "syncs": 4, "blocking cudaMemcpy": 0, "gpu busy ms": 6.5, "aten ops": 700}
+    results = {n: {"name": n, "info": dict(zip(("runner", "cudagraph_mode", "async"), cfg.get(n, ("V1", "PIECEWISE",
+                                                                                                 False))),
+                                           startup_s=40.0, spec=None),
+                   "rows": [{"batch": b, "step_ms": ms * (1 + (b > 1)), "ms_per_token": ms, "tokens_per_req_step": 1.0,
+                             "spec_slots_per_step": 0.0, "phases_ms": dict.fromkeys(decompose.COLUMNS, 0.1),
+                             "profile": profile, "sync": {"syncs per step": 4, "stacks": [("vllm_dsbd/x.py:1 f", 8)]},
+                             **({"depths": {"0": 10}} if n.startswith("dsbd") else {})} for b in (1, 32)]}
+               for n, ms in step.items()}
+    results["ngram_gpu_sync"] = {"name": "ngram_gpu_sync", "skipped": "not run: 10 s of the 230 s budget left"}
+    args = argparse.Namespace(tiny=False, prompt_len=128, steps=10, parallel=3, batches=[1, 32], prof_steps=3,
+                              sync_steps=2)
+    text = decompose.report(args, results, "NVIDIA H100 80GB HBM3")
+    tax = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines()
+           if line.startswith(("| 1 |", "| 32 |"))}
+    assert tax["| 1"][5:10] == ["+0.60", "+0.40", "+1.00", "+2.00", "+11.00"], tax  # b-a, c-b, d-c, d-a, DSBD [] - d
+    assert tax["| 1"][-1] == "yes (+10.0%) |" and tax["| 32"][12] == "+0.80", tax  # (b)/(a); ngram_gpu - (b)
+    assert "`vllm_dsbd/x.py:1 f`" in text and "| 900.0 | 33.0 |" in text, text
+    assert "- vLLM ngram_gpu, sync (`ngram_gpu_sync`): not run: 10 s" in text, text
