@@ -282,6 +282,26 @@ def resolved(llm, startup_s: float) -> dict:
             "num_spec_tokens": spec.num_speculative_tokens if spec else 0, "startup_s": startup_s}
 
 
+def reprobe(llm) -> str | None:
+    """A DSBD engine with the cost model measured at start-up measured it while other engines were starting: measured
+    again here, with the device to itself, before any row (as the worker does at start-up, ``engine/worker.py``)."""
+    runner = runner_of(llm)
+    cfg = getattr(runner, "dsbd_cfg", None)
+    if cfg is None or not cfg.cost_aware:
+        return None
+    from vllm.utils.torch_utils import set_random_seed
+
+    from vllm_dsbd.config import AUTO_COST
+    from vllm_dsbd.engine.load_probe import measure_costs
+
+    if cfg.cost_model != AUTO_COST:
+        return None
+    t0 = time.perf_counter()
+    runner.set_cost_table(measure_costs(runner), "measured again alone (decompose.py)")
+    set_random_seed(llm.llm_engine.vllm_config.model_config.seed)
+    return f"cost table measured again alone in {time.perf_counter() - t0:.1f} s"
+
+
 def _watchdog(parent: int, deadline: float) -> None:
     """Ends this engine's process if the parent is gone or the run's deadline has passed (no orphan keeps the GPU)."""
     while True:
@@ -323,6 +343,8 @@ def child(args) -> int:
     if sys.stdin.readline().strip() != "go":
         return 0
     try:
+        if args.parallel > 1:
+            result["info"]["reprobe"] = reprobe(llm)
         for b in args.batches:
             result["rows"].append(measure(args, llm, b, vocab))
             save()
@@ -449,6 +471,9 @@ def report(args, results: dict, device: str) -> str:
                          f"{_f(info.get('startup_s'), '{:.0f}')} | "
                          + (" ".join(f"{k}:{v}" for k, v in sorted(r.get("depths", {}).items())) or "-")
                          + " |")
+    notes = [f"- {lab[n]}: {results[n]['info']['reprobe']}" for n in order
+             if (results[n].get("info") or {}).get("reprobe")]
+    lines += [""] + notes if notes else []
     lines += ["", "## Configuration tax and DSBD's own work (step ms; + = slower)", "",
               "| batch | (a) | (b) | (c) | (d) | V2 -> V1 (b - a) | FULL -> PIECEWISE (c - b) | "
               "async -> sync (d - c) | tax (d - a) | DSBD [] - (d) | DSBD default - (d) | ngram - (d) | "
