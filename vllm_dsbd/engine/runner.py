@@ -301,7 +301,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
     def execute_model(self, *args, **kwargs):
         if self._dsbd_clock is not None:  # a step with a prefill is not measured
             so = args[0] if args else kwargs["scheduler_output"]
-            self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens)
+            self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens,
+                                   len(so.num_scheduled_tokens))
         try:
             return super().execute_model(*args, **kwargs)
         finally:
@@ -408,6 +409,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         verified_rows = [(row, res) for row, res, skip in zip(plan, results, discard)
                          if not skip and row.state.beam is None]
         self.dsbd_stats.record_all(verified_rows)
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.emitted(sum(len(res.tokens) for _, res in verified_rows),
+                                     len(verified_rows) == int(len(plan) - discard.sum()))
         for row, res in verified_rows:
             if row.forest is not None:  # the cost model's estimates, for the next steps' choices
                 self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
@@ -425,7 +429,10 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         if self._dsbd_recycle and self._dsbd_late_rows.add(
                 logits, bare.recycle_roots(plan, self.input_batch.token_ids_cpu, discard)):
             self._dsbd_late_rows.drain()
-        self.dsbd_stats.record_bare(int(len(plan) - discard.sum()))
+        n = int(len(plan) - discard.sum())
+        self.dsbd_stats.record_bare(n)
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.emitted(n, True)
         self._dsbd_results = bare.BareTokens(out.sampled_token_ids)
         self._dsbd_last_plan = plan
         return out
