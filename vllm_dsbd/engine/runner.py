@@ -168,8 +168,10 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self.dsbd_requests.drop(scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             if new.sampling_params is not None:
+                # the reasoning gate of a plain structured request: the scheduler's word (patch reasoning_gate)
                 self.dsbd_requests.register(new.req_id, new.sampling_params, new.num_computed_tokens,
-                                            self.requests[new.req_id].num_prompt_tokens)
+                                            self.requests[new.req_id].num_prompt_tokens,
+                                            getattr(new, "dsbd_reasoning", None), new.prompt_token_ids or ())
         cached = scheduler_output.scheduled_cached_reqs
         for k, req_id in enumerate(cached.req_ids):
             if req_id in cached.resumed_req_ids:

@@ -98,11 +98,13 @@ class Requests:
     def get(self, req_id: str) -> RequestState | None:
         return self._states.get(req_id)
 
-    def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0) -> RequestState:
+    def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0,
+                 reasoning: dict | None = None, prompt=()) -> RequestState:
         """(Re)registers a request that starts (or restarts after a preemption) with ``num_computed_tokens`` tokens
         already in the cache. Their draft K/V are NOT trusted (the request that computed a cached block need not have
         run the draft over it, and a draft over zeros or stale K/V drafts badly), so its first draft pass covers the
-        whole context. A resumed beam request keeps its trie (its slots are recomputed from vLLM's token list)."""
+        whole context. A resumed beam request keeps its trie (its slots are recomputed from vLLM's token list).
+        ``reasoning`` / ``prompt``: a plain structured request's reasoning gate (``grammar.Compiler``)."""
         old = self._states.get(req_id)
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache
             old.pending = None
@@ -133,7 +135,7 @@ class Requests:
             st.penalties = RequestPenalties.of(sp)
             st.rules = RequestRules.of(sp)
             if st.structured and self._compile_grammar is not None:
-                st.grammar = self._compile_grammar(req_id, sp)
+                st.grammar = self._compile_grammar(req_id, sp, reasoning, prompt)
             st.vllm_sampler = bare.vllm_samples(st)
         else:
             bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
