@@ -19,7 +19,7 @@ V, P = 8, 5
     ({"width": 2, "max_tokens": 4, "depth": -1}, r"\['depth'\] must be an integer in >= 0, got -1"),
     ({"width": 2, "max_tokens": 4, "depth": "2"}, r"\['depth'\] must be an integer"),
     ({"width": 2, "max_tokens": 4, "depth": True}, r"\['depth'\] must be an integer"),
-    ({"width": 8, "max_tokens": 4}, r"\['width'\] = 8 is above the engine's DSBD width 4"),
+    ({"width": 8, "max_tokens": 4}, r"\['width'\] = 8 is above the engine's 4 beams per request \(max_beam_width.*up to 4 fit"),
     ({"width": 2, "max_tokens": 0}, r"\['max_tokens'\] must be an integer in >= 1"),
     ({"width": 2, "max_tokens": 4, "n": 3}, r"\['n'\] must be an integer in \[1, 2\]"),
     ({"width": 2, "max_tokens": 4, "length_penalty": float("nan")}, r"\['length_penalty'\] must be a finite"),
