@@ -8,16 +8,17 @@ Where the settings come from (the plugin's patch ``vllm_dsbd.patches.dsbd_knobs`
 
 ``num_speculative_tokens`` as the user gives it is the draft **depth** G. The scheduler must reserve one slot per
 scheduled "draft token": a forest has up to ``N = max(width, beam_nodes)`` nodes per depth (``width`` for plain
-requests, ``beam_nodes`` for beam requests), and a beam request also schedules its ``width - 1`` live leaves after
-vLLM's last token, so the plugin builds vLLM's ``SpeculativeConfig`` with ``num_speculative_tokens = N * depth +
-width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
+requests, ``beam_nodes`` for beam requests), and a beam request of width W schedules its W - 1 live leaves after
+vLLM's last token (W up to ``max_beam_width``, 64 by default, whatever ``width``), so the plugin builds vLLM's
+``SpeculativeConfig`` with ``num_speculative_tokens = max(N * depth + width - 1, max_beam_width - 1)``
+(:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
 
 Without a ``model`` (``speculative_config={"method": "dsbd", "width": 4}``) the engine has no draft model
 (``draft=False``) and drafts its forests from draft-free sources (``sources``, default ``["recycle", "lookup"]``:
 the target's own recycled top tokens and lookup in the request's text; depth 3 unless given). With ``"sources": []``
 it drafts nothing (depth 0): beam requests are in-engine beam search / beam sampling with no forests, other requests
-are sampled from the target, one target pass per token, and ``num_speculative_tokens`` is ``max(1, width - 1)``
-(a beam request's leaves; vLLM needs at least 1).
+are sampled from the target, one target pass per token, and ``num_speculative_tokens`` is ``max(1, width - 1,
+max_beam_width - 1)`` (a beam request's leaves; vLLM needs at least 1).
 
 Per-request settings and checks (``extra_args["dsbd_width"]``, ``["dsbd_beam"]``) are in ``vllm_dsbd/requests.py``.
 

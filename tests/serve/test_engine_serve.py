@@ -287,7 +287,7 @@ def test_use_beam_search_equals_plain_vllm(server, plain_texts):
 
 def test_structured_outputs_equal_plain_vllm(server, plain_texts):
     """OpenAI ``response_format`` (``json_schema``, ``json_object``) on the DSBD server: the
-    same greedy text as plain vLLM with the same structured outputs (such a request drafts no forest:
+    same greedy text as plain vLLM with the same structured outputs (its forests drafted under the grammar:
     docs/deviations.md D22), the schema's objects valid."""
     base, _, _ = server
     plain = plain_texts[2]
