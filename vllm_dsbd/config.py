@@ -31,7 +31,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "AUTO_COST", "DEFAULT_DEPTH", "DEFAULT_MAX_BEAM_WIDTH", "METHOD", "DSBDConfig", "uses_dsbd"]
+__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "AUTO_COST", "DEFAULT_DEPTH", "DEFAULT_MAX_BEAM_WIDTH", "METHOD",
+           "DSBDConfig", "uses_dsbd"]
 
 METHOD = "dsbd"  # the value of --speculative-method / speculative_config["method"]
 ADDITIONAL_CONFIG_KEY = "dsbd"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]
@@ -197,8 +198,8 @@ class DSBDConfig:
             object.__setattr__(self, "max_beam_width", self.width if self.full_cuda_graphs
                                else max(self.width, DEFAULT_MAX_BEAM_WIDTH))
         elif not _is_int(b) or b < 1:
-            raise ValueError(f"DSBD config: 'max_beam_width' must be an integer >= 1 (the most beams of a beam request) "
-                             f"or null ({DEFAULT_MAX_BEAM_WIDTH}, or 'width' when larger), got {b!r}")
+            raise ValueError(f"DSBD config: 'max_beam_width' must be an integer >= 1 (the most beams of a beam "
+                             f"request) or null ({DEFAULT_MAX_BEAM_WIDTH}, or 'width' when larger), got {b!r}")
 
     def slot_len(self, max_model_len: int) -> int:
         """The most KV slots (tokens in vLLM's list) one request may hold in the engine: ``max_model_len``, or

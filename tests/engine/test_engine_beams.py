@@ -17,7 +17,8 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
   gives the greedy tokens of the Hugging Face model;
 * a token budget too small for every leaf (6 tokens per step): a beam step split over several target passes gives
   the same beams;
-* bad beam requests (width above the engine's ``max_beam_width``, n > width, a trie that may not fit max_model_len, structured outputs
+* bad beam requests (width above the engine's ``max_beam_width``, n > width, a trie that may not fit max_model_len,
+  structured outputs
   on beam sampling)
   raise a ValueError naming the parameter, and a good request afterwards still works;
 * beam sampling (T = 1, seeded) with forests: with the target as its own draft nearly every layer passes (<= 0.5

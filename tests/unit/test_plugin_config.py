@@ -564,7 +564,8 @@ def test_max_beam_width_setting_and_slots():
     """``max_beam_width``: the most beams of a beam request, apart from ``width``; None (default) is 64 (or ``width``
     when larger, or with ``full_cuda_graphs``); the scheduler's slots per request are the larger of a full forest
     step's and the widest beam request's leaves; refused below 1 or as a non-integer."""
-    for kw, beams, slots in (({}, 64, 63), ({"width": 128, "draft": False, "sources": []}, 128, 127), ({"max_beam_width": 8}, 8, 7),
+    for kw, beams, slots in (({}, 64, 63), ({"width": 128, "draft": False, "sources": []}, 128, 127),
+                             ({"max_beam_width": 8}, 8, 7),
                              ({"max_beam_width": 1}, 1, 7), ({"full_cuda_graphs": True}, 2, 7),
                              ({"draft": False, "sources": [], "max_beam_width": 16}, 16, 15),
                              ({"width": 4, "beam_nodes": 32}, 64, 32 * 3 + 3)):

@@ -4,12 +4,12 @@ rows and lookup in the request's text), for plain and beam requests alike.
 Each depth, every node of the frontier (the root or the live beams at depth 1) gets the sources' candidates with
 their estimated log-probabilities as a row of "draft logits" (-inf at every other token), a plain request's rows go
 through its grammar, logits rules and penalties after the node's path (``processors.DraftRows``, as a draft model's
-rows do), and the engine's own draft step runs on those rows as it runs on a draft model's: plain requests ``core.beam_step`` (T = 0 the W best pairs, T > 0
-W draws without replacement from the joint Q, keyed by the request's seed and ``DRAFT_DRAW``), beam requests the N
-best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0, as ``beams.drafter._sampled_pairs``). So the
-proposal law Q is a function of the past only and each draw is a real draw from it: verification (which is told Q)
-stays exact, and a node with a single candidate is a point mass (Q one-hot: accepted with probability p(x)). Nothing
-runs on the model: a forest costs host work only.
+rows do), and the engine's own draft step runs on those rows as it runs on a draft model's: plain requests
+``core.beam_step`` (T = 0 the W best pairs, T > 0 W draws without replacement from the joint Q, keyed by the request's
+seed and ``DRAFT_DRAW``), beam requests the N best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0,
+as ``beams.drafter._sampled_pairs``). So the proposal law Q is a function of the past only and each draw is a real
+draw from it: verification (which is told Q) stays exact, and a node with a single candidate is a point mass (Q
+one-hot: accepted with probability p(x)). Nothing runs on the model: a forest costs host work only.
 
 The rows the target computes feed the recycle table (:func:`harvest`, in the runner's read of the step); lookup
 indexes each request's text when it drafts. docs/design.md §3.4 (plain forests), §3.3 (beam drafting).

@@ -23,8 +23,8 @@ How: wrap ``beam_search``; engines whose ``speculative_config.method`` is not "d
 aborts it, as any engine request) and yields one finished ``RequestOutput``; a request that ends with finish reason
 "error" yields vLLM's error output. Bad requests raise ``VLLMValidationError`` (a ``ValueError``: the server's
 handler answers 400 with ``param``, and the engine never sees the request) from inside the generator, where the
-original's errors come from: a width (``n``) above the engine's ``max_beam_width`` (``param`` "n"), a trie that may not fit
-the engine's KV slots per request (``prompt + max_tokens * (n + 1) + 2`` slots against ``max_model_len``, or
+original's errors come from: a width (``n``) above the engine's ``max_beam_width`` (``param`` "n"), a trie that may
+not fit the engine's KV slots per request (``prompt + max_tokens * (n + 1) + 2`` slots against ``max_model_len``, or
 ``max_beam_slots`` when larger, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
 other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). The
