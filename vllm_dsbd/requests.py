@@ -84,11 +84,12 @@ class BeamParams:
     @staticmethod
     def parse(value: Any, max_width: int, max_nodes: int | None = None,
               limits: RequestLimits | None = None) -> "BeamParams":
-        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise. ``max_nodes``: the
-        most forest nodes per depth the engine reserves slots for (``DSBDConfig.max_beam_nodes``; None: no bound
-        here, for the front end, which the engine checks again). ``limits`` (the front end's): token ids below the
-        vocabulary, ``|length_penalty|`` within :meth:`RequestLimits.length_penalty_bound`, no ``stop`` strings
-        without a tokenizer."""
+        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise. ``max_width``: the
+        engine's ``DSBDConfig.max_beam_width``. ``max_nodes``: the most forest nodes per depth the engine reserves
+        slots for (``DSBDConfig.max_beam_nodes``, or the request's width when larger; None: no bound here, for the
+        front end, which the engine checks again). ``limits`` (the front end's): token ids below the vocabulary,
+        ``|length_penalty|`` within :meth:`RequestLimits.length_penalty_bound`, no ``stop`` strings without a
+        tokenizer."""
         name = f"extra_args[{BEAM_KEY!r}]"
         if isinstance(value, str):  # the OpenAI server's vllm_xargs carry strings and numbers, never mappings
             try:
@@ -113,8 +114,9 @@ class BeamParams:
 
         width = value.get("width")
         if isinstance(width, int) and not isinstance(width, bool) and width > max_width:
-            raise ValueError(f"{name}['width'] = {width} is above the engine's DSBD width {max_width} "
-                             "(start the engine with a larger 'width')")
+            raise ValueError(f"{name}['width'] = {width} is above the engine's {max_width} beams per request "
+                             f"(max_beam_width: a beam request of width W takes W - 1 scheduler slots for its "
+                             f"leaves; up to {max_width} fit, or start the engine with a larger 'max_beam_width')")
         width = integer("width", 1, max_width)
         n = integer("n", 1, width, required=False)
         lp = value.get("length_penalty", 1.0)
@@ -133,6 +135,8 @@ class BeamParams:
             if not isinstance(v, bool):
                 raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
         nodes = value.get("nodes")
+        if max_nodes is not None and isinstance(width, int):  # a request's own width is always a valid N
+            max_nodes = max(max_nodes, width)
         if max_nodes is not None and isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > max_nodes:
             raise ValueError(f"{name}['nodes'] = {nodes} is above the engine's {max_nodes} draft nodes per depth "
                              "(start the engine with a larger 'beam_nodes')")
@@ -280,7 +284,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig, limits: RequestLimits |
                          f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are {list(REQUEST_KEYS)}")
     if extra.get(BEAM_KEY) is not None:
         # ValueError naming extra_args['dsbd_beam'][key]
-        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width, cfg.max_beam_nodes, limits)
+        beam = BeamParams.parse(extra[BEAM_KEY], cfg.max_beam_width, cfg.max_beam_nodes, limits)
         if not cfg.drafting and beam.depth:
             raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no forest source "
                              "(no draft model, 'sources': []), so its beam requests have no draft forest; leave 'depth' "

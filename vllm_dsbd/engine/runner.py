@@ -242,7 +242,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
                 node_pos, dtype=self.positions.dtype).to(dev)
-        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e.parents) for e in entries])
+        max_nodes = max([self.dsbd_cfg.forest_slots] + [len(e.parents) for e in entries])  # beams: their own
         fb = attention.ForestBatch.build(entries, max_nodes=max_nodes)
         return plan, fb
 

@@ -138,7 +138,7 @@ class Requests:
                 st.grammar = self._compile_grammar(req_id, sp, reasoning, prompt)
             st.vllm_sampler = bare.vllm_samples(st)
         else:
-            bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
+            bp = BeamParams.parse(beam, self.cfg.max_beam_width, self.cfg.max_beam_nodes)
             # N, the forest's nodes per depth: the request's, else the engine's beam_nodes, else the request's width
             nodes = bp.nodes if bp.nodes is not None else max(bp.width, self.cfg.beam_nodes or 0)
             st.beam = BeamRequest(bp, prompt_len, st.temperature, st.seed, st.top_k, st.top_p,

@@ -69,8 +69,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    What: DSBD settings given in ``speculative_config`` (width, min_width, width_threshold, dynamic_width, mode,
    depth) or ``additional_config["dsbd"]`` are validated (``DSBDConfig``) and stored in
    ``additional_config["dsbd"]`` (with ``draft``: whether ``model`` names a draft model); vLLM's ``SpeculativeConfig``
-   gets ``num_speculative_tokens = N * depth + width - 1`` (N = ``beam_nodes`` or ``width``; ``max(1, width - 1)``
-   without a draft model, where a depth given is refused).
+   gets ``num_speculative_tokens = max(N * depth + width - 1, max_beam_width - 1)`` (N = ``beam_nodes`` or ``width``;
+   ``max(1, width - 1)`` for the first without a forest source, where a depth given is refused).
    Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
    How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
    and slot count.
@@ -193,7 +193,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``CompletionOutput`` is its best beam (``tests/engine/test_engine_beam_stream.py``). Engine ``logprobs`` of a beam
    request: vLLM slices them from the rows the runner sampled, which are not its tokens'; the final output's are the
    best beam's (21). vLLM's token list only grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
-   keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
+   keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. With a
+   draft model, ``__init__`` also keeps vLLM's lookahead (``num_lookahead_tokens = num_spec_tokens``,
+   scheduler.py:252: KV slots reserved per running request) at a full forest step's slots
+   (``DSBDConfig.forest_slots``), not the leaves of the widest beam request that ``num_spec_tokens`` also covers
+   (``max_beam_width - 1``; scheduled tokens get their slots anyway). How: wrap
    the four; requests without ``dsbd_beam`` and non-DSBD engines are untouched (except a plain request's ``max_tokens``
    past ``max_model_len`` on an engine with ``max_beam_slots``, cut where vLLM stops it). When it can go: vLLM gains in-engine
    beam search (or a runner-side finish with a payload, output tokens that may differ from the appended ones, and a way
