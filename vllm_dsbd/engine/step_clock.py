@@ -23,8 +23,9 @@ The same windows also answer, per batch size, whether forests pay at all (:meth:
 per second of the windows with forests (drafted or verified) against those of the bare windows, both measured at the
 same batch size (a power-of-two bucket of its requests) over their last ``WINDOW`` samples; the runner then drafts no
 forest at that size but within the engine's probe budget (``shapes.py``), so a batch whose forests lose runs at
-nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7). Only windows of plain requests
-count (a beam request's step is not one token per request).
+nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7); where only forests were measured
+at a batch size, a bare probe (two steps without forests, within the same budget) measures the other side. Only
+windows of plain requests count (a beam request's step is not one token per request).
 Imports neither vLLM nor torch.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ WARMUP = 8  # decode steps not measured after start-up (one-time costs: first al
 WINDOW = 32  # the most recent surpluses kept per kind of window
 HORIZON = 256  # measured steps after which a surplus expires
 
-MIN_REGIME = 8  # windows of each regime measured at a batch size before forests_lose can say they lose
+MIN_REGIME = 4  # windows of each regime measured at a batch size before forests_lose can say they lose
 NEITHER, DRAFTED, VERIFIED, BOTH = 0, 1, 2, 3  # a window's kind: (verified forests) * 2 + (drafted forests)
 KINDS = ("neither", "drafted", "verified", "both")
 
@@ -111,6 +112,12 @@ class StepClock:
                 pair[self._drafted or self._verified].append((self.steps, seconds, self._emitted))
             self._t0 = None
         return self.corrected(table)
+
+    def needs_bare(self, reqs: int) -> bool:
+        """Whether, at a batch of ``reqs`` requests, windows with forests are measured and bare ones are not (a bare
+        probe then measures what the batch does without forests: two steps that draft nothing)."""
+        pair = self.regimes.get(_bucket(reqs))
+        return pair is not None and len(pair[1]) >= MIN_REGIME and len(pair[0]) < MIN_REGIME
 
     def forests_lose(self, reqs: int) -> bool:
         """Whether, at a batch of ``reqs`` requests, the windows with forests emitted fewer tokens per second than
