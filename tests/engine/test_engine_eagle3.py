@@ -262,3 +262,5 @@ def test_default_engine_with_a_head_serves(head, plain, law):  # after law: one 
                   speculative_config={"method": "dsbd", "model": str(head), "cost_model": "auto"}) as llm:
         assert _greedy(llm, [None]) == plain[0]
         assert runner_of(llm).dsbd_cost is not None
+        # non-vacuous: the head drafted (with no forest the equality above is plain vLLM's own decoding)
+        assert (metric(llm, "vllm:spec_decode_num_draft_tokens") or 0) > 0

@@ -146,3 +146,5 @@ def test_default_engine_mixed_serves(head, plain, law):  # after law: one engine
                                       "cost_model": "auto"}) as llm:
         assert runner_of(llm)._dsbd_mixed and runner_of(llm).dsbd_cost is not None
         assert _greedy(llm, [None]) == plain[0]
+        # non-vacuous: forests were drafted (with none the equality above is plain vLLM's own decoding)
+        assert (metric(llm, "vllm:spec_decode_num_draft_tokens") or 0) > 0

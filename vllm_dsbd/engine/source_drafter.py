@@ -4,7 +4,8 @@ rows and lookup in the request's text), for plain and beam requests alike.
 Each depth, every node of the frontier (the root or the live beams at depth 1) gets the sources' candidates with
 their estimated log-probabilities as a row of "draft logits" (-inf at every other token), and the engine's own draft
 step runs on those rows as it runs on a draft model's: plain requests ``core.beam_step`` (T = 0 the W best pairs, T > 0
-W draws without replacement from the joint Q, keyed by the request's seed and ``DRAFT_DRAW``), beam requests the N
+W draws without replacement from the joint Q, keyed by the request's seed, the forest's root and the depth
+(``rng.forest_position``) and ``DRAFT_DRAW``), beam requests the N
 best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0, as ``beams.drafter._sampled_pairs``). So the
 proposal law Q is a function of the past only and each draw is a real draw from it: verification (which is told Q)
 stays exact, and a node with a single candidate is a point mass (Q one-hot: accepted with probability p(x)). Nothing
@@ -106,7 +107,7 @@ class SourceDrafter:
             if not live_np.any():
                 break
             st = beam_step(full, scores, live, params.with_(depth=torch.from_numpy(depth_np.copy()).to(dev)),
-                           L + d - 1, rng.Stream.DRAFT_DRAW)
+                           rng.forest_position(L - 1, d), rng.Stream.DRAFT_DRAW)
             st.valid &= torch.from_numpy(depth_np >= d)[:, None].to(dev)
             steps.append(st)
             ws = st.valid.shape[1]
@@ -181,7 +182,7 @@ class SourceDrafter:
                         break
                     got, joint = yield from beam_sampling.sample(
                         [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(), beam_params([beam], dev, True),
-                        [beam.prompt_len + beam.steps + d - 1], rng.Stream.DRAFT_DRAW)
+                        [rng.forest_position(beam.prompt_len + beam.steps - 1, d)], rng.Stream.DRAFT_DRAW)
                     pairs, q = [(p.beam, p.token, p.score) for p in got[0]], joint[0]
                 if not pairs:
                     break
