@@ -62,7 +62,7 @@ def core_overhead(R=64, W=4, G=3, V=49152, reps=3, seed=0):
         t0 = time.perf_counter()
         steps, ps, pl = [], scores, live
         for d in range(G):
-            st = beam_step(draft_logits[d], ps, pl, params, ctx + d, rng.Stream.DRAFT_DRAW)
+            st = beam_step(draft_logits[d], ps, pl, params, rng.forest_position(ctx - 1, d + 1), rng.Stream.DRAFT_DRAW)
             steps.append(st)
             ps, pl = st.score, st.valid
         t1 = time.perf_counter()

@@ -204,7 +204,8 @@ def test_rules_law_equals_plain_vllm(law_plain, law_dsbd, name):
                            f"{name} on the root's row only", n=N_LAW, two_sample=True)
         assert bad[0] > bad[2], "the planted variant is not rejected: the test has no power"
     else:
-        chisq.report("tokens 2-3 with all five rules, DSBD (peaky draft) vs plain vLLM", *good)
+        chisq.report("tokens 2-3 with all five rules, DSBD (peaky draft) vs plain vLLM", *good, n=N_LAW,
+                     two_sample=True)
     assert good[1] >= 3, "the law test has too few bins to mean anything"
     assert good[0] < good[2]
     assert spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0

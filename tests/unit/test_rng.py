@@ -2,7 +2,8 @@
 
 Planted variants, each rejected by the test that names it: ``_xor_uniform`` (the index meets the key before it is
 mixed, as the hash before 2026-11-25 did: keys k and k ^ d give permuted arrays), ``_uniform23`` (the 23-bit uniforms
-used until 2026-11-27, docs/deviations.md D21: Gumbel noise stops at 16.64) and 32-bit keys. All keys are fixed, so the
+used until 2026-11-27, docs/deviations.md D21: Gumbel noise stops at 16.64), 32-bit keys and draft draws keyed by the
+node's position (used until 2026-12-06: a forest reused an earlier forest's numbers, docs/deviations.md D10). All keys are fixed, so the
 tests are deterministic; each threshold sits where the correct generator fails with probability below ~1e-7.
 """
 from __future__ import annotations
@@ -157,6 +158,25 @@ def test_keys_of_a_long_request_are_distinct():
     cut = keys & 0xFFFFFFFF
     assert keys.numel() - torch.unique(cut).numel() >= 1  # the planted variant collides (13 pairs here)
 
+
+
+def test_every_forest_draws_fresh_numbers():
+    """``forest_position``: the draft draws of the forests of one request (roots 0..4095, depths 1..8, each root's
+    forest after the last) have distinct keys, so no forest reuses numbers an earlier one drew with. The planted
+    keying by node position (``root + depth``, the keying before 2026-12-06) gives the forest at root r + a the same
+    numbers at depth d as the forest at root r at depth d + a: most keys repeat."""
+    roots = torch.arange(4096, dtype=torch.int64)[:, None]
+    depths = torch.arange(1, 9, dtype=torch.int64)[None, :]
+    seed = torch.tensor([[123456789]], dtype=torch.int64)
+
+    def keys(pos):
+        return rng.request_key(seed.expand_as(pos).flatten(), pos.flatten(), rng.Stream.DRAFT_DRAW)
+
+    fresh = keys(rng.forest_position(roots, depths))
+    assert torch.unique(fresh).numel() == fresh.numel()
+    assert rng.forest_position(7, 3) == int(rng.forest_position(torch.tensor(7), torch.tensor(3)))
+    old = keys(roots + depths)
+    assert fresh.numel() - torch.unique(old).numel() > fresh.numel() // 2  # the planted keying repeats
 
 # ---- the far tail ----------------------------------------------------------------------------------------------
 # A token of probability p wins a Gumbel-max draw against a competitor of mass ~1 only when its own noise exceeds

@@ -201,7 +201,7 @@ def _dsbd_iteration(target, draft, act, params):
         full = torch.zeros(R, S, logits.shape[1])
         for (i, s), row in zip(keys, logits):
             full[i, s] = row
-        st = beam_step(full, par_scores, par_live, params, ctx + d, rng.Stream.DRAFT_DRAW)
+        st = beam_step(full, par_scores, par_live, params, rng.forest_position(ctx - 1, d + 1), rng.Stream.DRAFT_DRAW)
         steps.append(st)
         for i in {i for i, _ in keys}:
             act[i].stats.draft_calls += 1

@@ -17,9 +17,15 @@ until 2026-11-27, stopped at 16.6 and drew tokens of probability ~5e-8 17-20% to
 64-bit keys: two decisions of one request share a key with probability ~2**-64 per pair (32-bit keys: ~1% for a
 2,048-token request's ~10^4 decisions).
 
-Why keying by position is exact: a decision at position p uses only numbers keyed by p, and whether a later iteration
-starts at p' is decided by numbers keyed by positions < p'; so every decision sees numbers independent of everything
-that came before it.
+Why this keying is exact: a decision at position p (an acceptance coin, a residual or direct draw, a target beam
+step) uses only numbers keyed by p, and each position is decided once; a forest's draft draws (``DRAFT_DRAW``) are
+keyed by the forest, its root's position and the depth (:func:`forest_position`), and a request's roots strictly
+increase, so every forest draws numbers nothing before it used. Whether a later iteration starts at p', which forest
+it drafts and from which law Q (a function of everything before it: the recycle source keeps the target's rows of
+earlier forests' nodes, which their draft draws chose) are decided by numbers used before; so every decision sees
+numbers independent of everything that came before it. (Draft draws keyed by the node's position, as until 2026-12-06,
+let a forest reuse the draws that chose the previous forest's unverified deep nodes, whose recycled rows could make
+its Q: Q then depended on the very numbers it was drawn with. docs/deviations.md D10.)
 """
 from __future__ import annotations
 
@@ -65,6 +71,17 @@ def _fmix64_(h: torch.Tensor) -> torch.Tensor:
     h *= _i64(FMIX_C2)
     h ^= (h >> 33) & _M31
     return h
+
+
+DEPTH_BITS = 16  # forest_position: a forest's depths are below 2**16
+
+
+def forest_position(root, depth):
+    """The position word ``DRAFT_DRAW`` is keyed by for the depth-``depth`` draws (depth >= 1) of the forest whose root
+    sits at position ``root`` (plain requests: the last committed token; beam requests: the live beams' last tokens):
+    ``root * 2**16 + depth``, distinct for distinct (root, depth), so each forest's noise is fresh (module docstring).
+    Ints, numpy arrays or int64 tensors alike."""
+    return root * (1 << DEPTH_BITS) + depth
 
 
 def key_base(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,11 @@ sources give them, per request, from what is already known (so every output law 
 the past only):
 
 * **recycle** (Token Recycling, Luo et al. ACL'25, kept per request): every logits row the target computes for the
-  request (each plain root, each live beam, each verified forest node) leaves its ``k`` best tokens and their raw
-  log-probabilities in a table keyed by the row's last two tokens (and, as a fallback, its last token); the newest
-  row of a key wins. A node whose last tokens are a key gets that row's tokens as children.
+  request (each plain root, each live beam, each forest node of the pass, verified or not) leaves its ``k`` best
+  tokens and their raw log-probabilities in a table keyed by the row's last two tokens (and, as a fallback, its last
+  token); the newest row of a key wins. A node whose last tokens are a key gets that row's tokens as children.
+  Which rows are kept depends on earlier forests' draft draws (they chose the nodes); that is exact because each
+  forest draws fresh numbers (``rng.forest_position``), never those that shaped its rows.
 * **lookup** (prompt lookup / SuffixDecoding's per-request structure): every transition of the request's text (its
   prompt, its own output, every beam's tokens) is indexed by the up to ``NMAX`` tokens before it; a node gets the
   tokens that followed the longest of its suffixes found (newest first), with a fixed estimate per match length.

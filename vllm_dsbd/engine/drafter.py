@@ -311,7 +311,8 @@ class DSBDDrafter(DraftModelProposer):
                                                        for r in range(R) for c in ctx[r]]).view(R, W, V)
             if pen is not None:
                 full = pen.apply(full)
-            st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            st = beam_step(full, scores, live, params.with_(depth=depth), rng.forest_position(L - 1, d),
+                           rng.Stream.DRAFT_DRAW)
             if pen is not None:
                 pen.advance(st.parent, st.token)
             st.valid &= (depth >= d)[:, None]
@@ -433,7 +434,8 @@ class DSBDDrafter(DraftModelProposer):
                 depth = torch.where(~cont.any(1) & (depth >= d), d - 1, depth)
             if pen is not None:
                 full = pen.apply(full)
-            st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            st = beam_step(full, scores, live, params.with_(depth=depth), rng.forest_position(L - 1, d),
+                           rng.Stream.DRAFT_DRAW)
             if pen is not None:
                 pen.advance(st.parent, st.token)
             st.valid &= (depth >= d)[:, None]
@@ -481,7 +483,8 @@ class DSBDDrafter(DraftModelProposer):
                 depth = torch.where(~cont.any(1) & (depth >= d), d - 1, depth)
             if pen is not None:
                 full = pen.apply(full)
-            st = beam_step(full, scores, live, params.with_(depth=depth), L + d - 1, rng.Stream.DRAFT_DRAW)
+            st = beam_step(full, scores, live, params.with_(depth=depth), rng.forest_position(L - 1, d),
+                           rng.Stream.DRAFT_DRAW)
             if pen is not None:
                 pen.advance(st.parent, st.token)
             st.valid &= (depth >= d)[:, None]

@@ -6,10 +6,11 @@ their estimated log-probabilities as a row of "draft logits" (-inf at every othe
 through its grammar, logits rules and penalties after the node's path (``processors.DraftRows``, as a draft model's
 rows do), and the engine's own draft step runs on those rows as it runs on a draft model's: plain requests
 ``core.beam_step`` (T = 0 the W best pairs, T > 0 W draws without replacement from the joint Q, keyed by the request's
-seed and ``DRAFT_DRAW``), beam requests the N best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0,
-as ``beams.drafter._sampled_pairs``). So the proposal law Q is a function of the past only and each draw is a real
-draw from it: verification (which is told Q) stays exact, and a node with a single candidate is a point mass (Q
-one-hot: accepted with probability p(x)). Nothing runs on the model: a forest costs host work only.
+seed, the forest's root and the depth (``rng.forest_position``) and ``DRAFT_DRAW``), beam requests the N best pairs by
+beam score + estimate (T = 0) or N draws from Q (T > 0, as ``beams.drafter._sampled_pairs``). So the proposal law Q is
+a function of the past only and each draw is a real draw from it: verification (which is told Q) stays exact, and a
+node with a single candidate is a point mass (Q one-hot: accepted with probability p(x)). Nothing runs on the model:
+a forest costs host work only.
 
 The rows the target computes feed the recycle table (:func:`harvest`, in the runner's read of the step); lookup
 indexes each request's text when it drafts. docs/design.md §3.4 (plain forests), §3.3 (beam drafting).
@@ -115,7 +116,7 @@ class SourceDrafter:
                 full = pen.apply(full)
                 live &= torch.isfinite(full).any(-1)
             st = beam_step(full, scores, live, params.with_(depth=torch.from_numpy(depth_np.copy()).to(dev)),
-                           L + d - 1, rng.Stream.DRAFT_DRAW)
+                           rng.forest_position(L - 1, d), rng.Stream.DRAFT_DRAW)
             if pen is not None:
                 pen.advance(st.parent, st.token)
             st.valid &= torch.from_numpy(depth_np >= d)[:, None].to(dev)
@@ -192,7 +193,7 @@ class SourceDrafter:
                         break
                     got, joint = yield from beam_sampling.sample(
                         [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(), beam_params([beam], dev, True),
-                        [beam.prompt_len + beam.steps + d - 1], rng.Stream.DRAFT_DRAW)
+                        [rng.forest_position(beam.prompt_len + beam.steps - 1, d)], rng.Stream.DRAFT_DRAW)
                     pairs, q = [(p.beam, p.token, p.score) for p in got[0]], joint[0]
                 if not pairs:
                     break

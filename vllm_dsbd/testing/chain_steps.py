@@ -53,7 +53,7 @@ def build_step(reqs: list[Req], G: int, V: int, seed: int = 0):
         toks, joints = [], []
         for d in range(rq.depth):
             st = beam_step(draft[d][None, None], torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), params,
-                           torch.tensor([L + d]), rng.Stream.DRAFT_DRAW)
+                           torch.tensor([rng.forest_position(L - 1, d + 1)]), rng.Stream.DRAFT_DRAW)
             tok, joint = int(st.token[0, 0]), st.joint
             if rq.drafts == "argmax":
                 tok = int(target[d].argmax())

@@ -63,12 +63,12 @@ def catch_up_start(st: RequestState) -> int:
 def _sampled_pairs(beams: list, logits: list[torch.Tensor], scores: list[list[float]], live: list[list[bool]],
                    d: int, widths: list[int]) -> tuple[list[list[tuple[int, int, float]]], torch.Tensor]:
     """The draft's beam-sampling step (T > 0) of several beam requests at once (``core.beam_step`` keyed by each
-    request's seed, the depth-d position and ``Stream.DRAFT_DRAW``): N pairs (``widths``: each request's N for this
+    request's seed, the forest's root position and depth d (``rng.forest_position``) and ``Stream.DRAFT_DRAW``): N pairs (``widths``: each request's N for this
     forest) drawn without replacement from each draft joint Q, in draw order, read in one copy; a drafted EOS is not
     continued. Returns (per request [(beam, token, draft score)], log Q [R, S * V] float32: row r request r's, -inf
     past its beams)."""
     pairs, joint = reads.run(beam_sampling.sample(logits, scores, live, beam_params(beams, logits[0].device, widths),
-                                                  [b.prompt_len + b.steps + d - 1 for b in beams],
+                                                  [rng.forest_position(b.prompt_len + b.steps - 1, d) for b in beams],
                                                   rng.Stream.DRAFT_DRAW))
     return [[(p.beam, p.token, p.score) for p in ps] for ps in pairs], joint
 
@@ -354,7 +354,7 @@ def _draft_static(drafter, jobs: list[BeamDraftJob], leaf_logits: list[torch.Ten
             parent[det_t, :kk], token[det_t, :kk], score[det_t, :kk] = idx // V, idx % V, vals
             valid[det_t, :kk] = torch.isfinite(vals) & (cols[:, :kk] < width[det_t][:, None])
         if samp:  # ``_sampled_pairs`` on every T > 0 request
-            pos = torch.tensor([beams[k].prompt_len + beams[k].steps + d - 1 for k in samp], dtype=torch.int64,
+            pos = torch.tensor([rng.forest_position(beams[k].prompt_len + beams[k].steps - 1, d) for k in samp], dtype=torch.int64,
                                device=dev)
             st = beam_step(rows[samp_t], sc[samp_t].float(), live[samp_t], params_s, pos, rng.Stream.DRAFT_DRAW)
             ws = st.valid.shape[1]
