@@ -61,3 +61,46 @@ def test_structures_stay_bounded():
     many.index_text([t for k in range(50) for t in (7, k + 100)])
     assert len(many.propose([7])) == MAX_FOLLOWERS and max(many.propose([7]).values()) == pytest.approx(
         math.log(0.25))
+
+
+def test_beam_forests_at_t1_draw_the_cost_models_n():
+    """A T > 0 beam forest of the draft-free sources draws ``job.width`` nodes per depth (the cost model's N' < N)
+    and is booked with it: N' = 2 of N = 6 at depth 2 with room for 4 nodes gives 2 nodes per depth (drawing N = 6
+    filled the 4 at depth 1, a wide and shallow forest booked under N')."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_dsbd.config import DSBDConfig
+    from vllm_dsbd.engine import reads
+    from vllm_dsbd.engine.beams.drafter import BeamDraftJob
+    from vllm_dsbd.engine.beams.step import step_one
+    from vllm_dsbd.engine.beams.trie import BeamRequest
+    from vllm_dsbd.engine.source_drafter import SourceDrafter
+    from vllm_dsbd.engine.state import RequestState
+    from vllm_dsbd.requests import BeamParams
+
+    V, P = 50, 6
+    prompt = [1, 2, 3, 4, 5, 6]
+    # the drafter's view of a runner: its device and vocabulary
+    runner = SimpleNamespace(device="cpu", model_config=SimpleNamespace(get_vocab_size=lambda: V))
+    cfg = DSBDConfig(draft=False, width=2, verify_budget=None, sources=("recycle",))
+    drafter = SourceDrafter(runner, cfg)
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8, ignore_eos=True), P, temperature=0.0, seed=3, nodes=6)
+    row = torch.full((1, V), -30.0)
+    row[0, 3], row[0, 5] = 10.0, 9.5
+    assert beam.partial(row) is None
+    step_one(beam, None)  # the first step: live beams "3" and "5"; then beam sampling (T = 1) drafts
+    beam.temperature = 1.0
+    st = RequestState(req_id="b", seed=3, width=2, temperature=1.0, top_k=0, top_p=1.0, eos=-1, max_tokens=8,
+                      beam=beam)
+    src = SourceIndex(recycle=True, lookup=False)
+    for a in range(V):  # every context has 8 candidates
+        for b in range(V):
+            src.add_row([a, b], list(range(10, 18)), [-2.0] * 8)
+    st.sources = src
+    job = BeamDraftJob(st, 0, prompt, 0, depth=2, max_nodes=4, nodes=2)
+    reads.run(drafter.propose_beam_forests([job]))
+    f = beam.forest
+    assert f is not None and f.nodes == 2
+    assert f.layers == [1, 1, 2, 2]

@@ -152,7 +152,8 @@ class SourceDrafter:
     def propose_beam_forests(self, jobs: list[BeamDraftJob]) -> reads.Reader[None]:
         """Every job's forest (``state.beam.forest``): depth by depth, T = 0 the N best (beam, token) pairs by
         cumulative score + the sources' estimate (EOS excluded), T > 0 N draws without replacement from Q (the
-        sources' rows at the request's temperature, kept for the verification). A reader (no read at T = 0)."""
+        sources' rows at the request's temperature, kept for the verification); N is ``job.width`` (the cost model's
+        N' where it chose one), the N the forest is booked with. A reader (no read at T = 0)."""
         V = self.runner.model_config.get_vocab_size()
         dev = self.runner.device
         for job in jobs:
@@ -180,8 +181,9 @@ class SourceDrafter:
                     if not live_np.any():
                         break
                     got, joint = yield from beam_sampling.sample(
-                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(), beam_params([beam], dev, True),
-                        [beam.prompt_len + beam.steps + d - 1], rng.Stream.DRAFT_DRAW)
+                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(),
+                        beam_params([beam], dev, [job.width]), [beam.prompt_len + beam.steps + d - 1],
+                        rng.Stream.DRAFT_DRAW)
                     pairs, q = [(p.beam, p.token, p.score) for p in got[0]], joint[0]
                 if not pairs:
                     break
