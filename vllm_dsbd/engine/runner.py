@@ -382,7 +382,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, *_ = reads.run(reads.gather(
-            harvest(logits, recycled) if recycled else None,
+            harvest(logits, recycled, self.dsbd_verify_elements) if recycled else None,
             sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
                            forest_static=self.dsbd_static, fused=self.dsbd_fused, budget=self.dsbd_verify_elements,
                            penalized=pen if any(p is not None for p in pen) else None) if spec else None,
