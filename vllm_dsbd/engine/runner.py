@@ -288,7 +288,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         rows, self._dsbd_prompt_rows = self._dsbd_prompt_rows, []
         hidden = out[0] if isinstance(out, tuple) else out  # a head's target: (hidden states, auxiliary states)
         if rows and isinstance(hidden, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
-            recycle_prompt(self.model, hidden, rows)
+            recycle_prompt(self.model, hidden, rows, self.dsbd_verify_elements)
         return out
 
     def execute_model(self, *args, **kwargs):

@@ -293,13 +293,16 @@ def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig) ->
     return out
 
 
-def recycle_prompt(model, hidden: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> None:
+def recycle_prompt(model, hidden: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]],
+                   budget: int | None = None) -> None:
     """The recycle source's intake of prompt rows: the target's LM head over their hidden states (which vLLM leaves
-    without logits), in chunks, each row's ``RECYCLE_K`` best tokens into its request's table."""
+    without logits), in chunks, each row's ``RECYCLE_K`` best tokens into its request's table (:func:`harvest`, under
+    ``budget``)."""
     for a in range(0, len(rows), PROMPT_CHUNK):
         part = rows[a : a + PROMPT_CHUNK]
         idx = torch.tensor([r for _, r, _ in part], dtype=torch.int64, device=hidden.device)
-        reads.run(harvest(model.compute_logits(hidden[idx]), [(st, k, ctx) for k, (st, _, ctx) in enumerate(part)]))
+        reads.run(harvest(model.compute_logits(hidden[idx]), [(st, k, ctx) for k, (st, _, ctx) in enumerate(part)],
+                          budget))
 
 
 # float32 [rows, V] blocks one chunk of the harvest holds at once: the rows' gather (and their float copy where the
