@@ -510,3 +510,39 @@ def test_running_sums_choose_the_shapes_of_the_full_sums(seed, monkeypatch):
             step.set(i, s)
             ref.set(i, s)
             assert step.ratio() == ref.ratio()
+
+
+def test_the_draft_catch_up_is_priced_as_it_runs():
+    """``shapes._catch_ups`` (the runner's pass-0 tokens of each request, with a draft model): a plain request that
+    drafted last step catches up its emitted tokens, one idle for 30 steps its 31, a new one 1 (its prompt's catch-up,
+    the draft's prefill, is paid once whatever the choice and not priced), a beam request its nodes without draft K/V
+    below the trie, at least its W leaves; no cost model or no draft model: None (every candidate's leaves)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_dsbd.engine.beams.trie import BeamRequest
+    from vllm_dsbd.engine.shapes import ShapePlanMixin
+    from vllm_dsbd.engine.state import RequestState
+    from vllm_dsbd.requests import BeamParams
+
+    def plain(draft_len):
+        return RequestState(req_id="p", seed=0, width=2, temperature=0.0, top_k=0, top_p=1.0, eos=-1, max_tokens=None,
+                            draft_len=draft_len)
+
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8), 30, 0.0, 0)
+    beam.tokens, beam.parents, beam.depths, beam.has_draft = [5, 6, 7, 8, 9], [-1, -1, 0, 1, 2], [1, 1, 2, 2, 3], \
+        [True, True, True, False, False]
+    states = {"drafted": plain(10), "new": plain(0), "idle": plain(50),
+              "beam": RequestState(req_id="b", seed=0, width=2, temperature=0.0, top_k=0, top_p=1.0, eos=-1,
+                                   max_tokens=None, draft_len=30, beam=beam)}
+    runner = ShapePlanMixin()
+    runner.dsbd_cfg, runner.dsbd_cost, runner.dsbd_requests = SimpleNamespace(draft=True), FLAT, states
+    runner.input_batch = SimpleNamespace(req_ids=list(states), num_tokens_no_spec=np.array([10, 100, 80, 35]),
+                                         num_prompt_tokens=np.array([5, 100, 20, 30]))
+    results = [SimpleNamespace(tokens=[1, 2, 3]), SimpleNamespace(tokens=[4]), SimpleNamespace(tokens=[4]), None]
+    assert runner._catch_ups(results) == [3, 1, 31, 2]
+    beam.has_draft = [True, False, False, False, False]  # nodes 1.. without draft K/V: 4 tokens
+    assert runner._catch_ups(results)[3] == 4
+    runner.dsbd_cfg = SimpleNamespace(draft=False)
+    assert runner._catch_ups(results) is None

@@ -10,11 +10,13 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   a chunk's working set stays under ``chunks.VERIFY_BUDGET`` elements (``sampler.verify``; each request's results do
   not depend on the others, so chunking changes no decision; a step reads the device once per chunk);
 * an account: :func:`profile_step`, the DSBD runner's ``profile_run`` on a device, runs vLLM's profiling run inside a
-  DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth (forests drafted by the drafter's
-  real loops with random draft logits in place of the draft model's passes, whose own memory vLLM's drafter dummy run
-  profiles; held while vLLM's target pass runs; one layer's forest-attention recompute over them at the longest
-  context; the target's logits of every forest row; verification on them; the next forests drafted while these are
-  still held), so the peak vLLM sizes the KV cache from covers the step.
+  DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth, for every engine that drafts
+  (forests from the engine's own drafter: a draft model's real loops with random draft logits in place of its passes,
+  whose own memory vLLM's drafter dummy run profiles, mixed with the sources where the engine mixes them; or the
+  draft-free sources' from an index proposing full-width forests; held while vLLM's target pass runs; the recycle
+  source's prompt chunk; one layer's forest-attention recompute over them at the longest context; the target's
+  logits of every forest row; verification on them with the harvest beside it; the next forests drafted while these
+  are still held), so the peak vLLM sizes the KV cache from covers the step.
 
 This module is the account; ``chunks.py`` the bound (a leaf: the sampler imports it, and this module imports the
 sampler and the drafter). Penalized requests' target rows are copied and penalized chunk by chunk
@@ -205,7 +207,8 @@ def profile_step(runner, target_pass) -> None:
     a DSBD step's device work on dummy data at ``max_num_seqs`` plain requests of full width and depth, so that the
     peak vLLM sizes the KV cache from covers the step (module docstring): the forests the step verifies are held during
     the target pass, then the logits of every forest row are verified and the next forests drafted while those are
-    still held. Without a draft model just ``target_pass`` (no forests: one row per request, as vLLM's own dummy)."""
+    still held. An engine that drafts no forest just runs ``target_pass`` (one row per request, as vLLM's own
+    dummy)."""
     from . import reads, sampler
     from .source_drafter import harvest
     from .state import PendingForest

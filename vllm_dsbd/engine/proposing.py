@@ -32,7 +32,7 @@ class ProposeMixin:
         if self._dsbd_head:
             self._keep_head_features(results, discard)
         cfg, jobs, beam_jobs = self.dsbd_cfg, [], []
-        levels = self._load_levels(discard)
+        levels = self._load_levels(discard, results)
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if discard[i] or st is None:
