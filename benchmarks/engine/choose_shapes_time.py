@@ -6,12 +6,12 @@ full sums it used until 2026-12-06, side by side.
 "Before" is the same ``choose_shapes`` with ``_Step``'s ratio computed as it was (``math.fsum`` over every request's
 expected tokens and a scan of every request's shape for a drafting one at each call: O(R) per call, R calls per sweep
 and more, so O(R^2) a step) and the table's interpolation as it was (a list of its sizes built at every call); "after"
-is the shipped code (running sums: O(depth) a call). Both choose the same
-shapes (checked here on every batch, and in ``tests/unit/test_cost.py``). Batches: the default engine's plain
-requests (W = 2, G = 3: N' in {1, 2}, the audit's case), and a mix of plain requests of W = 4 and T = 0 beam requests
-of W = 4, N = 16 (N' in 4, 6, 8, 11, 16). Rates are random per request (seeded), the table a CPU-like one whose
-passes are flat up to a few hundred tokens (a GPU's), so most requests draft. Each cell is the best of ``--repeats`` runs, before and after alternating, in one
-process; prints a markdown table.
+is the shipped code (running sums: O(depth) a call). Both choose the same shapes (checked here on every batch, and
+in ``tests/unit/test_cost.py``). Batches: the default engine's plain requests (W = 2, G = 3: N' in {1, 2}, the
+audit's case), and a mix of plain requests of W = 4 and T = 0 beam requests of W = 4, N = 16 (N' in 4, 6, 8, 11,
+16). Rates are random per request (seeded); the table's passes are flat up to a few hundred tokens (a GPU's), so most
+requests draft. Each cell is the best of ``--repeats`` runs, before and after alternating, in one process; prints a
+markdown table.
 """
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ def measure(kind: str, R: int, target, draft) -> dict:
     if kind == "mixed":
         spec.update(model=str(draft), sources=["model", "recycle", "lookup"])
     llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-                   enable_prefix_caching=False, max_num_seqs=R, max_num_batched_tokens=max(R * (1 + W * G), 512),
-                   speculative_config=spec)
+                   enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=R,
+                   max_num_batched_tokens=max(R * (1 + W * G), 512), speculative_config=spec)
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         _, vllm_only = peak_bytes(runner.profile_run)
@@ -113,8 +113,8 @@ def main() -> None:
     _pad_proposals()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, {platform.machine()}; V = {V}, W = {W}, "
           f"G = {G}\n")
-    print("| engine | R | vLLM's profile alone MiB | with DSBD's dummy step MiB | measured run MiB | profile / measured "
-          "| forest nodes per draft |")
+    print("| engine | R | vLLM's profile alone MiB | with DSBD's dummy step MiB | measured run MiB "
+          "| profile / measured | forest nodes per draft |")
     print("|---|---|---|---|---|---|---|")
     mib = 2.0**20
     for kind in a.engines:
