@@ -2,7 +2,7 @@
 (``memory.profile_step``, what a device reserves before sizing the KV cache) against the peak of a real run of a full
 batch at full forests, for the default engine (draft-free sources) and a draft mixed with the sources (CPU, scaled).
 
-    .venv/bin/python benchmarks/engine/memory_profile.py [--batches 64 256] [--engines sources mixed]
+    .venv/bin/python benchmarks/engine/memory_profile.py [--batches 64 256] [--engines sources mixed] [--vocab V]
 
 Real vLLM 0.26.0 on CPU, torch's CPU allocator records (``vllm_dsbd.testing.mem_peak``). The model is a tiny random
 Llama with the full 128,000-token vocabulary but hidden size 128 and one layer (its draft: the same layer, truncated),
@@ -10,11 +10,13 @@ so every ``[rows, V]`` block (logits, the forests' draft joints ``[R, G, W * V]`
 verification's chunks, the harvest) is full size and the model's own activations are small: the peaks are DSBD's
 per-step working memory at full vocabulary, not a large model's. W = 2, G = 3 (the default engine's), pinned
 speculation, ``max_num_seqs`` = R and batched tokens for a full step. Requests: R at once, T = 1 with top-k and top-p,
-all three penalties, min_p and a logit bias (the widest paths), prompts of 16 tokens, 4 output tokens. Full forests:
+all three penalties, min_p and a logit bias (the widest paths), prompts of 16 tokens, 8 output tokens. Full forests:
 a random model's text rarely repeats, so the sources' proposals are padded to 8 candidates after every context (a
 benchmark hook on ``SourceIndex.propose``; Q is still what the drafts are drawn from, acceptance is not measured
 here). Columns: vLLM's profiling run alone (what was reserved for the draft-free engine before 2026-12-06: its dummy
 step returned early without a draft model), with DSBD's dummy step, the measured run, and the profile's margin.
+``--vocab`` scales the vocabulary down where 128k does not fit the machine's memory (DSBD's blocks grow with R * V:
+the last column multiplies the measured run back, an estimate).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-W, G, V, PROMPT, OUT = 2, 3, 128_000, 16, 4
+W, G, FULL_V, PROMPT, OUT = 2, 3, 128_000, 16, 8
 
 
 def _pad_proposals():
@@ -50,7 +52,7 @@ def _pad_proposals():
     sources.SourceIndex.propose = propose
 
 
-def measure(kind: str, R: int, target, draft) -> dict:
+def measure(kind: str, R: int, target, draft, V: int) -> dict:
     import vllm
 
     from vllm_dsbd.engine import memory
@@ -106,23 +108,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--engines", nargs="+", default=["sources", "mixed"])
+    ap.add_argument("--vocab", type=int, default=FULL_V)
     a = ap.parse_args()
     from vllm_dsbd.testing.models import tiny_llama_pair
 
+    V = a.vocab
     target, draft = tiny_llama_pair(vocab_size=V, target_layers=1, draft_layers=1, draft_init="truncate")
     _pad_proposals()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, {platform.machine()}; V = {V}, W = {W}, "
           f"G = {G}\n")
-    print("| engine | R | vLLM's profile alone MiB | with DSBD's dummy step MiB | measured run MiB "
-          "| profile / measured | forest nodes per draft |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | R | V | vLLM's profile alone MiB | with DSBD's dummy step MiB | measured run MiB "
+          "| profile / measured | forest nodes per draft | measured at V = 128k, est. MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     mib = 2.0**20
-    for kind in a.engines:
-        for R in a.batches:
-            m = measure(kind, R, target, draft)
+    for R in a.batches:
+        for kind in a.engines:
+            m = measure(kind, R, target, draft, V)
             name = "draft-free (recycle + lookup)" if kind == "sources" else "draft mixed with the sources"
-            print(f"| {name} | {R} | {m['vllm_only'] / mib:.0f} | {m['profiled'] / mib:.0f} | {m['step'] / mib:.0f} | "
-                  f"{m['profiled'] / m['step']:.2f} | {m['nodes']:.1f} |", flush=True)
+            full = m["step"] * FULL_V / V  # its large blocks all grow with V (logits, joints, rows, sampler)
+            print(f"| {name} | {R} | {V} | {m['vllm_only'] / mib:.0f} | {m['profiled'] / mib:.0f} | "
+                  f"{m['step'] / mib:.0f} | {m['profiled'] / m['step']:.2f} | {m['nodes']:.1f} | {full / mib:.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

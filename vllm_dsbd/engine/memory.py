@@ -93,7 +93,7 @@ def _full_sources(cfg, vocab: int):
     return src
 
 
-def _UNUSED(vocab: int) -> list[int]:  # noqa: N802
+def _unread_context(vocab: int) -> list[int]:
     """The context the dummy harvests key their rows by: one the dummy forests never look up (their tokens are the
     candidates), so the next forests stay full."""
     return [vocab - 1, vocab - 1]
@@ -160,7 +160,7 @@ def _prompt_chunk(runner, states, vocab: int, gen: torch.Generator) -> None:
     n = min(PROMPT_CHUNK, runner.scheduler_config.max_num_batched_tokens)
     hidden = torch.rand(n, runner.model_config.get_hidden_size(), dtype=runner.dtype, device=runner.device,
                         generator=gen)
-    recycle_prompt(runner.model, hidden, [(states[k % len(states)], k, _UNUSED(vocab)) for k in range(n)],
+    recycle_prompt(runner.model, hidden, [(states[k % len(states)], k, _unread_context(vocab)) for k in range(n)],
                    runner.dsbd_verify_elements)
 
 
@@ -252,7 +252,7 @@ def profile_step(runner, target_pass) -> None:
     rows = []
     if recycle:
         for r in plan:
-            rows += [(r.state, r.first_row + c, _UNUSED(vocab)) for c in range(1 + r.num_nodes)]
+            rows += [(r.state, r.first_row + c, _unread_context(vocab)) for c in range(1 + r.num_nodes)]
     reads.run(reads.gather(
         harvest(logits, rows, runner.dsbd_verify_elements) if rows else None,
         sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
