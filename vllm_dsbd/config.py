@@ -8,16 +8,17 @@ Where the settings come from (the plugin's patch ``vllm_dsbd.patches.dsbd_knobs`
 
 ``num_speculative_tokens`` as the user gives it is the draft **depth** G. The scheduler must reserve one slot per
 scheduled "draft token": a forest has up to ``N = max(width, beam_nodes)`` nodes per depth (``width`` for plain
-requests, ``beam_nodes`` for beam requests), and a beam request also schedules its ``width - 1`` live leaves after
-vLLM's last token, so the plugin builds vLLM's ``SpeculativeConfig`` with ``num_speculative_tokens = N * depth +
-width - 1`` (:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
+requests, ``beam_nodes`` for beam requests), and a beam request of width W schedules its W - 1 live leaves after
+vLLM's last token (W up to ``max_beam_width``, 64 by default, whatever ``width``), so the plugin builds vLLM's
+``SpeculativeConfig`` with ``num_speculative_tokens = max(N * depth + width - 1, max_beam_width - 1)``
+(:attr:`DSBDConfig.num_speculative_slots`); the depth stays here.
 
 Without a ``model`` (``speculative_config={"method": "dsbd", "width": 4}``) the engine has no draft model
 (``draft=False``) and drafts its forests from draft-free sources (``sources``, default ``["recycle", "lookup"]``:
 the target's own recycled top tokens and lookup in the request's text; depth 3 unless given). With ``"sources": []``
 it drafts nothing (depth 0): beam requests are in-engine beam search / beam sampling with no forests, other requests
-are sampled from the target, one target pass per token, and ``num_speculative_tokens`` is ``max(1, width - 1)``
-(a beam request's leaves; vLLM needs at least 1).
+are sampled from the target, one target pass per token, and ``num_speculative_tokens`` is ``max(1, width - 1,
+max_beam_width - 1)`` (a beam request's leaves; vLLM needs at least 1).
 
 Per-request settings and checks (``extra_args["dsbd_width"]``, ``["dsbd_beam"]``) are in ``vllm_dsbd/requests.py``.
 
@@ -30,7 +31,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "AUTO_COST", "DEFAULT_DEPTH", "METHOD", "DSBDConfig", "uses_dsbd"]
+__all__ = ["ADDITIONAL_CONFIG_KEY", "AUTO_BUDGET", "AUTO_COST", "DEFAULT_DEPTH", "DEFAULT_MAX_BEAM_WIDTH", "METHOD",
+           "DSBDConfig", "uses_dsbd"]
 
 METHOD = "dsbd"  # the value of --speculative-method / speculative_config["method"]
 ADDITIONAL_CONFIG_KEY = "dsbd"  # VllmConfig.additional_config[ADDITIONAL_CONFIG_KEY]
@@ -38,6 +40,9 @@ MODES = ("sample", "single", "full")
 AUTO_BUDGET = "auto"  # verify_budget: measured at start-up (engine/load.py)
 AUTO_COST = "auto"  # cost_model: the table measured at start-up (engine/cost.py)
 COST_TABLE_KEYS = ("target_ms", "draft_ms", "step_ms")  # a pinned cost_model table
+# the most beams of a beam request when 'max_beam_width' is not given (vLLM's loop has no bound; 64 leaves cost 63
+# scheduler slots per request, see DSBDConfig.num_speculative_slots)
+DEFAULT_MAX_BEAM_WIDTH = 64
 DEFAULT_DEPTH = 3  # the draft depth when an engine that drafts (a draft model or draft-free sources) is given none
 SOURCES = ("model", "recycle", "lookup")  # where forest nodes come from (``DSBDConfig.sources``)
 FREE_SOURCES = ("recycle", "lookup")  # the default without a draft model
@@ -109,6 +114,13 @@ class DSBDConfig:
             sizes its per-request block tables and token buffers for ``max(max_model_len, max_beam_slots)``
             (:meth:`slot_len`) and refuses to start when its KV pool cannot hold one such request. None (default):
             ``max_model_len`` (beam slots count against the context length, as before).
+        max_beam_width: the most beams one beam request may have (``LLM.beam_search``'s ``beam_width``, OpenAI
+            ``n``, ``dsbd_beam``'s ``width``), apart from ``width`` (plain requests' draft nodes per depth). A beam
+            request of width W schedules its W - 1 leaves as draft tokens, so the scheduler's slots per request
+            (:attr:`num_speculative_slots`) are at least ``max_beam_width - 1``; its forest takes the slots left
+            (narrowed, or none at the widest). None (default): ``max(width, DEFAULT_MAX_BEAM_WIDTH)`` = 64 for the
+            default width, or ``width`` with ``full_cuda_graphs`` (whose graphs replay passes of exactly 1 +
+            ``num_speculative_tokens`` tokens per request).
     """
 
     width: int = 2
@@ -124,6 +136,7 @@ class DSBDConfig:
     beam_nodes: int | None = None
     sources: tuple[str, ...] | None = None
     max_beam_slots: int | None = None
+    max_beam_width: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, bool):
@@ -180,6 +193,13 @@ class DSBDConfig:
         if m is not None and (not _is_int(m) or m < 1):
             raise ValueError(f"DSBD config: 'max_beam_slots' must be an integer >= 1 (KV slots per beam request) or "
                              f"null (max_model_len), got {m!r}")
+        b = self.max_beam_width
+        if b is None:
+            object.__setattr__(self, "max_beam_width", self.width if self.full_cuda_graphs
+                               else max(self.width, DEFAULT_MAX_BEAM_WIDTH))
+        elif not _is_int(b) or b < 1:
+            raise ValueError(f"DSBD config: 'max_beam_width' must be an integer >= 1 (the most beams of a beam "
+                             f"request) or null ({DEFAULT_MAX_BEAM_WIDTH}, or 'width' when larger), got {b!r}")
 
     def slot_len(self, max_model_len: int) -> int:
         """The most KV slots (tokens in vLLM's list) one request may hold in the engine: ``max_model_len``, or
@@ -296,23 +316,30 @@ class DSBDConfig:
                 for f in dataclasses.fields(self)}
 
     @property
-    def num_speculative_slots(self) -> int:
-        """Speculative token slots the scheduler reserves per request, ``N * depth + width - 1``: one per forest node
-        (``N`` = :attr:`max_beam_nodes` >= ``width`` per depth), plus the ``width - 1`` leaves a beam request schedules
-        before its forest; without a forest source ``max(1, width - 1)`` (the leaves; vLLM requires
-        ``num_speculative_tokens >= 1``).
-
-        This is what vLLM's ``SpeculativeConfig.num_speculative_tokens`` holds for method "dsbd".
-        """
+    def forest_slots(self) -> int:
+        """Slots a full forest step takes, ``N * depth + width - 1``: one per forest node (``N`` =
+        :attr:`max_beam_nodes` >= ``width`` per depth) plus the ``width - 1`` leaves of a beam request of the engine's
+        width; without a forest source ``max(1, width - 1)``. A draft model writes a forest's draft K/V ahead of the
+        target, so this many KV slots are vLLM's lookahead per request (patch ``beam_scheduler``)."""
         if not self.drafting:
             return max(1, self.width - 1)
         return self.max_beam_nodes * self.depth + self.width - 1
 
+    @property
+    def num_speculative_slots(self) -> int:
+        """Speculative token slots the scheduler reserves per request: :attr:`forest_slots`, or the
+        ``max_beam_width - 1`` leaves of the widest beam request when more (its forest takes what is left).
+
+        This is what vLLM's ``SpeculativeConfig.num_speculative_tokens`` holds for method "dsbd".
+        """
+        return max(self.forest_slots, self.max_beam_width - 1)
+
     def _slots_rule(self) -> str:
-        if not self.drafting:
-            return f"max(1, width-1) = {self.num_speculative_slots} slots (width {self.width}, no draft model)"
-        return (f"N*depth + width-1 = {self.num_speculative_slots} slots (N = beam_nodes or width = "
-                f"{self.max_beam_nodes}, width {self.width}, depth {self.depth})")
+        forest = (f"max(1, width-1) = {self.forest_slots} (width {self.width}, no forest source)" if not self.drafting
+                  else f"N*depth + width-1 = {self.forest_slots} (N = beam_nodes or width = {self.max_beam_nodes}, "
+                  f"width {self.width}, depth {self.depth})")
+        return f"{self.num_speculative_slots} slots: the larger of {forest} and max_beam_width-1 = " \
+               f"{self.max_beam_width - 1}"
 
     def describe(self) -> str:
         """The settings and what they mean, in one line: a DSBD engine's start-up log line (``engine/runner.py``).
@@ -325,8 +352,12 @@ class DSBDConfig:
             (f"width*depth + width-1: {self.width * self.depth} forest nodes + {leaves}"
              if self.max_beam_nodes == self.width else
              f"beam_nodes*depth + width-1: {self.max_beam_nodes * self.depth} beam-forest nodes + {leaves}"))
+        if self.num_speculative_slots > self.forest_slots:
+            slots = (f"vLLM's num_spec_tokens={self.num_speculative_slots} is the scheduler's slots per request, "
+                     f"max_beam_width-1: the leaves of a beam request of up to {self.max_beam_width} beams (its "
+                     f"forest in the slots left), more than a full forest step's {self.forest_slots}")
         if not self.drafting:
-            beams = f"{self.width} beam{'s' if self.width > 1 else ''}"
+            beams = f"{self.max_beam_width} beam{'s' if self.max_beam_width > 1 else ''}"
             return (f"width {self.width}, no draft model and no forest source: beam requests (up to {beams}) run beam search / beam "
                     f"sampling in the engine, other requests one target pass per token; {slots}")
         if self.mode == "sample":

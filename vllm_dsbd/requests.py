@@ -6,7 +6,8 @@ sampling settings it refuses.
 * ``extra_args["dsbd_beam"] = {...}`` makes the request a beam request (beam search or beam sampling inside the
   engine): :class:`BeamParams` (its ``nodes``: the draft forest's nodes per depth, ``width <= nodes <= beam_nodes``).
 * :func:`check_request` validates a request when vLLM admits it (patch ``request_validation``), so a bad request is
-  refused with a message naming the parameter and the engine keeps serving.
+  refused with a message naming the parameter and the engine keeps serving; :class:`RequestLimits` carries what the
+  front end knows of the model (vocabulary, context length, tokenizer) to bound token ids and the length penalty.
 
 This module imports no torch and no vLLM.
 """
@@ -19,7 +20,8 @@ from typing import Any
 
 from vllm_dsbd.config import METHOD, DSBDConfig
 
-__all__ = ["BEAM_KEY", "REQUEST_KEYS", "REQUEST_WIDTH_KEY", "BeamParams", "check_request", "request_width"]
+__all__ = ["BEAM_KEY", "REQUEST_KEYS", "REQUEST_WIDTH_KEY", "BeamParams", "RequestLimits", "check_request",
+           "request_width"]
 
 REQUEST_WIDTH_KEY = "dsbd_width"  # SamplingParams.extra_args[REQUEST_WIDTH_KEY]
 BEAM_KEY = "dsbd_beam"  # SamplingParams.extra_args[BEAM_KEY]: a beam request (BeamParams)
@@ -28,6 +30,22 @@ REQUEST_KEYS = (REQUEST_WIDTH_KEY, BEAM_KEY)
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the front end knows of the model that bounds a request's values (the patch ``request_validation`` reads it
+    from vLLM's ``ModelConfig``)."""
+
+    vocab: int  # the model's vocabulary size: token ids are in [0, vocab)
+    max_len: int  # max_model_len: a beam's length (prompt included) never exceeds it
+    tokenizer: bool = True  # False with ``skip_tokenizer_init``: no text, so no stop strings
+
+    def length_penalty_bound(self) -> float:
+        """The largest |length_penalty| for which ``n ** length_penalty`` is a finite, non-zero float for every
+        length n <= max_len + 1 (a beam's score divides by it; 1.8e308 ** 1 is the largest double, e ** -745 the
+        smallest): 700 / ln(max_len + 1), rounded down."""
+        return math.floor(700.0 / math.log(max(self.max_len, 2) + 1) * 100) / 100
 
 
 _BEAM_FIELDS = ("width", "max_tokens", "length_penalty", "ignore_eos", "eos_token_id", "n", "depth", "dynamic_width",
@@ -64,10 +82,14 @@ class BeamParams:
     diversity_penalty: float = 0.0
 
     @staticmethod
-    def parse(value: Any, max_width: int, max_nodes: int | None = None) -> "BeamParams":
-        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise. ``max_nodes``: the
-        most forest nodes per depth the engine reserves slots for (``DSBDConfig.max_beam_nodes``; None: no bound
-        here, for the front end, which the engine checks again)."""
+    def parse(value: Any, max_width: int, max_nodes: int | None = None,
+              limits: RequestLimits | None = None) -> "BeamParams":
+        """Validated settings; ``ValueError`` naming ``extra_args['dsbd_beam'][key]`` otherwise. ``max_width``: the
+        engine's ``DSBDConfig.max_beam_width``. ``max_nodes``: the most forest nodes per depth the engine reserves
+        slots for (``DSBDConfig.max_beam_nodes``, or the request's width when larger; None: no bound here, for the
+        front end, which the engine checks again). ``limits`` (the front end's): token ids below the vocabulary,
+        ``|length_penalty|`` within :meth:`RequestLimits.length_penalty_bound`, no ``stop`` strings without a
+        tokenizer."""
         name = f"extra_args[{BEAM_KEY!r}]"
         if isinstance(value, str):  # the OpenAI server's vllm_xargs carry strings and numbers, never mappings
             try:
@@ -92,13 +114,19 @@ class BeamParams:
 
         width = value.get("width")
         if isinstance(width, int) and not isinstance(width, bool) and width > max_width:
-            raise ValueError(f"{name}['width'] = {width} is above the engine's DSBD width {max_width} "
-                             "(start the engine with a larger 'width')")
+            raise ValueError(f"{name}['width'] = {width} is above the engine's {max_width} beams per request "
+                             f"(max_beam_width: a beam request of width W takes W - 1 scheduler slots for its "
+                             f"leaves; up to {max_width} fit, or start the engine with a larger 'max_beam_width')")
         width = integer("width", 1, max_width)
         n = integer("n", 1, width, required=False)
         lp = value.get("length_penalty", 1.0)
         if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
             raise ValueError(f"{name}['length_penalty'] must be a finite number, got {lp!r}")
+        if limits is not None and abs(lp) > (bound := limits.length_penalty_bound()):
+            raise ValueError(f"{name}['length_penalty'] = {lp!r}: |length_penalty| must be at most {bound} with "
+                             f"max_model_len {limits.max_len} (a beam's score divides by its length ** "
+                             "length_penalty, which must stay a finite, non-zero number)")
+        vocab = limits.vocab if limits is not None else None
         ign, dyn = value.get("ignore_eos", False), value.get("dynamic_width", False)
         rank = value.get("rank_by_score", False)
         inc = value.get("include_stop_str_in_output", False)
@@ -107,18 +135,24 @@ class BeamParams:
             if not isinstance(v, bool):
                 raise ValueError(f"{name}[{key!r}] must be true or false, got {v!r}")
         nodes = value.get("nodes")
+        if max_nodes is not None and isinstance(width, int):  # a request's own width is always a valid N
+            max_nodes = max(max_nodes, width)
         if max_nodes is not None and isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > max_nodes:
             raise ValueError(f"{name}['nodes'] = {nodes} is above the engine's {max_nodes} draft nodes per depth "
                              "(start the engine with a larger 'beam_nodes')")
         nodes = integer("nodes", width, max_nodes, required=False)
         ids = value.get("stop_token_ids") or []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"{name}['stop_token_ids'] must be a list of token ids (integers >= 0), got {ids!r}")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t < (vocab or t + 1) for t in ids):
+            span = f"in [0, {vocab - 1}], the model's vocabulary" if vocab else ">= 0"
+            raise ValueError(f"{name}['stop_token_ids'] must be a list of token ids (integers {span}), got {ids!r}")
         stop = value.get("stop") or []
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"{name}['stop'] must be a string or a list of non-empty strings, got {stop!r}")
+        if stop and limits is not None and not limits.tokenizer:
+            raise ValueError(f"{name}['stop']: stop strings need the model's tokenizer, and this engine runs with "
+                             "skip_tokenizer_init (no text); use 'stop_token_ids'")
         groups = integer("num_beam_groups", 1, width, required=False) or 1
         if width % groups:
             raise ValueError(f"{name}['num_beam_groups'] = {groups} must divide the width {width} (each group is a beam "
@@ -130,7 +164,8 @@ class BeamParams:
             raise ValueError(f"{name}['diversity_penalty'] = {dp} needs 'num_beam_groups' > 1 (the penalty acts "
                              "between groups)")
         return BeamParams(width=width, max_tokens=integer("max_tokens", 1), length_penalty=float(lp),
-                          ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, required=False), n=n,
+                          ignore_eos=ign, eos_token_id=integer("eos_token_id", 0, vocab - 1 if vocab else None,
+                                                               required=False), n=n,
                           depth=integer("depth", 0, required=False), dynamic_width=dyn, rank_by_score=rank,
                           nodes=nodes, stop_token_ids=tuple(ids), stop=tuple(stop), include_stop_str_in_output=inc,
                           num_beam_groups=groups, diversity_penalty=float(dp))
@@ -188,6 +223,10 @@ _RULES = (
 # ``prompt_logprobs`` (vLLM's runner computes them from the prompt rows, which a forest never shares) and
 # ``logprob_token_ids`` (gathered from each emitted token's target row, as vLLM's sampler does) are served on plain
 # requests; vLLM's beam search has neither, so a beam request that sets one is refused.
+# repetition_penalty divides positive logits and multiplies negative ones (vLLM allows any value > 0): within this range
+# a float32 logit below 3e32 in magnitude stays finite (vLLM's greedy sampler takes the argmax of infinities; DSBD's
+# verification would take log-probabilities of them)
+REPETITION_RANGE = (1e-6, 1e6)
 _LOGPROB_EXTRAS = (
     ("prompt_logprobs", lambda v: v is not None),
     ("logprob_token_ids", lambda v: v is not None),
@@ -221,8 +260,9 @@ def check_beam_logprobs(sampling_params: Any, beam: BeamParams) -> None:
                          "leave logprobs out, or do not stream")
 
 
-def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
-    """Validates one request for a DSBD engine; returns its width (:func:`request_width`).
+def check_request(sampling_params: Any, cfg: DSBDConfig, limits: RequestLimits | None = None) -> int:
+    """Validates one request for a DSBD engine; returns its width (:func:`request_width`). ``limits``: the model's
+    (the front end passes them; None: the checks that need them are skipped).
 
     Raises:
         ValueError: an unknown ``dsbd_*`` key in ``extra_args`` (named), a setting the DSBD engine does not apply
@@ -232,7 +272,10 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
             SamplingParams (the beams take them in ``dsbd_beam``, at any temperature),
             ``structured_outputs`` at T > 0, with a ``depth`` or with groups, ``logprobs`` above 2 * width, above 0 at T > 0 or streamed (DELTA), a penalty,
             or ``min_p``, ``min_tokens``, ``logit_bias``,
-            ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` or ``logprob_token_ids``.
+            ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` or ``logprob_token_ids``; with ``limits``:
+            a token id outside the vocabulary (``dsbd_beam`` ``eos_token_id`` / ``stop_token_ids``, and
+            ``allowed_token_ids``, which vLLM bounds by the tokenizer only), a ``length_penalty`` whose powers
+            overflow, or ``dsbd_beam`` ``stop`` strings on an engine without a tokenizer.
     """
     extra = getattr(sampling_params, "extra_args", None) or {}
     unknown = [k for k in extra if isinstance(k, str) and k.startswith("dsbd_") and k not in REQUEST_KEYS]
@@ -241,7 +284,7 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                          f"{', '.join(repr(k) for k in unknown)}; the DSBD request keys are {list(REQUEST_KEYS)}")
     if extra.get(BEAM_KEY) is not None:
         # ValueError naming extra_args['dsbd_beam'][key]
-        beam = BeamParams.parse(extra[BEAM_KEY], cfg.width, cfg.max_beam_nodes)
+        beam = BeamParams.parse(extra[BEAM_KEY], cfg.max_beam_width, cfg.max_beam_nodes, limits)
         if not cfg.drafting and beam.depth:
             raise ValueError(f"extra_args[{BEAM_KEY!r}]['depth'] = {beam.depth}: this DSBD engine has no forest source "
                              "(no draft model, 'sources': []), so its beam requests have no draft forest; leave 'depth' "
@@ -294,6 +337,15 @@ def check_request(sampling_params: Any, cfg: DSBDConfig) -> int:
                              "log-probability and alternatives; plain requests take "
                              f"{'it' if len(extras) == 1 else 'them'}")
         check_beam_logprobs(sampling_params, beam)
+    rep = getattr(sampling_params, "repetition_penalty", None)
+    if rep is not None and not REPETITION_RANGE[0] <= rep <= REPETITION_RANGE[1]:
+        raise ValueError(f"repetition_penalty must be in [{REPETITION_RANGE[0]:g}, {REPETITION_RANGE[1]:g}] on a DSBD "
+                         f"engine, got {rep!r}: further out, penalised float32 logits overflow to infinities, and the "
+                         "DSBD sampler needs finite log-probabilities to verify forests")
+    allowed = getattr(sampling_params, "allowed_token_ids", None)
+    if limits is not None and allowed and not all(_is_int(t) and 0 <= t < limits.vocab for t in allowed):
+        raise ValueError(f"allowed_token_ids: token ids must be in [0, {limits.vocab - 1}] (the model's vocabulary), "
+                         f"got {[t for t in allowed if not (_is_int(t) and 0 <= t < limits.vocab)][:8]}")
     bad = [name for name, is_set in _REFUSED if is_set(getattr(sampling_params, name, None))]
     if bad:
         names = ", ".join(bad)

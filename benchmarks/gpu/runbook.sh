@@ -12,9 +12,27 @@
 #   source .gpu/gpu_setup.sh && python -m pip install --no-deps --no-build-isolation .
 # RUNBOOK_CHECK_STEPS (default "default_config bench_bare") and RUNBOOK_ENGINES (default "plain dsbd_free dsbd") pick the steps; LM_ARGS
 # as for bench.sh (default: 2 prompts at batch 1, 48 new tokens, beam rows of 24 tokens).
+#
+# `benchmarks/gpu/runbook.sh decompose`: the loan's first vLLM call, before anything else (issue 47 item 1), a device
+# call of its own of at most 5 minutes: benchmarks/gpu/decompose.py (plain vLLM in four configurations, vLLM's ngram,
+# DSBD without forests and as a user starts it; step times, host phases, launches and synchronisations) within
+# DECOMPOSE_S seconds (default 230: with the bundle's unpacking and the install the call stays under 300 s), into
+# $OUT/decompose/ (README.md, decompose.json, decompose.log, gpu.txt). DECOMPOSE_ARGS adds arguments; for engines a
+# first run had no time for, DECOMPOSE_FROM=results/gpu/DATE/decompose DECOMPOSE_ARGS="--engines ngram,ngram_gpu"
+# merges the new rows into that run's decompose.json (committed first, so it travels with the working tree).
 set -u
 OUT=${OUT:-/tmp/dsbd-gpu-out}
 mkdir -p "$OUT"
+if [[ ${1:-} == decompose ]]; then
+  mkdir -p "$OUT/decompose"
+  [[ -n ${DECOMPOSE_FROM:-} ]] && cp "$DECOMPOSE_FROM/decompose.json" "$OUT/decompose/"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/decompose/gpu.txt"
+  t0=$(date +%s)
+  timeout $(( ${DECOMPOSE_S:-230} + 40 )) python benchmarks/gpu/decompose.py --budget-s "${DECOMPOSE_S:-230}" \
+    --out "$OUT/decompose" ${DECOMPOSE_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^\[W\|^(EngineCore" | tail -150
+  echo "runbook decompose: $(( $(date +%s) - t0 )) s of ${DECOMPOSE_S:-230}"
+  exit 0
+fi
 budget=${RUNBOOK_S:-500}
 start=$(date +%s)
 left() { echo $(( budget - ($(date +%s) - start) )); }

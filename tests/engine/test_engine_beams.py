@@ -17,7 +17,8 @@ own ``LLM.beam_search`` (its front-end loop) on a plain engine with the same flo
   gives the greedy tokens of the Hugging Face model;
 * a token budget too small for every leaf (6 tokens per step): a beam step split over several target passes gives
   the same beams;
-* bad beam requests (width above the engine's, n > width, a trie that may not fit max_model_len, structured outputs
+* bad beam requests (width above the engine's ``max_beam_width``, n > width, a trie that may not fit max_model_len,
+  structured outputs
   on beam sampling)
   raise a ValueError naming the parameter, and a good request afterwards still works;
 * beam sampling (T = 1, seeded) with forests: with the target as its own draft nearly every layer passes (<= 0.5
@@ -255,7 +256,7 @@ def dsbd(setup, plain):  # after plain: one engine at a time
                              for p, sp in zip(prompts, params)]
         # bad requests: a ValueError naming the parameter; the engine keeps serving
         bad = []
-        for bp, match in ((BeamSearchParams(beam_width=8, max_tokens=4), r"\['width'\] = 8 is above"),
+        for bp, match in ((BeamSearchParams(beam_width=65, max_tokens=4), r"\['width'\] = 65 is above.* up to 64 fit"),
                           (BeamSearchParams(beam_width=4, max_tokens=60), r"^max_tokens: a beam search of width 4")):
             with pytest.raises(ValueError, match=match) as err:
                 llm.beam_search([{"prompt_token_ids": SHORT[0]}], bp)

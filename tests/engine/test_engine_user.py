@@ -2,8 +2,8 @@
 on CPU, one DSBD engine (the tiny random Llama pair, width 4, depth 3, pinned draft shape). Checked:
 
 * the start-up line: the runner's ``DSBD engine: ...`` record says the depth, the width, the forest nodes verified
-  per target pass, the mode and what it means, and where vLLM's ``num_spec_tokens=15`` comes from (the config vLLM
-  built has 15);
+  per target pass, the mode and what it means, and where vLLM's ``num_spec_tokens=63`` comes from (the leaves of a
+  beam request of ``max_beam_width`` 64 beams, more than a full forest step's 15; the config vLLM built has 63);
 * vLLM's spec-decode counters count plain requests only: plain requests batched with a beam request move
   ``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` / ``_accepted_tokens_per_pos``
   by exactly DSBD's plain counts (``vllm:dsbd_iterations``, ``vllm:dsbd_draft_nodes``, the ``vllm:dsbd_layers_passed``
@@ -133,13 +133,13 @@ def test_startup_line_says_what_was_set_and_means(run):
     assert len(lines) == 1, run["log"]
     line = lines[0]
     print(line)
-    assert run["num_spec_tokens"] == WIDTH * DEPTH + WIDTH - 1 == 15
+    assert run["num_spec_tokens"] == max(WIDTH * DEPTH + WIDTH - 1, 64 - 1) == 63  # the 64-beam request's leaves
     for part in (f"draft depth {DEPTH} (num_speculative_tokens / --spec-tokens as given)",
                  f"width {WIDTH} (draft nodes per depth)", f"up to {WIDTH * DEPTH} forest nodes verified per target "
                  f"pass", f"up to {DEPTH + 1} tokens emitted per pass", "mode sample: every request is sampled "
                  "exactly from the target", "'dynamic_width' has no effect in this mode", "pinned",
-                 "vLLM's num_spec_tokens=15 is the scheduler's slots per request, width*depth + width-1: 12 forest "
-                 "nodes + a beam request's 3 leaves"):
+                 "vLLM's num_spec_tokens=63 is the scheduler's slots per request, max_beam_width-1: the leaves of a "
+                 "beam request of up to 64 beams (its forest in the slots left), more than a full forest step's 15"):
         assert part in line, (part, line)
 
 

@@ -16,7 +16,8 @@
 - ``with_eos``: a copy of a model folder whose tokenizer and configs name another token as EOS;
 - ``sharpened``: a copy of a model folder with its LM head scaled (a peakier draft for the beam law tests);
 - ``greedy_tokens``: greedy decoding with a Hugging Face next-token function (the oracle of several tests);
-- ``eos_pair_engine``: a DSBD engine on the tiny random Llama pair whose target ends sequences at a given token.
+- ``eos_pair_engine``: a DSBD engine on the tiny random Llama pair whose target ends sequences at a given token;
+- ``with_think_tokens``: a copy of a model folder whose tokenizer names two tokens ``<think>`` and ``</think>``.
 """
 import contextlib
 import functools
@@ -176,6 +177,38 @@ def with_eos(source, folder, eos: int):
             cfg = json.loads(path.read_text())
             cfg["eos_token_id"] = eos
             path.write_text(json.dumps(cfg))
+    return folder
+
+
+def with_think_tokens(source, folder, start: int, end: int):
+    """Copies the model folder ``source`` to ``folder`` with tokens ``start`` and ``end`` renamed ``<think>`` and
+    ``</think>`` (added tokens, not special: a reasoning parser finds them in the vocabulary, and the text shows them),
+    the weights unchanged: a tiny random model "thinks" until it emits token ``end``. Both must be BPE merges that no
+    other merge uses (their merges are dropped). Returns ``folder``."""
+    import json
+    import shutil
+
+    shutil.copytree(source, folder)
+    path = folder / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    names = {i: s for s, i in vocab.items()}
+    old = {names[start], names[end]}
+    assert not any(old & {a, b} for a, b in tok["model"]["merges"] if a + b not in old), "not leaf merges"
+    tok["model"]["merges"] = [[a, b] for a, b in tok["model"]["merges"] if a + b not in old]
+    for i, name in ((start, "<think>"), (end, "</think>")):
+        del vocab[names[i]]
+        vocab[name] = i
+        tok["added_tokens"].append({"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+                                    "normalized": False, "special": False})
+    path.write_text(json.dumps(tok))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for i, name in ((start, "<think>"), (end, "</think>")):
+        cfg.setdefault("added_tokens_decoder", {})[str(i)] = {
+            "content": name, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": False}
+    cfg_path.write_text(json.dumps(cfg))
     return folder
 
 

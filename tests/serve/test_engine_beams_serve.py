@@ -15,7 +15,8 @@ only asked for with ``dsbd_beam``). Every choice is
 equal (text, token ids, finish and stop reasons, the chosen tokens' logprobs to 1e-4), and with top-logprob
 alternatives (completions ``logprobs`` 2, chat ``top_logprobs`` 2: the 2 * n best tokens of the row per step in
 vLLM's loop, the beams' top rows on DSBD) those alternatives too (tokens equal, values to 1e-4). A width above the
-DSBD server's and a beam search that cannot fit ``max_model_len`` are 400s naming the parameter, and a good request
+DSBD server's ``max_beam_width`` (64) and a beam search that cannot fit ``max_model_len`` are 400s naming the
+parameter, and a good request
 afterwards still gets the same answer (``stop`` strings are served: test_beam_serving_stops.py). DSBD's beam
 counters on ``/metrics`` show draft forests verified
 and layers passed for the beam searches, and forests verified for the streamed requests.
@@ -100,7 +101,7 @@ def _beam_cmpl(prompt, width, **kw):
 
 
 BAD = [  # (path, payload, parameter named): DSBD server only
-    (*_cmpl(n=8), "n"),
+    (*_cmpl(n=65), "n"),  # above max_beam_width 64 (the default, whatever the server's width)
     (*_cmpl(n=WIDTH, max_tokens=100), "max_tokens"),  # 4 + 100 * 5 + 2 trie slots > max_model_len 256
 ]
 

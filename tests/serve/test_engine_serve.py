@@ -73,13 +73,15 @@ def plain_texts(tiny_pair):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPT_IDS],
                             vllm.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
         texts = [o.outputs[0].text for o in outs]
-        beams = llm.beam_search([{"prompt_token_ids": PROMPT_IDS[0]}],
-                                BeamSearchParams(beam_width=2, max_tokens=6))
         tok = llm.get_tokenizer()
-        beam_texts = []
-        for seq in beams[0].sequences:  # the server's choice text: generated tokens without a final EOS
-            gen = seq.tokens[len(PROMPT_IDS[0]):]
-            beam_texts.append(tok.decode(gen[:-1] if gen and gen[-1] == tok.eos_token_id else gen))
+        beam_texts = {}
+        for n in (2, 4):
+            beams = llm.beam_search([{"prompt_token_ids": PROMPT_IDS[0]}],
+                                    BeamSearchParams(beam_width=n, max_tokens=6))
+            beam_texts[n] = []
+            for seq in beams[0].sequences:  # the server's choice text: generated tokens without a final EOS
+                gen = seq.tokens[len(PROMPT_IDS[0]):]
+                beam_texts[n].append(tok.decode(gen[:-1] if gen and gen[-1] == tok.eos_token_id else gen))
         structured = {}
         for name, so, n in (("json_schema", StructuredOutputsParams(json=SCHEMA), 40),
                             ("json_object", StructuredOutputsParams(json_object=True), MAX_TOKENS)):
@@ -278,16 +280,18 @@ def test_logprobs_request_is_answered(server):
     assert len(content) == 5 and all(len(c["top_logprobs"]) == 2 for c in content)
 
 
-def test_use_beam_search_equals_plain_vllm(server, plain_texts):
-    """vLLM's own beam search (a front-end loop of one-token requests with logprobs) on the DSBD server."""
+@pytest.mark.parametrize("n", [2, 4])
+def test_use_beam_search_equals_plain_vllm(server, plain_texts, n):
+    """``use_beam_search`` on the DSBD server equals vLLM's own beam search (its front-end loop on plain vLLM), also at
+    n = 4, above the server's width 2 (a beam request's width does not depend on it: ``max_beam_width``)."""
     base, _, _ = server
-    out = _completion(base, prompt=PROMPT_IDS[0], max_tokens=6, use_beam_search=True, n=2)
-    assert [c["text"] for c in out["choices"]] == plain_texts[1]
+    out = _completion(base, prompt=PROMPT_IDS[0], max_tokens=6, use_beam_search=True, n=n)
+    assert [c["text"] for c in out["choices"]] == plain_texts[1][n]
 
 
 def test_structured_outputs_equal_plain_vllm(server, plain_texts):
     """OpenAI ``response_format`` (``json_schema``, ``json_object``) on the DSBD server: the
-    same greedy text as plain vLLM with the same structured outputs (such a request drafts no forest:
+    same greedy text as plain vLLM with the same structured outputs (its forests drafted under the grammar:
     docs/deviations.md D22), the schema's objects valid."""
     base, _, _ = server
     plain = plain_texts[2]

@@ -1,7 +1,9 @@
 """``engine/beams/`` without vLLM: the settings a beam request may give (also as a JSON string), one full-width step
 at T = 0 over a hand-made forest (which layers pass, which nodes are kept and where they move, what goes back to vLLM),
 the settled prefix vLLM outputs for the request after each step, how ``rank_by_score`` ranks an EOS kept with
-``ignore_eos``, and the candidates (2W best tokens of the row) every finished beam's token carries."""
+``ignore_eos``, and the candidates (2W best tokens of the row) every finished beam's token carries; the front end's
+bounds from the model (``RequestLimits``: token ids in the vocabulary, the length penalty, stop strings without a
+tokenizer, ``allowed_token_ids``, ``repetition_penalty``)."""
 from __future__ import annotations
 
 import pytest
@@ -10,16 +12,51 @@ import torch
 from vllm_dsbd.engine.beams.trie import BeamForest, BeamRequest, RowTop
 from vllm_dsbd.engine.beams.step import step_one
 from vllm_dsbd.engine.cost import Subforest, passed_by_width
-from vllm_dsbd.requests import BeamParams
+from vllm_dsbd.config import DSBDConfig
+from vllm_dsbd.requests import BeamParams, RequestLimits, check_request
 
 V, P = 8, 5
+LIMITS = RequestLimits(vocab=400, max_len=256)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"eos_token_id": 400}, r"\['eos_token_id'\] must be an integer in \[0, 399\], got 400"),
+    ({"eos_token_id": 10**12}, r"\['eos_token_id'\] must be an integer in \[0, 399\]"),
+    ({"stop_token_ids": [7, 400]}, r"\['stop_token_ids'\] must be a list of token ids \(integers in \[0, 399\]"),
+    ({"length_penalty": 1e308}, r"\['length_penalty'\] = 1e\+308: \|length_penalty\| must be at most 126\.14"),
+    ({"length_penalty": -127.0}, r"\['length_penalty'\] = -127.0: \|length_penalty\| must be at most"),
+])
+def test_beam_values_bounded_by_the_model(extra, match):
+    beam = {"width": 2, "max_tokens": 4, **extra}
+    with pytest.raises(ValueError, match=match):
+        BeamParams.parse(beam, 4, limits=LIMITS)
+    BeamParams.parse(beam, 4)  # no limits: the worker's parse (the front end refused it already)
+
+
+def test_front_end_limits_in_check_request():
+    from vllm import SamplingParams
+
+    cfg = DSBDConfig(width=4)
+    ok = {"width": 2, "max_tokens": 4, "eos_token_id": 399, "stop_token_ids": [399], "length_penalty": -126.0}
+    assert check_request(SamplingParams(max_tokens=14, extra_args={"dsbd_beam": ok}), cfg, LIMITS) == 4
+    assert 257.0 ** 126.14 < float("inf") and 257.0 ** -126.14 > 0.0
+    with pytest.raises(ValueError, match=r"\['stop'\]: stop strings need the model's tokenizer"):
+        check_request(SamplingParams(max_tokens=14, ignore_eos=True, extra_args={"dsbd_beam": {
+            "width": 2, "max_tokens": 4, "stop": ["x"]}}), cfg, RequestLimits(400, 256, tokenizer=False))
+    with pytest.raises(ValueError, match=r"^allowed_token_ids: token ids must be in \[0, 399\].*\[400\]"):
+        check_request(SamplingParams(allowed_token_ids=[3, 400]), cfg, LIMITS)
+    for rep in (1e-7, 1e7):
+        with pytest.raises(ValueError, match=r"^repetition_penalty must be in \[1e-06, 1e\+06\]"):
+            check_request(SamplingParams(repetition_penalty=rep), cfg, LIMITS)
+    assert check_request(SamplingParams(repetition_penalty=1e-6, allowed_token_ids=[399]), cfg, LIMITS) == 4
 
 
 @pytest.mark.parametrize("value, match", [
     ({"width": 2, "max_tokens": 4, "depth": -1}, r"\['depth'\] must be an integer in >= 0, got -1"),
     ({"width": 2, "max_tokens": 4, "depth": "2"}, r"\['depth'\] must be an integer"),
     ({"width": 2, "max_tokens": 4, "depth": True}, r"\['depth'\] must be an integer"),
-    ({"width": 8, "max_tokens": 4}, r"\['width'\] = 8 is above the engine's DSBD width 4"),
+    ({"width": 8, "max_tokens": 4},
+     r"\['width'\] = 8 is above the engine's 4 beams per request \(max_beam_width.*up to 4 fit"),
     ({"width": 2, "max_tokens": 0}, r"\['max_tokens'\] must be an integer in >= 1"),
     ({"width": 2, "max_tokens": 4, "n": 3}, r"\['n'\] must be an integer in \[1, 2\]"),
     ({"width": 2, "max_tokens": 4, "length_penalty": float("nan")}, r"\['length_penalty'\] must be a finite"),

@@ -38,7 +38,7 @@ from vllm_dsbd.patches import PatchError  # noqa: E402
 from vllm_dsbd.patches.spec_method_literal import literal_values  # noqa: E402
 
 ALLOWED = ["width", "depth", "min_width", "width_threshold", "dynamic_width", "mode", "draft", "verify_budget",
-           "cost_model", "full_cuda_graphs", "beam_nodes", "sources", "max_beam_slots"]
+           "cost_model", "full_cuda_graphs", "beam_nodes", "sources", "max_beam_slots", "max_beam_width"]
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +276,8 @@ def test_cli_speculative_method_dsbd(pair, flag):
     spec = vc.speculative_config
     assert spec.method == "dsbd" and spec.uses_draft_model() and spec.draft_model_config.model == draft
     assert vc.additional_config["dsbd"] == DSBDConfig(depth=3).to_dict()
-    assert spec.num_speculative_tokens == 2 * 3 + 1  # default width 2 x depth 3 forest slots + 1 beam leaf
+    # default width 2 x depth 3 forest slots + 1 beam leaf = 7, below the 63 leaves of a 64-beam request
+    assert spec.num_speculative_tokens == max(2 * 3 + 1, 63)
 
 
 def test_cli_additional_config_and_bad_method(pair, capsys):
@@ -287,7 +288,7 @@ def test_cli_additional_config_and_bad_method(pair, capsys):
     )
     vc = ea.create_engine_config()
     assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=2, mode="single")
-    assert vc.speculative_config.num_speculative_tokens == 4 * 2 + 3
+    assert vc.speculative_config.num_speculative_tokens == max(4 * 2 + 3, 63)
     with pytest.raises(SystemExit):
         serve_parser().parse_args([target, "--speculative-method", "beam"])
     assert "invalid choice: 'beam'" in capsys.readouterr().err
@@ -300,20 +301,20 @@ def test_engine_args_dsbd(pair):
     spec = vc.speculative_config
     assert spec.method == "dsbd" and spec.uses_draft_model()
     assert spec.draft_model_config.model == draft
-    assert spec.num_speculative_tokens == 15 and vc.num_speculative_tokens == 15  # width * depth + width - 1
+    assert spec.num_speculative_tokens == 63 and vc.num_speculative_tokens == 63  # max_beam_width - 1 > 15
     assert vc.additional_config["dsbd"] == {
         "width": 4, "depth": 3, "min_width": 1, "width_threshold": 0.9, "dynamic_width": True, "mode": "sample",
         "draft": True, "verify_budget": "auto", "cost_model": "auto", "full_cuda_graphs": False, "beam_nodes": None,
-        "sources": ["model"], "max_beam_slots": None,
+        "sources": ["model"], "max_beam_slots": None, "max_beam_width": 64,
     }
     cfg = DSBDConfig.from_vllm_config(vc)
-    assert (cfg.width, cfg.depth, cfg.num_speculative_slots) == (4, 3, 15) and uses_dsbd(vc)
+    assert (cfg.width, cfg.depth, cfg.forest_slots, cfg.num_speculative_slots) == (4, 3, 15, 63) and uses_dsbd(vc)
     assert spec.max_num_new_slots_for_drafting == 1  # the draft-model path's extra slot per request
     assert vc.scheduler_config.async_scheduling is False  # DSBD's sampler is synchronous
     # the EngineArgs keep what the user gave; a second build gives the same config
     assert ea.speculative_config == given
     vc2 = ea.create_engine_config()
-    assert vc2.speculative_config.num_speculative_tokens == 15
+    assert vc2.speculative_config.num_speculative_tokens == 63
     assert vc2.additional_config == vc.additional_config
 
 
@@ -324,7 +325,7 @@ def test_knobs_from_additional_config(pair):
                   additional_config={"dsbd": knobs, "other": 1})
     assert vc.additional_config["other"] == 1
     assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(depth=2, **knobs)
-    assert vc.speculative_config.num_speculative_tokens == 3 * 2 + 2
+    assert vc.speculative_config.num_speculative_tokens == max(3 * 2 + 2, 63)
     # the same key in both places must agree
     _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 3},
                   additional_config={"dsbd": {"width": 3}})
@@ -336,7 +337,7 @@ def test_knobs_from_additional_config(pair):
         build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "depth": 4})
     # depth alone (no num_speculative_tokens) is the draft depth
     _, vc = build(target, {"method": "dsbd", "model": draft, "depth": 4, "width": 1})
-    assert vc.speculative_config.num_speculative_tokens == 4 and DSBDConfig.from_vllm_config(vc).depth == 4
+    assert vc.speculative_config.num_speculative_tokens == 63 and DSBDConfig.from_vllm_config(vc).depth == 4
 
 
 @pytest.mark.parametrize(
@@ -401,16 +402,16 @@ def test_engine_without_a_draft_model(pair, how):
     assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=4, depth=0, draft=False, sources=[])
     assert vc.additional_config["dsbd"]["draft"] is False and vc.additional_config["dsbd"]["depth"] == 0
     assert spec.method == "dsbd" and spec.model is None and spec.draft_model_config is None
-    assert spec.num_speculative_tokens == 3 and not spec.uses_draft_model()
+    assert spec.num_speculative_tokens == 63 and not spec.uses_draft_model()  # a 64-beam request's leaves
     assert spec.max_num_new_slots_for_drafting == 0  # no extra slot per request for a draft
-    assert "speculative_config=SpeculativeConfig(method='dsbd', model=None, num_spec_tokens=3)" in str(vc)
+    assert "speculative_config=SpeculativeConfig(method='dsbd', model=None, num_spec_tokens=63)" in str(vc)
     assert ea.create_engine_config().additional_config == vc.additional_config  # a second build: the same
 
 
 def test_engine_without_a_draft_model_refuses_draft_settings(pair):
     target, draft = pair
     _, vc = build(target, {"method": "dsbd", "width": 1, "sources": []})
-    assert vc.speculative_config.num_speculative_tokens == 1  # W - 1 = 0 leaves, but vLLM needs >= 1
+    assert vc.speculative_config.num_speculative_tokens == 63  # a 64-beam request's leaves
     _, vc = build(target, {"method": "dsbd", "depth": 0, "width": 2, "sources": []},
                   additional_config={"dsbd": {"draft": False}})
     assert DSBDConfig.from_vllm_config(vc) == DSBDConfig(width=2, draft=False, sources=[])
@@ -433,8 +434,9 @@ def test_engine_without_a_draft_model_refuses_draft_settings(pair):
 
 def test_dsbd_config_without_a_draft():
     cfg = DSBDConfig(width=4, draft=False, sources=[])
-    assert (cfg.depth, cfg.num_speculative_slots, cfg.drafting) == (0, 3, False)
-    assert DSBDConfig(width=1, draft=False, sources=()).num_speculative_slots == 1
+    assert (cfg.depth, cfg.forest_slots, cfg.num_speculative_slots, cfg.drafting) == (0, 3, 63, False)
+    # W - 1 = 0 leaves, but vLLM needs >= 1
+    assert DSBDConfig(width=1, draft=False, sources=(), max_beam_width=1).num_speculative_slots == 1
     assert DSBDConfig.from_dict(cfg.to_dict()) == cfg == DSBDConfig(width=4, depth=0, draft=False, sources=[])
     assert (DSBDConfig().depth, DSBDConfig(depth=None).depth) == (3, 3)  # with a draft model: depth 3 by default
 
@@ -486,7 +488,7 @@ def test_dsbd_config_defaults_and_roundtrip():
     assert (cfg.width, cfg.depth, cfg.min_width, cfg.width_threshold, cfg.dynamic_width, cfg.mode) == (
         2, 3, 1, 0.9, True, "sample"
     )
-    assert cfg.num_speculative_slots == 7
+    assert cfg.forest_slots == 7 and cfg.num_speculative_slots == 63
     assert list(DSBDConfig.keys()) == ALLOWED
     assert DSBDConfig.from_dict(None) == cfg == DSBDConfig.from_dict({})
     other = DSBDConfig.from_dict({"width": 5, "depth": 1, "width_threshold": 1, "min_width": 5})
@@ -544,9 +546,9 @@ def test_beam_nodes_setting_and_slots():
     """``beam_nodes`` (N): None by default (each beam request's width), else an integer >= width; the scheduler's
     slots per request are N * depth + width - 1; refused below the width, as a non-integer, or without a draft."""
     assert DSBDConfig(width=4).beam_nodes is None and DSBDConfig(width=4).max_beam_nodes == 4
-    assert DSBDConfig(width=4, depth=3).num_speculative_slots == 4 * 3 + 3
+    assert DSBDConfig(width=4, depth=3, max_beam_width=4).num_speculative_slots == 4 * 3 + 3
     cfg = DSBDConfig.from_dict({"width": 4, "depth": 3, "beam_nodes": 16})
-    assert cfg.max_beam_nodes == 16 and cfg.num_speculative_slots == 16 * 3 + 3
+    assert cfg.max_beam_nodes == 16 and cfg.forest_slots == 16 * 3 + 3 and cfg.num_speculative_slots == 63
     assert DSBDConfig.from_dict(cfg.to_dict()) == cfg
     for bad, match in ((3, r"'beam_nodes' must be an integer >= 'width' \(4\) or null"),
                        (True, r"'beam_nodes' must be an integer >= 'width'"),
@@ -555,7 +557,25 @@ def test_beam_nodes_setting_and_slots():
             DSBDConfig(width=4, beam_nodes=bad)
     with pytest.raises(ValueError, match=r"'beam_nodes' = 8 sets the nodes per depth .* no forest source"):
         DSBDConfig(width=4, draft=False, beam_nodes=8, sources=[])
-    assert DSBDConfig(width=4, draft=False, beam_nodes=8).num_speculative_slots == 8 * 3 + 3  # draft-free sources
+    assert DSBDConfig(width=4, draft=False, beam_nodes=8).forest_slots == 8 * 3 + 3  # draft-free sources
+
+
+def test_max_beam_width_setting_and_slots():
+    """``max_beam_width``: the most beams of a beam request, apart from ``width``; None (default) is 64 (or ``width``
+    when larger, or with ``full_cuda_graphs``); the scheduler's slots per request are the larger of a full forest
+    step's and the widest beam request's leaves; refused below 1 or as a non-integer."""
+    for kw, beams, slots in (({}, 64, 63), ({"width": 128, "draft": False, "sources": []}, 128, 127),
+                             ({"max_beam_width": 8}, 8, 7),
+                             ({"max_beam_width": 1}, 1, 7), ({"full_cuda_graphs": True}, 2, 7),
+                             ({"draft": False, "sources": [], "max_beam_width": 16}, 16, 15),
+                             ({"width": 4, "beam_nodes": 32}, 64, 32 * 3 + 3)):
+        cfg = DSBDConfig(**kw)
+        assert (cfg.max_beam_width, cfg.num_speculative_slots) == (beams, slots), kw
+        assert DSBDConfig.from_dict(cfg.to_dict()) == cfg
+    assert "beam request of up to 64 beams" in DSBDConfig().describe()
+    for bad in (0, 2.0, True, "64"):
+        with pytest.raises(ValueError, match=r"'max_beam_width' must be an integer >= 1"):
+            DSBDConfig(max_beam_width=bad)
 
 
 def test_max_beam_slots_setting():
@@ -574,7 +594,7 @@ def test_beam_nodes_reach_the_engine_config(pair):
     _, vc = build(target, {"method": "dsbd", "model": draft, "num_speculative_tokens": 2, "width": 2,
                            "beam_nodes": 8})
     cfg = DSBDConfig.from_vllm_config(vc)
-    assert cfg.beam_nodes == 8 and vc.speculative_config.num_speculative_tokens == 8 * 2 + 1
+    assert cfg.beam_nodes == 8 and vc.speculative_config.num_speculative_tokens == max(8 * 2 + 1, 63)
 
 
 def test_verify_budget_settings_and_when_speculation_is_load_aware():
@@ -616,23 +636,24 @@ def test_verify_budget_reaches_the_engine_config(pair, where):
     _, vc = build(target, {**spec, "verify_budget": 48} if where == "speculative_config" else spec, **kwargs)
     cfg = DSBDConfig.from_vllm_config(vc)
     assert cfg.verify_budget == 48 and cfg.load_aware
-    assert vc.speculative_config.num_speculative_tokens == 2 * 3 + 1  # the slots do not depend on the budget
+    assert vc.speculative_config.num_speculative_tokens == 63  # the slots do not depend on the budget
 
 
 def test_from_vllm_config_checks():
     class Spec:
         method = "dsbd"
         model = "d"
-        num_speculative_tokens = 7  # width 2 * depth 3 + width 2 - 1
+        num_speculative_tokens = 63  # max(width 2 * depth 3 + width 2 - 1, max_beam_width 64 - 1)
 
     class VC:
         speculative_config = Spec()
         additional_config = {"dsbd": {"width": 2, "depth": 3}}
 
     assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, depth=3)
-    VC.additional_config = {"dsbd": {"width": 2, "depth": 2}}
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs N\*depth \+ width-1 = 5 slots "
-                                         r"\(N = beam_nodes or width = 2, width 2, depth 2\)"):
+    VC.additional_config = {"dsbd": {"width": 2, "depth": 2, "max_beam_width": 2}}
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=63 but DSBD needs 5 slots: the larger of N\*depth "
+                                         r"\+ width-1 = 5 \(N = beam_nodes or width = 2, width 2, depth 2\) and "
+                                         r"max_beam_width-1 = 1"):
         DSBDConfig.from_vllm_config(VC())
     VC.additional_config = {}
     with pytest.raises(ValueError, match="additional_config\\['dsbd'\\] is missing"):
@@ -641,12 +662,12 @@ def test_from_vllm_config_checks():
     with pytest.raises(ValueError, match=r"\['draft'\] is False but the engine's speculative_config.model is 'd'"):
         DSBDConfig.from_vllm_config(VC())
     Spec.model = None
-    VC.additional_config = {"dsbd": {"width": 2, "draft": False, "sources": []}}
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=7 but DSBD needs max\(1, width-1\) = 1 slots "
-                                         r"\(width 2, no draft model\)"):
+    VC.additional_config = {"dsbd": {"width": 2, "draft": False, "sources": [], "max_beam_width": 2}}
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=63 but DSBD needs 1 slots: the larger of "
+                                         r"max\(1, width-1\) = 1 \(width 2, no forest source\)"):
         DSBDConfig.from_vllm_config(VC())
     Spec.num_speculative_tokens = 1
-    assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, draft=False, sources=[])
+    assert DSBDConfig.from_vllm_config(VC()) == DSBDConfig(width=2, draft=False, sources=[], max_beam_width=2)
     Spec.method = "draft_model"
     assert not uses_dsbd(VC())
     with pytest.raises(ValueError, match="not a DSBD engine"):

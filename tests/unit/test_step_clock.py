@@ -155,3 +155,39 @@ def test_a_bare_steps_surplus_switches_drafting_on_where_it_pays():
     assert cost.choose([dataclasses.replace(one[0], rate=0.5)], t) == [0]  # 1.75 tokens for 2.28x the time
     # the step's surplus is what the summary reports beside the drafting extra
     assert c.summary()["step"] == pytest.approx(0.0121)
+
+
+def _window(c, seconds, tokens, reqs, drafted=False, verified=False, plain=True, monkeypatch=None):
+    """One measured window through start / planned / emitted / finish, ``seconds`` long (the clock's time patched)."""
+    now = [100.0]
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: now[0])
+    c._next_verified = verified
+    c.start(reqs, reqs)
+    c.planned(0.0, drafted, 2 if drafted else 0)
+    c.emitted(tokens, plain)
+    now[0] += seconds
+    c.finish(TABLE)
+
+
+def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypatch):
+    """At batch 8 forests emit 12 tokens in 30 ms (400/s) against bare steps' 8 in 10 ms (800/s): they lose there,
+    and only there (batch 2 unmeasured, batch 9-15 shares batch 8's bucket); with too few windows of either regime it
+    says nothing; faster forests do not lose; beam windows do not count; old windows expire."""
+    c = StepClock(warmup=0)
+    for _ in range(step_clock.MIN_REGIME):
+        _window(c, 0.010, 8, 8, monkeypatch=monkeypatch)
+    assert not c.forests_lose(8)  # no forest window yet
+    for _ in range(step_clock.MIN_REGIME - 1):
+        _window(c, 0.030, 12, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
+    assert not c.forests_lose(8)
+    _window(c, 0.030, 12, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
+    assert c.forests_lose(8) and c.forests_lose(12) and not c.forests_lose(2) and not c.forests_lose(16)
+    fast = StepClock(warmup=0)
+    for _ in range(step_clock.MIN_REGIME):
+        _window(fast, 0.010, 8, 8, monkeypatch=monkeypatch)
+        _window(fast, 0.012, 16, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
+        _window(fast, 0.030, 1, 8, drafted=True, plain=False, monkeypatch=monkeypatch)  # a beam window: not counted
+    assert not fast.forests_lose(8)
+    for _ in range(step_clock.HORIZON):  # bare windows at batch 1 only: batch 8's samples expire
+        _window(c, 0.010, 1, 1, monkeypatch=monkeypatch)
+    assert not c.forests_lose(8)

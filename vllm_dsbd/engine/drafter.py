@@ -147,9 +147,16 @@ class DSBDDrafter(DraftModelProposer):
             SpecDecodeBaseProposer._maybe_share_lm_head(self, target_model)
 
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
-        """vLLM's drafter dummy run; a head's forward needs a hidden state, which vLLM's draft-model path does not pass."""
+        """vLLM's drafter dummy run; a head's forward needs a hidden state, which vLLM's draft-model path does not pass.
+        vLLM's runs one pass per ``num_speculative_tokens`` (DSBD's scheduler slots, up to ``max_beam_width - 1``):
+        as many as a full forest step's slots here (``DSBDConfig.forest_slots``), as before beams had slots apart."""
         if not self.head:
-            return super().dummy_run(num_tokens, *args, **kwargs)
+            n, self.num_speculative_tokens = self.num_speculative_tokens, min(self.num_speculative_tokens,
+                                                                              self.cfg.forest_slots)
+            try:
+                return super().dummy_run(num_tokens, *args, **kwargs)
+            finally:
+                self.num_speculative_tokens = n
         H = self.model.config.hidden_size
         with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
             self.model(input_ids=self.input_ids[:num_tokens], positions=self._get_positions(num_tokens),

@@ -12,6 +12,13 @@ masks a plain decode row; a terminated grammar (EOS accepted) or a path the gram
 accepted, a dead slot's padding) leaves its row unmasked, as vLLM leaves a terminated request's row.
 ``patches/grammar_forests.py`` keeps vLLM's scheduler from masking or cutting DSBD forests.
 
+With a reasoning parser (``--reasoning-parser``, ``enable_in_reasoning`` off) vLLM neither masks nor advances the
+grammar until the reasoning end marker (``StructuredOutputManager.should_fill_bitmask`` / ``should_advance``): a
+:class:`ReasoningGate` does the same per row. A row whose history (prompt + output + path) has not reached the end
+marker is unmasked; after it, the grammar starts with the token that follows the marker (the marker itself is
+reasoning). Whether reasoning had ended before the first output token (the prompt, or the chat front end's word) is
+the scheduler's (patch ``reasoning_gate``).
+
 The masks go on first, before the logits rules and the penalties (vLLM masks in ``sample_tokens``, before its
 sampler): :func:`mask_target_` on the target's rows before verification, :class:`DraftGrammar` on the draft's rows
 before each beam step (so the Q recorded for verification is the masked law). Beam requests follow vLLM's beam search
@@ -27,7 +34,8 @@ import torch
 
 from .penalties import node_paths
 
-__all__ = ["Compiler", "DraftGrammar", "RequestGrammar", "apply_bitmask_", "mask_target_", "target_paths"]
+__all__ = ["Compiler", "DraftGrammar", "ReasoningGate", "RequestGrammar", "apply_bitmask_", "mask_target_",
+           "target_paths"]
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -43,25 +51,54 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+class ReasoningGate:
+    """vLLM's reasoning gate for one structured request: where its reasoning ends (``reasoner``: the request's vLLM
+    ``ReasoningParser``, its ``is_reasoning_end_streaming`` asked token by token, as vLLM's scheduler asks it once
+    per emitted token; ``ended``: reasoning had ended before the first output token)."""
+
+    def __init__(self, reasoner, ended: bool, prompt: Sequence[int]):
+        self.reasoner, self.ended = reasoner, bool(ended)
+        self.prompt = [int(t) for t in prompt]
+
+    def end_in(self, before: Sequence[int], tokens: Sequence[int]) -> int | None:
+        """The index in ``tokens`` of the end marker, the reasoning still going on after ``before`` (the output
+        tokens ahead of them); None: not in ``tokens``."""
+        seq = self.prompt + list(before)
+        for j, t in enumerate(tokens):
+            seq.append(int(t))
+            if self.reasoner.is_reasoning_end_streaming(seq, [int(t)]):
+                return j
+        return None
+
+
 class RequestGrammar:
     """One structured request's worker-side matcher (vLLM's ``StructuredOutputGrammar``), advanced with the request's
-    output tokens on demand, and the bitmasks after paths from there."""
+    output tokens on demand, and the bitmasks after paths from there. ``gate``: the request's :class:`ReasoningGate`
+    (None: the grammar acts from the first output token)."""
 
-    def __init__(self, req_id: str, grammar, allocate, vocab: int):
-        self.req_id, self.grammar, self._allocate, self.vocab = req_id, grammar, allocate, vocab
-        self.consumed: list[int] = []  # the output tokens the matcher has been advanced with
+    def __init__(self, req_id: str, grammar, allocate, vocab: int, gate: ReasoningGate | None = None):
+        self.req_id, self.grammar, self._allocate, self.vocab, self.gate = req_id, grammar, allocate, vocab, gate
+        self.consumed: list[int] = []  # the output tokens seen (the matcher is advanced with those after ``start``)
         self.broken = False  # the output left the grammar (never with exact masks): rows stay unmasked
+        self.start = self._start0()  # the output index where the grammar starts (None: still reasoning)
+
+    def _start0(self) -> int | None:
+        return 0 if self.gate is None or self.gate.ended else None
 
     def sync(self, output: Sequence[int]) -> None:
         """Advances the matcher to ``output`` (the request's output tokens; only ever extended)."""
         n = len(self.consumed)
         if len(output) < n or list(output[:n]) != self.consumed:  # not an extension: start over
             self.grammar.reset()
-            self.consumed, self.broken, n = [], False, 0
+            self.consumed, self.broken, self.start, n = [], False, self._start0(), 0
         new = [int(t) for t in output[n:]]
+        if self.start is None and new:  # vLLM's should_advance: the marker is reasoning, the grammar starts after it
+            j = self.gate.end_in(self.consumed, new)
+            if j is not None:
+                self.start = n + j + 1
         self.consumed += new
         g = self.grammar
-        for t in new:
+        for t in new[max(0, self.start - n):] if self.start is not None else ():
             if self.broken or g.is_terminated():
                 break
             if not 0 <= t < self.vocab or len(g.validate_tokens([t])) != 1 or not g.accept_tokens(self.req_id, [t]):
@@ -69,7 +106,7 @@ class RequestGrammar:
 
     def bitmasks(self, output: Sequence[int], paths: Sequence[Sequence[int]]) -> torch.Tensor:
         """int32 [len(paths), words]: row i the bitmask after output + ``paths[i]`` (all ones where the grammar is
-        terminated there or rejects the path)."""
+        terminated there or rejects the path, or the reasoning has not ended there)."""
         self.sync(output)
         bm = self._allocate(len(paths))
         g, seen = self.grammar, {}
@@ -79,9 +116,16 @@ class RequestGrammar:
                 bm[i] = bm[seen[key]]
                 continue
             seen[key] = i
+            grammar_part = key
+            if self.start is None:  # still reasoning after the output: the grammar starts after the path's marker
+                j = self.gate.end_in(self.consumed, key)
+                if j is None:
+                    bm[i].fill_(-1)
+                    continue
+                grammar_part = key[j + 1 :]
             k = 0  # the path's tokens accepted (each checked first: a rejected token is no error)
             ok = not self.broken
-            for t in key:
+            for t in grammar_part:
                 if not ok or g.is_terminated() or not 0 <= t < self.vocab or len(g.validate_tokens([t])) != 1:
                     ok = False
                     break
@@ -98,13 +142,17 @@ class RequestGrammar:
 
 class Compiler:
     """Compiles a structured request's grammar in the worker with vLLM's ``StructuredOutputManager`` (built on first
-    use: the model's tokenizer, the engine's structured-outputs config, the request's backend)."""
+    use: the model's tokenizer, the engine's structured-outputs config, the request's backend, the reasoning parser's
+    class)."""
 
     def __init__(self, vllm_config):
         self.vllm_config = vllm_config
         self._mgr = None
 
-    def __call__(self, req_id: str, sampling_params) -> RequestGrammar | None:
+    def __call__(self, req_id: str, sampling_params, reasoning: dict | None = None,
+                 prompt: Sequence[int] = ()) -> RequestGrammar | None:
+        """``reasoning``: the scheduler's word on a plain request under vLLM's reasoning gate (patch
+        ``reasoning_gate``: ``{"ended": bool, "kwargs": the parser's per-request kwargs}``; None: no gate)."""
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.structured_output.request import StructuredOutputRequest
 
@@ -117,13 +165,18 @@ class Compiler:
             params._backend = "xgrammar" if backend == "auto" else backend
         if self._mgr is None:
             self._mgr = StructuredOutputManager(self.vllm_config)
-        self._mgr.grammar_init(SimpleNamespace(request_id=req_id, sampling_params=sampling_params,
-                                               structured_output_request=so))
+        mgr = self._mgr
+        mgr.grammar_init(SimpleNamespace(request_id=req_id, sampling_params=sampling_params,
+                                         structured_output_request=so))
         g = so._grammar
         if isinstance(g, Future):
             g = g.result()
-        backend = self._mgr.backend
-        return RequestGrammar(req_id, g, backend.allocate_token_bitmask, int(backend.vocab_size))
+        gate = None
+        if reasoning is not None and mgr.reasoner_cls is not None and not mgr.enable_in_reasoning:
+            reasoner = mgr.reasoner_cls(tokenizer=mgr.tokenizer, **(reasoning.get("kwargs") or {}))
+            gate = ReasoningGate(reasoner, reasoning["ended"], prompt)
+        backend = mgr.backend
+        return RequestGrammar(req_id, g, backend.allocate_token_bitmask, int(backend.vocab_size), gate)
 
 
 def target_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:

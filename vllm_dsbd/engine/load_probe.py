@@ -121,7 +121,7 @@ def measure_budget(runner) -> tuple[int, dict[int, float]]:
     """(the ``"auto"`` budget, the measured table) of this runner's engine."""
     times = forward_times(runner, load.probe_sizes(int(runner.max_num_tokens)))
     knee = load.knee(times)
-    budget = load.auto_budget(knee, runner.dsbd_cfg.num_speculative_slots + 1)
+    budget = load.auto_budget(knee, runner.dsbd_cfg.forest_slots + 1)
     table = ", ".join(f"{n}: {1e3 * t:.2f}" for n, t in sorted(times.items()))
     logger.info("DSBD load-aware speculation: target forward ms by tokens {%s}; knee %d tokens (time <= %.2f x one "
                 "token's), verify budget %d tokens per step", table, knee, load.KNEE_RATIO, budget)

@@ -186,7 +186,7 @@ def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
         entries.append(drop_chain_queries(ForestEntry(req_row=i, token_rows=list(range(t + 1, t + 1 + n)),
                                                       context_len=ctx, parents=pf.parents, query_nodes=list(range(n)))))
         t += 1 + n
-    batch = ForestBatch.build(entries, max_nodes=runner.dsbd_cfg.num_speculative_slots)
+    batch = ForestBatch.build(entries, max_nodes=runner.dsbd_cfg.forest_slots)
     if batch is None:
         return
     blocks = -(-runner.model_config.max_model_len // bs)

@@ -37,6 +37,8 @@ class DSBDStats:
         self.decisions = hashlib.blake2b(digest_size=16) if track_decisions else None
         self.iterations = 0  # target passes over a request (with or without a forest)
         self.forest_iterations = 0  # those that verified a forest
+        self.bare_steps = 0  # steps sampled by vLLM's sampler: no forest, no beam step (engine/bare.py)
+        self.vetoed_steps = 0  # steps whose forests the step clock vetoed: they lose at this batch size (shapes.py)
         self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
         self.width_per_layer = [Counter() for _ in range(cfg.depth)]  # layer d -> Counter(K)
         self.tokens = 0
@@ -141,6 +143,18 @@ class DSBDStats:
             prom["tokens"].inc(tokens)
         for row, res in pairs:
             self._record_row(row, res, prom)
+
+    def record_bare(self, n: int) -> None:
+        """A step of ``n`` requests without forests sampled by vLLM's sampler (engine/bare.py): one token each."""
+        if n <= 0:
+            return
+        self.bare_steps += 1
+        self.iterations += n
+        self.tokens += n
+        prom = self._prometheus()
+        if prom is not None:
+            prom["passes"].inc(n)
+            prom["tokens"].inc(n)
 
     def _record_row(self, row, res, prom) -> None:
         if self.decisions is not None:

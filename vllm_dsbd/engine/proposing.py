@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from . import head, load, mixing, reads
+from . import bare, head, load, mixing, reads
 from .beams.drafter import BeamDraftJob, catch_up_start, propose_beam_forests
 from .drafter import DraftJob
 from .source_drafter import sources_of
@@ -28,6 +28,8 @@ class ProposeMixin:
         out: list[list[int]] = [[] for _ in range(num_reqs)]
         if results is None:
             return out
+        if isinstance(results, bare.BareTokens):  # vLLM's sampler's tokens: its host lists when it gives them
+            results.with_host(sampled_token_ids)
         discard = self.discard_request_mask.np[:num_reqs]
         if self._dsbd_head:
             self._keep_head_features(results, discard)
@@ -48,16 +50,15 @@ class ProposeMixin:
             res = results[i]
             # vLLM proposes before its bookkeeping for a draft model, after it (this step's tokens already in the
             # batch) for other drafters: the draft-free sources'
-            n_before = int(batch.num_tokens_no_spec[i]) - (len(res.tokens) if self._dsbd_sources else 0)
-            root_pos = n_before + len(res.tokens) - 1
-            n_out = int(n_before + len(res.tokens) - batch.num_prompt_tokens[i])
+            m = 1 if isinstance(res, bare.BareRow) else len(res.tokens)  # a bare row's token is read only if needed
+            n_before = int(batch.num_tokens_no_spec[i]) - (m if self._dsbd_sources else 0)
+            root_pos = n_before + m - 1
+            n_out = int(n_before + m - batch.num_prompt_tokens[i])
             depth = min(cfg.depth, levels[i].depth)
             if st.max_tokens is not None:
                 depth = min(depth, st.max_tokens - n_out - 1)
             depth = min(depth, (self.dsbd_context_len - 2 - root_pos) // max(st.width, 1))
-            if st.eos >= 0 and st.eos in res.tokens:
-                depth = 0
-            if depth <= 0:
+            if depth <= 0 or (st.eos >= 0 and st.eos in res.tokens):
                 continue
             start = min(st.draft_len, root_pos)
             old = batch.token_ids_cpu[i, start:n_before].tolist() if start < n_before else []
@@ -71,6 +72,8 @@ class ProposeMixin:
                     if self._dsbd_mixed else None)
             jobs.append(DraftJob(state=st, row=i, tokens=tokens, start=start, root_pos=root_pos, depth=depth,
                                  width=min(st.width, levels[i].width), history=history, tail=tail))
+        if (jobs or beam_jobs) and len(self._dsbd_late_rows):  # bare steps' recycle rows, before the tables are read
+            self._dsbd_late_rows.drain()
         # plain and beam requests' forests side by side: one read of the device for both (``engine/reads.py``)
         beam_forests = (self.drafter.propose_beam_forests if self._dsbd_sources
                         else functools.partial(propose_beam_forests, self.drafter))

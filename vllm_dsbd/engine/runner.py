@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, chunks, cost, grammar, memory, penalties, reads, sampler
+from . import attention, bare, chunks, cost, grammar, memory, penalties, reads, sampler
 from .beams.step import beam_rows, step_beams
 from .drafter import DSBDDrafter, NoDrafter, vllm_runner_init
 from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts
@@ -83,6 +83,11 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self._dsbd_mixed = self.dsbd_cfg.draft and bool(self.dsbd_cfg.free_sources)
         self._dsbd_recycle = (self._dsbd_sources or self._dsbd_mixed) and "recycle" in cfg.sources
         self._dsbd_prompt_rows: list = []  # this pass's prompt rows to recycle (source_drafter.prompt_rows)
+        # a step without forests or beam steps whose requests all sample as vLLM samples runs vLLM's own sampler
+        # (engine/bare.py); the recycle rows of such steps wait on the device until the drafter reads the tables
+        self._dsbd_bare = False
+        self.dsbd_vllm_sampler = True  # False: every step through DSBD's verification (the tests' reference)
+        self._dsbd_late_rows = bare.LateRows()
         self.dsbd_requests = Requests(self.dsbd_cfg, vllm_config.model_config.seed,
                                       load_tokenizer=lambda: _tokenizer(vllm_config.model_config),
                                       compile_grammar=grammar.Compiler(vllm_config))
@@ -163,8 +168,10 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self.dsbd_requests.drop(scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             if new.sampling_params is not None:
+                # the reasoning gate of a plain structured request: the scheduler's word (patch reasoning_gate)
                 self.dsbd_requests.register(new.req_id, new.sampling_params, new.num_computed_tokens,
-                                            self.requests[new.req_id].num_prompt_tokens)
+                                            self.requests[new.req_id].num_prompt_tokens,
+                                            getattr(new, "dsbd_reasoning", None), new.prompt_token_ids or ())
         cached = scheduler_output.scheduled_cached_reqs
         for k, req_id in enumerate(cached.req_ids):
             if req_id in cached.resumed_req_ids:
@@ -180,6 +187,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         logits_indices, spec_decode_metadata = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._dsbd_plan, self._dsbd_forest = self._plan_step(scheduler_output, num_scheduled_tokens,
                                                              spec_decode_metadata is not None)
+        self._dsbd_bare = (self.dsbd_vllm_sampler and spec_decode_metadata is None
+                           and all(r.state.vllm_sampler for r in self._dsbd_plan))
         return logits_indices, spec_decode_metadata
 
     def _plan_step(self, scheduler_output, num_scheduled_tokens, has_spec_rows: bool):
@@ -233,7 +242,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
                 node_pos, dtype=self.positions.dtype).to(dev)
-        max_nodes = max([self.dsbd_cfg.num_speculative_slots] + [len(e.parents) for e in entries])
+        max_nodes = max([self.dsbd_cfg.forest_slots] + [len(e.parents) for e in entries])  # beams: their own
         fb = attention.ForestBatch.build(entries, max_nodes=max_nodes)
         return plan, fb
 
@@ -294,7 +303,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
     def execute_model(self, *args, **kwargs):
         if self._dsbd_clock is not None:  # a step with a prefill is not measured
             so = args[0] if args else kwargs["scheduler_output"]
-            self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens)
+            self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens,
+                                   len(so.num_scheduled_tokens))
         try:
             return super().execute_model(*args, **kwargs)
         finally:
@@ -355,10 +365,12 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
     def _sample(self, logits, spec_decode_metadata):
         from vllm.v1.outputs import SamplerOutput
 
-        self.input_batch.update_async_output_token_ids()
         plan, self._dsbd_plan = self._dsbd_plan, None
         if plan is None:
             raise RuntimeError("DSBD: _sample called without a plan from _prepare_inputs")
+        if self._dsbd_bare:
+            return self._bare_sample(logits, plan)
+        self.input_batch.update_async_output_token_ids()
         discard = self.discard_request_mask.np[: len(plan)]
         results: list[sampler.RowResult | None] = [None] * len(plan)
         spec = [k for k, r in enumerate(plan) if r.state.beam is None]
@@ -378,8 +390,11 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                if plan[k].state.penalties is not None or plan[k].state.rules is not None
                or plan[k].state.grammar is not None else None
                for k in spec]
-        # the recycle source's rows (draft-free sources): their contexts before the step changes the beams
+        # the recycle source's rows (draft-free sources): their contexts before the step changes the beams (the
+        # rows of earlier bare steps first: the newest row of a key wins)
         recycled = row_contexts(plan, self.input_batch.token_ids_cpu, discard) if self._dsbd_recycle else []
+        if len(self._dsbd_late_rows):
+            self._dsbd_late_rows.drain()
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, *_ = reads.run(reads.gather(
             harvest(logits, recycled, self.dsbd_verify_elements) if recycled else None,
@@ -396,6 +411,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         verified_rows = [(row, res) for row, res, skip in zip(plan, results, discard)
                          if not skip and row.state.beam is None]
         self.dsbd_stats.record_all(verified_rows)
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.emitted(sum(len(res.tokens) for _, res in verified_rows),
+                                     len(verified_rows) == int(len(plan) - discard.sum()))
         for row, res in verified_rows:
             if row.forest is not None:  # the cost model's estimates, for the next steps' choices
                 self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
@@ -404,6 +422,22 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         ids = sampler.sampled_token_ids(results, len(plan))
         return SamplerOutput(sampled_token_ids=ids.to(logits.device),
                              logprobs_tensors=self._dsbd_logprobs(logits, plan, results, ids.shape[1]))
+
+    def _bare_sample(self, logits, plan):
+        """A step without forests or beam steps: vLLM's own sampler (engine/bare.py); the tokens stay on the device
+        for vLLM's bookkeeping, the recycle rows are queued on the device."""
+        out = super()._sample(logits, None)
+        discard = self.discard_request_mask.np[: len(plan)]
+        if self._dsbd_recycle and self._dsbd_late_rows.add(
+                logits, bare.recycle_roots(plan, self.input_batch.token_ids_cpu, discard)):
+            self._dsbd_late_rows.drain()
+        n = int(len(plan) - discard.sum())
+        self.dsbd_stats.record_bare(n)
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.emitted(n, True)
+        self._dsbd_results = bare.BareTokens(out.sampled_token_ids)
+        self._dsbd_last_plan = plan
+        return out
 
     def _history(self, i: int, end: int | None = None) -> tuple[list[int], list[int]]:
         """Batch row ``i``'s prompt and output tokens before this step's (up to ``end``, default all), as vLLM's

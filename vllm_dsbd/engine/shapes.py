@@ -110,7 +110,16 @@ class ShapePlanMixin:
             cands.append(c)
         out, chosen = list(levels), []
         shapes = cost.choose_shapes(cands, self.dsbd_cost)
-        self.dsbd_explore.step(any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes)))
+        probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
+        # forests measured to lose at this batch size (step_clock.forests_lose): none but within the probe budget
+        if self._dsbd_clock is not None and any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)) \
+                and self._dsbd_clock.forests_lose(len(rows)):
+            if explore:
+                probed = True
+            else:
+                shapes = [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
+                self.dsbd_stats.vetoed_steps += 1
+        self.dsbd_explore.step(probed)
         if self._dsbd_clock is not None:
             self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes),
                                      sum(w * d for w, d in shapes))

@@ -2,13 +2,14 @@
 rows and lookup in the request's text), for plain and beam requests alike.
 
 Each depth, every node of the frontier (the root or the live beams at depth 1) gets the sources' candidates with
-their estimated log-probabilities as a row of "draft logits" (-inf at every other token), and the engine's own draft
-step runs on those rows as it runs on a draft model's: plain requests ``core.beam_step`` (T = 0 the W best pairs, T > 0
-W draws without replacement from the joint Q, keyed by the request's seed and ``DRAFT_DRAW``), beam requests the N
-best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0, as ``beams.drafter._sampled_pairs``). So the
-proposal law Q is a function of the past only and each draw is a real draw from it: verification (which is told Q)
-stays exact, and a node with a single candidate is a point mass (Q one-hot: accepted with probability p(x)). Nothing
-runs on the model: a forest costs host work only.
+their estimated log-probabilities as a row of "draft logits" (-inf at every other token), a plain request's rows go
+through its grammar, logits rules and penalties after the node's path (``processors.DraftRows``, as a draft model's
+rows do), and the engine's own draft step runs on those rows as it runs on a draft model's: plain requests
+``core.beam_step`` (T = 0 the W best pairs, T > 0 W draws without replacement from the joint Q, keyed by the request's
+seed and ``DRAFT_DRAW``), beam requests the N best pairs by beam score + estimate (T = 0) or N draws from Q (T > 0,
+as ``beams.drafter._sampled_pairs``). So the proposal law Q is a function of the past only and each draw is a real
+draw from it: verification (which is told Q) stays exact, and a node with a single candidate is a point mass (Q
+one-hot: accepted with probability p(x)). Nothing runs on the model: a forest costs host work only.
 
 The rows the target computes feed the recycle table (:func:`harvest`, in the runner's read of the step); lookup
 indexes each request's text when it drafts. docs/design.md §3.4 (plain forests), §3.3 (beam drafting).
@@ -31,7 +32,7 @@ from . import chunks, reads
 from .beams import sampling as beam_sampling
 from .beams.drafter import BeamDraftJob, _grow
 from .beams.trie import BeamForest, beam_params
-from .drafter import DraftJob, _layout_np, _pad_cols
+from .drafter import DraftJob, _layout_np, _pad_cols, draft_rows
 from .mixing import beam_tail, index_live_beams
 
 from .state import PendingForest, RequestState, batch_params
@@ -73,7 +74,9 @@ class SourceDrafter:
     @torch.inference_mode()
     def propose_forests(self, jobs: list[DraftJob]) -> reads.Reader[list[PendingForest | None]]:
         """One forest per job (``job.tokens``: the whole text up to the root, since no draft K/V is ever kept), its
-        depth-d nodes ``core.beam_step``'s draws on the sources' rows; a reader with one host read per depth."""
+        depth-d nodes ``core.beam_step``'s draws on the sources' rows, masked by the request's grammar and logits rules
+        and penalised (``processors.DraftRows``, from ``job.history``) as a draft model's rows are; a reader with one
+        host read per depth (and one per depth for a grammar's paths)."""
         if not jobs:
             return []
         dev = self.runner.device
@@ -96,6 +99,9 @@ class SourceDrafter:
         scores = torch.zeros(R, W, device=dev)
         steps, valid_np, parent_np, token_np = [], [], [], []
         eos = [j.state.eos for j in jobs]
+        # requests with a grammar, logits rules or penalties: each slot's row processed by the slot's own history
+        # before each draft step, as the model drafter's rows are (so Q, recorded for verification, is that law)
+        pen = draft_rows(jobs, W, V, dev)
         for d in range(1, G + 1):
             full, live, live_np = _rows([[None if c is None else jobs[r].state.sources.propose(c) for c in ctx[r]]
                                          for r in range(R)], V, dev)
@@ -105,8 +111,13 @@ class SourceDrafter:
                 depth_np = np.where(live_np.any(1), depth_np, 0)  # no candidate at the root: no forest
             if not live_np.any():
                 break
+            if pen is not None:  # a row whose every candidate the rules mask is no longer live (its draws end)
+                full = pen.apply(full)
+                live &= torch.isfinite(full).any(-1)
             st = beam_step(full, scores, live, params.with_(depth=torch.from_numpy(depth_np.copy()).to(dev)),
                            L + d - 1, rng.Stream.DRAFT_DRAW)
+            if pen is not None:
+                pen.advance(st.parent, st.token)
             st.valid &= torch.from_numpy(depth_np >= d)[:, None].to(dev)
             steps.append(st)
             ws = st.valid.shape[1]

@@ -15,6 +15,7 @@ from vllm_dsbd.core.params import BatchParams, HostFacts
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.requests import BEAM_KEY, BeamParams, request_width
 
+from . import bare
 from .beams.grammar import BeamGrammar
 from .beams.stops import StopRule
 from .beams.trie import BeamRequest
@@ -63,6 +64,9 @@ class RequestState:
     # and drafts takes (docs/deviations.md D22)
     structured: bool = False
     grammar: Any = None
+    seeded: bool = False  # the request gave a seed (its T > 0 draws then depend on it alone)
+    # vLLM's sampler draws its token when it has no forest (engine/bare.py: a step without forests is vLLM's step)
+    vllm_sampler: bool = False
     # statistics (M3)
     iterations: int = 0
     layers_passed: int = 0
@@ -94,11 +98,13 @@ class Requests:
     def get(self, req_id: str) -> RequestState | None:
         return self._states.get(req_id)
 
-    def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0) -> RequestState:
+    def register(self, req_id: str, sampling_params, num_computed_tokens: int, prompt_len: int = 0,
+                 reasoning: dict | None = None, prompt=()) -> RequestState:
         """(Re)registers a request that starts (or restarts after a preemption) with ``num_computed_tokens`` tokens
         already in the cache. Their draft K/V are NOT trusted (the request that computed a cached block need not have
         run the draft over it, and a draft over zeros or stale K/V drafts badly), so its first draft pass covers the
-        whole context. A resumed beam request keeps its trie (its slots are recomputed from vLLM's token list)."""
+        whole context. A resumed beam request keeps its trie (its slots are recomputed from vLLM's token list).
+        ``reasoning`` / ``prompt``: a plain structured request's reasoning gate (``grammar.Compiler``)."""
         old = self._states.get(req_id)
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache
             old.pending = None
@@ -122,15 +128,17 @@ class Requests:
             max_tokens=sp.max_tokens,
             draft_len=0,  # prefix-cache hits have the target's K/V, not necessarily the draft's
             structured=getattr(sp, "structured_outputs", None) is not None,
+            seeded=sp.seed is not None,
         )
         beam = (sp.extra_args or {}).get(BEAM_KEY)
         if beam is None:
             st.penalties = RequestPenalties.of(sp)
             st.rules = RequestRules.of(sp)
             if st.structured and self._compile_grammar is not None:
-                st.grammar = self._compile_grammar(req_id, sp)
+                st.grammar = self._compile_grammar(req_id, sp, reasoning, prompt)
+            st.vllm_sampler = bare.vllm_samples(st)
         else:
-            bp = BeamParams.parse(beam, self.cfg.width, self.cfg.max_beam_nodes)
+            bp = BeamParams.parse(beam, self.cfg.max_beam_width, self.cfg.max_beam_nodes)
             # N, the forest's nodes per depth: the request's, else the engine's beam_nodes, else the request's width
             nodes = bp.nodes if bp.nodes is not None else max(bp.width, self.cfg.beam_nodes or 0)
             st.beam = BeamRequest(bp, prompt_len, st.temperature, st.seed, st.top_k, st.top_p,

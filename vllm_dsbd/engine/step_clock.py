@@ -18,6 +18,13 @@ ones costs more. Per kind the median of the last
 steps: a measurement that switched drafting off expires, and the next forests measure it again. Only timings of past
 steps enter, so every output law stays exact; the choices now depend on timings, so seeded outputs reproduce only with
 a pinned table (the correction is off then) and only without tensor parallelism (ranks' clocks differ: off there too).
+
+The same windows also answer, per batch size, whether forests pay at all (:meth:`StepClock.forests_lose`): the tokens
+per second of the windows with forests (drafted or verified) against those of the bare windows, both measured at the
+same batch size (a power-of-two bucket of its requests) over their last ``WINDOW`` samples; the runner then drafts no
+forest at that size but within the engine's probe budget (``shapes.py``), so a batch whose forests lose runs at
+nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7). Only windows of plain requests
+count (a beam request's step is not one token per request).
 Imports neither vLLM nor torch.
 """
 from __future__ import annotations
@@ -35,6 +42,7 @@ WARMUP = 8  # decode steps not measured after start-up (one-time costs: first al
 WINDOW = 32  # the most recent surpluses kept per kind of window
 HORIZON = 256  # measured steps after which a surplus expires
 
+MIN_REGIME = 8  # windows of each regime measured at a batch size before forests_lose can say they lose
 NEITHER, DRAFTED, VERIFIED, BOTH = 0, 1, 2, 3  # a window's kind: (verified forests) * 2 + (drafted forests)
 KINDS = ("neither", "drafted", "verified", "both")
 
@@ -60,6 +68,11 @@ class StepClock:
     _nodes: int = 0  # forest nodes the window drafts (planned in it)
     _verified_nodes: int = 0  # forest nodes the window verifies (planned the step before)
     _next_nodes: int = 0
+    # batch-size bucket -> ([bare windows], [windows with forests]) of (step, seconds, tokens emitted)
+    regimes: dict = field(default_factory=dict)
+    _reqs: int = 0  # requests of the window
+    _emitted: int = 0  # tokens the window emitted
+    _plain: bool = True  # only plain requests in the window (a beam step is not one token per request)
 
     def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0) -> None:
         """One window's time against the table's prediction; ``nodes``: the forest nodes it drafted and verified
@@ -69,10 +82,11 @@ class StepClock:
         if nodes > 0:
             self.forest.append((self.steps, nodes, seconds - predicted))
 
-    def start(self, tokens: int | None) -> None:
+    def start(self, tokens: int | None, reqs: int = 0) -> None:
         if tokens is not None and self.warmup > 0:
             self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
+        self._reqs, self._emitted, self._plain = reqs, 0, True
         self._tokens, self._draft, self._drafted, self._nodes = tokens or 0, 0.0, False, 0
         self._verified, self._next_verified = self._next_verified, False
         self._verified_nodes, self._next_nodes = self._next_nodes, 0
@@ -82,13 +96,36 @@ class StepClock:
         self._draft, self._drafted, self._next_verified = draft_seconds, drafted, drafted
         self._nodes = self._next_nodes = nodes if drafted else 0
 
+    def emitted(self, tokens: int, plain: bool) -> None:
+        """The window's step emitted ``tokens``; ``plain``: every request of it is a plain request."""
+        self._emitted += tokens
+        self._plain = self._plain and plain
+
     def finish(self, table: CostTable) -> CostTable:
         if self._t0 is not None:
+            seconds = time.perf_counter() - self._t0
             predicted = table.step + table.target_time(self._tokens) + self._draft
-            self.observe(time.perf_counter() - self._t0, predicted, self._drafted, self._verified,
-                         self._nodes + self._verified_nodes)
+            self.observe(seconds, predicted, self._drafted, self._verified, self._nodes + self._verified_nodes)
+            if self._plain and self._reqs > 0 and self._emitted > 0:
+                pair = self.regimes.setdefault(_bucket(self._reqs), (deque(maxlen=WINDOW), deque(maxlen=WINDOW)))
+                pair[self._drafted or self._verified].append((self.steps, seconds, self._emitted))
             self._t0 = None
         return self.corrected(table)
+
+    def forests_lose(self, reqs: int) -> bool:
+        """Whether, at a batch of ``reqs`` requests, the windows with forests emitted fewer tokens per second than
+        the bare windows (each over its last samples not expired, ``MIN_REGIME`` of each at least; else False)."""
+        pair = self.regimes.get(_bucket(reqs))
+        if pair is None:
+            return False
+        rates = []
+        for q in pair:
+            while q and q[0][0] <= self.steps - HORIZON:
+                q.popleft()
+            if len(q) < MIN_REGIME:
+                return False
+            rates.append(sum(t for _, _, t in q) / sum(s for _, s, _ in q))
+        return rates[1] < rates[0]
 
     def median(self, kind: int) -> tuple[float, int]:
         """(the median surplus of a kind of window over its samples not expired, their count)."""
@@ -173,3 +210,8 @@ class StepClock:
         for k, name in enumerate(KINDS):
             out[name], out[f"n_{name}"] = self.median(k)
         return out
+
+
+def _bucket(reqs: int) -> int:
+    """The batch-size bucket of ``reqs`` requests: the largest power of two not above it."""
+    return 1 << (max(reqs, 1).bit_length() - 1)

@@ -87,7 +87,9 @@ class _DecisionsMixin:
         {tokens: seconds}, "draft": {...}, "step": seconds, "draft_step": seconds, "node": seconds}``, None: off; with
         the online correction, ``step_clock.py``), the correction's averages (``clock``, None: off), the depths allowed
         (with the cost model: chosen) so far {depth: count}, the nodes per depth the cost model chose for beam forests
-        {N: count} and the exploration budget's steps and steps with a probe (``explore``, ``cost.Exploration``)."""
+        {N: count}, the exploration budget's steps and steps with a probe (``explore``, ``cost.Exploration``), the
+        steps vLLM's sampler ran (``bare_steps``, ``bare.py``) and the steps whose forests the clock vetoed because
+        they lose at that batch size (``vetoed_steps``, ``step_clock.StepClock.forests_lose``)."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
@@ -98,7 +100,8 @@ class _DecisionsMixin:
                 "pass_rates": {f"{src}/{kind}/{n}": pt[0] / pt[1] for ((src, kind), n), pt
                                in runner.dsbd_pass_rates.counts.items() if pt[1] > 0},
                 "depths": dict(runner.dsbd_stats.draft_depths), "nodes": dict(runner.dsbd_stats.beam_nodes_chosen),
-                "explore": {"steps": runner.dsbd_explore.steps, "probes": runner.dsbd_explore.probes}}
+                "explore": {"steps": runner.dsbd_explore.steps, "probes": runner.dsbd_explore.probes},
+                "bare_steps": runner.dsbd_stats.bare_steps, "vetoed_steps": runner.dsbd_stats.vetoed_steps}
 
     def dsbd_decisions(self) -> dict:
         """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every

@@ -69,8 +69,8 @@ to add a speculative method with its own config keys and proposer; no such regis
    What: DSBD settings given in ``speculative_config`` (width, min_width, width_threshold, dynamic_width, mode,
    depth) or ``additional_config["dsbd"]`` are validated (``DSBDConfig``) and stored in
    ``additional_config["dsbd"]`` (with ``draft``: whether ``model`` names a draft model); vLLM's ``SpeculativeConfig``
-   gets ``num_speculative_tokens = N * depth + width - 1`` (N = ``beam_nodes`` or ``width``; ``max(1, width - 1)``
-   without a draft model, where a depth given is refused).
+   gets ``num_speculative_tokens = max(N * depth + width - 1, max_beam_width - 1)`` (N = ``beam_nodes`` or ``width``;
+   ``max(1, width - 1)`` for the first without a forest source, where a depth given is refused).
    Why: ``SpeculativeConfig`` rejects unknown keys, and the scheduler must reserve one slot per forest node.
    How: see the module docstring. When it can go: with 1 if the registry lets a method bring its own config class
    and slot count.
@@ -193,7 +193,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    ``CompletionOutput`` is its best beam (``tests/engine/test_engine_beam_stream.py``). Engine ``logprobs`` of a beam
    request: vLLM slices them from the rows the runner sampled, which are not its tokens'; the final output's are the
    best beam's (21). vLLM's token list only grows (a rejected draft is rolled back by ``num_computed_tokens`` alone), so without the re-layout a beam request
-   keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. How: wrap
+   keeps every slot it ever kept (dead beams' nodes as holes) and its forest attention recomputes over them. With a
+   draft model, ``__init__`` also keeps vLLM's lookahead (``num_lookahead_tokens = num_spec_tokens``,
+   scheduler.py:252: KV slots reserved per running request) at a full forest step's slots
+   (``DSBDConfig.forest_slots``), not the leaves of the widest beam request that ``num_spec_tokens`` also covers
+   (``max_beam_width - 1``; scheduled tokens get their slots anyway). How: wrap
    the four; requests without ``dsbd_beam`` and non-DSBD engines are untouched (except a plain request's ``max_tokens``
    past ``max_model_len`` on an engine with ``max_beam_slots``, cut where vLLM stops it). When it can go: vLLM gains in-engine
    beam search (or a runner-side finish with a payload, output tokens that may differ from the appended ones, and a way
@@ -269,8 +273,11 @@ to add a speculative method with its own config keys and proposer; no such regis
    return no ``GrammarOutput``; vLLM's scheduler still advances its own matcher with a plain request's emitted tokens
    (``update_from_output``), never with a beam request's (``should_advance`` False: its tokens are several beams'
    trie slots, which the matcher would reject, ending the request; the worker keeps a grammar state per beam,
-   ``engine/beams/grammar.py``). Non-DSBD engines call the originals. When it can go: vLLM takes tree-shaped drafts
-   with per-node bitmasks.
+   ``engine/beams/grammar.py``). Under vLLM's reasoning gate (``--reasoning-parser``, ``enable_in_reasoning`` off)
+   ``should_advance`` holds a plain request's matcher until its output holds the end marker and then advances it
+   with the tokens after the marker, however many tokens the step emitted (vLLM's own looks at the step's last token
+   only and holds back the step's other tokens). Non-DSBD engines call the originals. When it can go: vLLM takes
+   tree-shaped drafts with per-node bitmasks.
 
 21. ``beam_outputs`` - target ``vllm.v1.engine.output_processor.LogprobsProcessor.from_new_request`` and
    ``.update_from_output``, ``RequestState.make_request_output``.
@@ -291,6 +298,14 @@ to add a speculative method with its own config keys and proposer; no such regis
    as "dsbd" it shared the key of a plain-draft "dsbd" engine on the same target (config/speculative.py:305-310 counts
    only vLLM's own methods). How: wrap; a head config is hashed with ``method = "eagle3"``, restored after; other
    configs go to the original. When it can go: with 1 (a method that declares it uses auxiliary hidden states).
+
+23. ``reasoning_gate`` - target ``vllm.v1.core.sched.scheduler.Scheduler.schedule``.
+   What: on a DSBD engine under vLLM's reasoning gate (a reasoning parser, ``enable_in_reasoning`` off) each new
+   plain structured request's ``NewRequestData`` carries ``dsbd_reasoning`` (whether its reasoning had ended before
+   its output: the front end's word or the prompt, vLLM's ``should_fill_bitmask``; the parser's per-request kwargs).
+   Why: vLLM neither masks nor advances the grammar until the end marker (structured_output/__init__.py:362-437),
+   and the DSBD worker, which masks every forest row itself, sees neither value (``NewRequestData`` has no field for
+   them). How: wrap ``schedule``; set the attribute after the original. When it can go: with 20.
 
 Also for heads, 2 (``spec_post_init``) recognises one by the architecture in its ``config.json`` and builds it as vLLM
 builds an "eagle3" draft; the DSBD runner sets vLLM's own ``use_aux_hidden_state_outputs`` (no patch: an attribute
@@ -330,6 +345,7 @@ PATCHES = (
     "grammar_forests",
     "beam_outputs",
     "spec_hash_head",
+    "reasoning_gate",
 )
 
 

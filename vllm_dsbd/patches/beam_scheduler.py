@@ -39,6 +39,9 @@ the runner of other engines ignores them):
   context length; it refuses to start when the KV pool cannot hold one request of that many slots. ``add_request``
   keeps every other request within ``max_model_len``: its ``max_tokens`` is cut to ``max_model_len - prompt``, where
   vLLM's own ``check_stop`` would have stopped it ("length"), so it stops at the same token with the same reason.
+* ``__init__`` keeps a draft model's lookahead (KV slots vLLM reserves per running request for the draft's K/V) at a
+  full forest step's slots (``DSBDConfig.forest_slots``), not vLLM's ``num_speculative_tokens``, which also covers the
+  leaves of the widest beam request (``max_beam_width - 1``: scheduled tokens, which get their slots anyway).
 
 When it can go: vLLM gains in-engine beam search with its own finish/output path (or lets a request finish from the
 model runner, carry a payload and output other tokens than the ones it appends), a per-request cap on prefix-cache
@@ -211,6 +214,12 @@ def _patch(mod: types.ModuleType) -> None:
 
             coordinator.cache_blocks = cache_prompt_blocks_only
             lift_slot_len(self)
+            if self.num_lookahead_tokens:  # a draft model writes a forest's K/V ahead: a full forest step's slots,
+                # not the leaves of the widest beam request (max_beam_width - 1), which are scheduled tokens
+                from vllm_dsbd.config import DSBDConfig
+
+                self.num_lookahead_tokens = min(self.num_lookahead_tokens,
+                                                DSBDConfig.from_vllm_config(self.vllm_config).forest_slots)
 
         return __init__
 

@@ -20,7 +20,8 @@ differs from the cumulative log-probability for an EOS candidate kept with ``ign
 ``BeamSearchParams.structured_outputs`` go on the engine request: its beams follow the grammar as vLLM's loop's do
 (``engine/beams/grammar.py``; the grammar compiled by the backend vLLM's front end picks for the request).
 
-Refused with a ``ValueError`` naming the parameter: a beam width above the engine's DSBD width, a beam longer than
+Refused with a ``ValueError`` naming the parameter: a beam width above the engine's ``max_beam_width`` (64 by
+default, whatever the plain requests' ``width``), a beam longer than
 ``max_model_len`` (prompt + max_tokens: its positions), and a request whose trie may not fit the engine's KV slots
 per request
 (``prompt + max_tokens * (beam_width + 1) + 2`` slots, ``BeamParams.engine_tokens``, against
@@ -76,9 +77,13 @@ def beam_request_params(params, eos_token_id, prompt_len: int, max_model_len: in
     if prompt_len + bp.engine_tokens() > slot_len:
         where = (f"max_model_len {max_model_len}" if slot_len <= max_model_len
                  else f"the engine's {slot_len} KV slots per beam request (max_beam_slots)")
+        room = slot_len - prompt_len - 2  # BeamParams.engine_tokens: max_tokens * (width + 1) + 2
+        fits = (f"up to {room // (bp.width + 1)} tokens fit at width {bp.width}"
+                + (f", width {room // bp.max_tokens - 1} at {bp.max_tokens} tokens" if room // bp.max_tokens >= 2
+                   else "")) if room > bp.width else "nothing fits"
         raise ValueError(f"max_tokens: a beam search of width {bp.width} and {bp.max_tokens} tokens may hold "
-                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than {where}; lower "
-                         "max_tokens or beam_width, or start the engine with a larger 'max_beam_slots' in "
+                         f"{bp.engine_tokens()} slots after the {prompt_len}-token prompt, more than {where} ({fits}); "
+                         "lower max_tokens or beam_width, or start the engine with a larger 'max_beam_slots' in "
                          "--speculative-config (KV slots per beam request, beyond max_model_len)")
     if temperature is None:
         temperature = params.temperature
@@ -159,7 +164,7 @@ def _patch(mod: types.ModuleType) -> None:
             from vllm_dsbd.config import DSBDConfig
 
             dcfg = DSBDConfig.from_vllm_config(cfg)
-            width, max_model_len = dcfg.width, cfg.model_config.max_model_len
+            width, max_model_len = dcfg.max_beam_width, cfg.model_config.max_model_len
             tokenizer = self.renderer.get_tokenizer()
             inputs = self._preprocess_cmpl(prompts)
             sps = []

@@ -23,8 +23,8 @@ How: wrap ``beam_search``; engines whose ``speculative_config.method`` is not "d
 aborts it, as any engine request) and yields one finished ``RequestOutput``; a request that ends with finish reason
 "error" yields vLLM's error output. Bad requests raise ``VLLMValidationError`` (a ``ValueError``: the server's
 handler answers 400 with ``param``, and the engine never sees the request) from inside the generator, where the
-original's errors come from: a width (``n``) above the engine's DSBD width (``param`` "n"), a trie that may not fit
-the engine's KV slots per request (``prompt + max_tokens * (n + 1) + 2`` slots against ``max_model_len``, or
+original's errors come from: a width (``n``) above the engine's ``max_beam_width`` (``param`` "n"), a trie that may
+not fit the engine's KV slots per request (``prompt + max_tokens * (n + 1) + 2`` slots against ``max_model_len``, or
 ``max_beam_slots`` when larger, ``param`` "max_tokens"; a chat request without
 ``max_tokens`` gets vLLM's default ``max_model_len - prompt`` and is refused; completions default to 16), prompts
 other than text/tokens (``param`` "prompt"; embeddings raise the original's ``NotImplementedError``). The
@@ -198,11 +198,12 @@ async def _dsbd_beam_search(serving, cfg, prompt, request_id, params, lora_reque
         raise VLLMValidationError("prompt: only text and token prompts are supported for beam search on a DSBD "
                                   "engine", parameter="prompt", value=prompt["type"])
     dcfg = DSBDConfig.from_vllm_config(cfg)
-    width = dcfg.width
+    width = dcfg.max_beam_width
     if isinstance(params.beam_width, int) and params.beam_width > width:
-        raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's DSBD "
-                                  f"width {width} (start the server with a larger 'width' in --speculative-config)",
-                                  parameter="n", value=params.beam_width)
+        raise VLLMValidationError(f"n: a beam search of width n = {params.beam_width} is above the engine's {width} "
+                                  "beams per request (max_beam_width: a beam request of width W takes W - 1 scheduler "
+                                  f"slots for its leaves; up to {width} fit, or start the server with a larger "
+                                  "'max_beam_width' in --speculative-config)", parameter="n", value=params.beam_width)
     tokenizer = serving.renderer.get_tokenizer()
     prompt_token_ids = prompt["prompt_token_ids"]
     try:

@@ -10,11 +10,12 @@ method "dsbd" the wrapper, before the original runs:
    ``additional_config["dsbd"]`` (a key given in both places must agree) and validates them with
    ``DSBDConfig.from_dict`` (unknown keys and bad values raise ``ValueError`` naming the key);
 3. takes depth = ``num_speculative_tokens`` (default 3) and builds the ``SpeculativeConfig`` with
-   ``num_speculative_tokens = N * depth + width - 1`` (N = ``beam_nodes`` or ``width``): one scheduler slot per
-   forest node and per beam leaf.
+   ``num_speculative_tokens = max(N * depth + width - 1, max_beam_width - 1)`` (N = ``beam_nodes`` or ``width``): one
+   scheduler slot per forest node and per beam leaf, at least the leaves of the widest beam request (64 beams by
+   default).
    Without ``model`` the engine has no draft model (``DSBDConfig.draft`` False) and drafts from its draft-free
    ``sources`` (default recycle + lookup, depth 3); with ``"sources": []`` it drafts nothing (depth 0, a depth given
-   is an error) and ``num_speculative_tokens = max(1, width - 1)`` (a beam request's leaves).
+   is an error) and ``num_speculative_tokens = max(1, width - 1, max_beam_width - 1)`` (a beam request's leaves).
    Setting it here, before the ``VllmConfig`` exists, is the only safe place: the scheduler (``num_spec_tokens``, ``num_lookahead_tokens``,
    token budget), the worker's runner (buffers, rejection-sampler/metrics sizes) and the spec-decoding stats are
    built from the pickled config in other processes and must all agree;
@@ -72,8 +73,8 @@ def merged_speculative_dict(engine_args: Any) -> dict[str, Any]:
 def split_dsbd(spec: dict[str, Any], additional_config: Mapping[str, Any] | None, spec_fields: set[str]):
     """Splits a merged ``speculative_config`` dict of method "dsbd" into (vLLM's part, DSBDConfig).
 
-    vLLM's part has ``num_speculative_tokens = N * depth + width - 1`` (``max(1, width - 1)`` without a draft
-    model). Raises ValueError naming the offending key.
+    vLLM's part has ``num_speculative_tokens = DSBDConfig.num_speculative_slots``. Raises ValueError naming the
+    offending key.
     """
     spec = dict(spec)
     knobs = {k: spec.pop(k) for k in list(spec) if k not in spec_fields}

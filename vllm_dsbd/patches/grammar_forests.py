@@ -18,7 +18,13 @@ chunks still drop theirs), and ``get_grammar_bitmask`` returns None (nothing for
 scheduler still advances its matcher with every emitted token of a plain request in ``update_from_output`` (and ends
 a request whose tokens it rejects), so its grammar state is the accepted path's; ``StructuredOutputManager.
 should_advance`` (the scheduler module's name for it) says no for a beam request (``extra_args["dsbd_beam"]``), whose
-matcher vLLM then never advances. Non-DSBD engines call the originals.
+matcher vLLM then never advances. With vLLM's reasoning gate (a reasoning parser, ``enable_in_reasoning`` off),
+``should_advance`` says no for a plain request until its output holds the end marker, then yes from the step that
+holds it, and vLLM's ``trim_reasoning_for_advance`` gives the matcher that step's tokens after the marker: the
+grammar's tokens of a one-token step, whatever the number of tokens a DSBD step emits (vLLM's own would look for the
+marker in the step's last token only, ``num_computed_tokens`` counting the accepted drafts, and hold back the rest of
+that step's tokens, which the matcher would then miss). The worker gates its masks alike (``engine/grammar.py``,
+patch ``reasoning_gate``). Non-DSBD engines call the originals.
 
 When it can go: vLLM lets a speculative method describe tree-shaped drafts (per-node bitmasks from the scheduler).
 """
@@ -65,15 +71,41 @@ def _patch(mod: types.ModuleType) -> None:
 
     def make_advance(orig):
         def should_advance(self, request) -> bool:
-            if uses_dsbd(self.vllm_config) and _is_beam(request):
+            if not uses_dsbd(self.vllm_config):
+                return orig(self, request)
+            if _is_beam(request):
                 return False
-            return orig(self, request)
+            so = request.structured_output_request
+            if not request.use_structured_output or so is None or self.enable_in_reasoning:
+                return orig(self, request)
+            reasoner = self._get_reasoner(request)
+            if reasoner is None:
+                return orig(self, request)
+            if so.reasoning_ended is None:  # vLLM's grammar bitmask step reads it from the prompt first
+                self.should_fill_bitmask(request)
+            return bool(so.reasoning_ended) or _reasoning_ends(reasoner, request)
 
         return should_advance
 
     wrap_method(PATCH_ID, mod.Scheduler, "update_draft_token_ids", make_update)
     wrap_method(PATCH_ID, mod.Scheduler, "get_grammar_bitmask", make_bitmask)
     wrap_method(PATCH_ID, mod.StructuredOutputManager, "should_advance", make_advance)
+
+
+def _reasoning_ends(reasoner, request) -> bool:
+    """Whether the end marker is among a plain request's output tokens not looked at yet (each token asked as vLLM
+    asks it after a one-token step); if so, the request's reasoning has ended and vLLM's
+    ``trim_reasoning_for_advance`` gives the matcher the step's tokens after the marker."""
+    so, toks = request.structured_output_request, request.all_token_ids
+    start = getattr(so, "_dsbd_scanned", request.num_prompt_tokens)
+    seq = list(toks[:start])
+    for idx in range(start, len(toks)):
+        seq.append(toks[idx])
+        if reasoner.is_reasoning_end_streaming(seq, [toks[idx]]):
+            so.reasoning_ended, so.reasoning_end_token_index = True, idx
+            return True
+    so._dsbd_scanned = len(toks)
+    return False
 
 
 def _is_beam(request) -> bool:
