@@ -13,6 +13,7 @@ import itertools
 
 import pytest
 
+from vllm_dsbd.engine import cost as cost_mod
 from vllm_dsbd.engine.cost import (MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, Acceptance, Candidate, CostTable,
                                    PassRates, Subforest, choose, choose_shapes, expected_tokens, passed_by_width,
                                    upper_rate, width_grid)
@@ -447,3 +448,101 @@ def test_a_plain_request_chooses_its_width_from_one_up():
     acc.observe(passed=2, depth=3, nodes=1)
     up = upper_rate(*acc.by_width[1])
     assert acc.width_rate(2) == pytest.approx(up) and up > acc.width_rate(1)
+
+
+class _FsumStep(cost_mod._Step):
+    """The step's sums as ``choose_shapes`` computed them until 2026-12-06: ``math.fsum`` over every request's
+    expected tokens and a scan for a drafting request at each ratio (O(requests) a call)."""
+
+    def draft_seconds(self) -> float:
+        t = self.table
+        draft = sum(t.draft_time(n) for n in self.passes) + t.node * (self.tokens - self.leaves)
+        return draft + (t.draft_step if any(w > 0 and d > 0 for w, d in self.shapes) else 0.0)
+
+    def ratio(self) -> float:
+        import math
+
+        return math.fsum(self.expect) / (self.table.step + self.table.target_time(self.tokens) + self.draft_seconds())
+
+
+def random_batch(rng, n: int) -> list[Candidate]:
+    """``n`` candidates as the runner makes them: plain requests of width 1..4 with options from 1 up (a rate per
+    N', larger N' at least as high), T = 0 beam requests of W = 2..4 and N up to 16, some pinned, some at a try's rate,
+    catch-ups of 1 to 40 tokens."""
+    out = []
+    for _ in range(n):
+        beam = rng.random() < 0.3
+        low = rng.randint(2, 4) if beam else 1
+        width = rng.choice([low, low + 1, 2 * low, 4 * low]) if beam else rng.randint(1, 4)
+        grid = width_grid(low, width)
+        rates = sorted(rng.random() for _ in grid)
+        opts = tuple(zip(grid[:-1], rates[:-1]))[::-1]
+        out.append(Candidate(leaves=low if beam else 1, width=width, depth=rng.randint(1, 4), rate=rates[-1],
+                             catch_up=rng.choice([1, low, rng.randint(1, 40)]), pinned=rng.random() < 0.05,
+                             options=opts, probe=rng.random() < 0.1))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_running_sums_choose_the_shapes_of_the_full_sums(seed, monkeypatch):
+    """``choose_shapes`` with ``_Step``'s running sums chooses, on random batches of 1..96 requests and random tables
+    (step, drafting-step and per-node costs included), exactly the shapes it chose with the full sums (the sum of
+    expected tokens is exact either way: the same floats, so the same comparisons)."""
+    import random
+
+    rng = random.Random(seed)
+    for trial in range(12):
+        n = rng.choice([1, 2, 3, 8, 24, 96])
+        t = sorted(rng.uniform(0.005, 0.05) for _ in range(4))
+        dr = sorted(rng.uniform(0.0005, 0.01) for _ in range(3))
+        table = cost_mod.CostTable(target=tuple(zip((1, 16, 128, 1024), t)), draft=tuple(zip((1, 64, 512), dr)),
+                                   step=rng.choice([0.0, 0.002]), draft_step=rng.choice([0.0, 0.001]),
+                                   node=rng.choice([0.0, 2.5e-4]))
+        cands = random_batch(rng, n)
+        new = choose_shapes(cands, table)
+        with monkeypatch.context() as m:
+            m.setattr(cost_mod, "_Step", _FsumStep)
+            old = choose_shapes(cands, table)
+        assert new == old, (seed, trial)
+        step, ref = cost_mod._Step(cands, list(new), table), _FsumStep(cands, list(new), table)
+        for i in rng.sample(range(n), min(n, 5)):  # changes in any order: the same ratio, bit for bit
+            s = rng.choice(all_shapes(cands[i]))
+            step.set(i, s)
+            ref.set(i, s)
+            assert step.ratio() == ref.ratio()
+
+
+def test_the_draft_catch_up_is_priced_as_it_runs():
+    """``shapes._catch_ups`` (the runner's pass-0 tokens of each request, with a draft model): a plain request that
+    drafted last step catches up its emitted tokens, one idle for 30 steps its 31, a new one 1 (its prompt's catch-up,
+    the draft's prefill, is paid once whatever the choice and not priced), a beam request its nodes without draft K/V
+    below the trie, at least its W leaves; no cost model or no draft model: None (every candidate's leaves)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vllm_dsbd.engine.beams.trie import BeamRequest
+    from vllm_dsbd.engine.shapes import ShapePlanMixin
+    from vllm_dsbd.engine.state import RequestState
+    from vllm_dsbd.requests import BeamParams
+
+    def plain(draft_len):
+        return RequestState(req_id="p", seed=0, width=2, temperature=0.0, top_k=0, top_p=1.0, eos=-1, max_tokens=None,
+                            draft_len=draft_len)
+
+    beam = BeamRequest(BeamParams(width=2, max_tokens=8), 30, 0.0, 0)
+    beam.tokens, beam.parents, beam.depths, beam.has_draft = [5, 6, 7, 8, 9], [-1, -1, 0, 1, 2], [1, 1, 2, 2, 3], \
+        [True, True, True, False, False]
+    states = {"drafted": plain(10), "new": plain(0), "idle": plain(50),
+              "beam": RequestState(req_id="b", seed=0, width=2, temperature=0.0, top_k=0, top_p=1.0, eos=-1,
+                                   max_tokens=None, draft_len=30, beam=beam)}
+    runner = ShapePlanMixin()
+    runner.dsbd_cfg, runner.dsbd_cost, runner.dsbd_requests = SimpleNamespace(draft=True), FLAT, states
+    runner.input_batch = SimpleNamespace(req_ids=list(states), num_tokens_no_spec=np.array([10, 100, 80, 35]),
+                                         num_prompt_tokens=np.array([5, 100, 20, 30]))
+    results = [SimpleNamespace(tokens=[1, 2, 3]), SimpleNamespace(tokens=[4]), SimpleNamespace(tokens=[4]), None]
+    assert runner._catch_ups(results) == [3, 1, 31, 2]
+    beam.has_draft = [True, False, False, False, False]  # nodes 1.. without draft K/V: 4 tokens
+    assert runner._catch_ups(results)[3] == 4
+    runner.dsbd_cfg = SimpleNamespace(draft=False)
+    assert runner._catch_ups(results) is None

@@ -151,3 +151,33 @@ def test_beam_top_n_stays_under_its_budget():
     assert torch.equal(v, v0) and torch.equal(i, i0)
     outputs = 2 * R * k * 16 + 4096  # the chunks' values and indices and their concatenation, EOS index tensors
     assert peak <= 4 * budget + outputs < peak0
+
+
+# ---- the recycle source's harvest: in chunks of rows, only the [rows, K] results held across the read ----------
+
+def test_harvest_stays_under_its_budget():
+    """300 rows of V = 5,000 into three requests' tables: in chunks of 10 rows the harvest's peak is under its budget
+    (HARVEST_BLOCKS float32 elements a (row, token)) plus the [rows, K] results, and the tables are the unchunked
+    run's, key for key; unchunked (the harvest until 2026-12-06: one float copy of every row) it is over it."""
+    from vllm_dsbd.core.sources import RECYCLE_K, SourceIndex
+    from vllm_dsbd.engine.source_drafter import HARVEST_BLOCKS, harvest
+    from vllm_dsbd.engine.state import RequestState
+
+    Vh, n = 5000, 300
+    logits = torch.randn(n + 7, Vh, generator=torch.Generator().manual_seed(4)) * 3
+
+    def run(budget):
+        states = [RequestState(req_id=f"r{k}", seed=k, width=1, temperature=1.0, top_k=0, top_p=1.0, eos=-1,
+                               max_tokens=None, sources=SourceIndex(lookup=False)) for k in range(3)]
+        rows = [(states[k % 3], k + 7, [k // 7, k]) for k in range(n)]
+        _, peak = peak_bytes(reads.run, harvest(logits, rows, budget))
+        return [st.sources._rows for st in states], peak
+
+    budget = 10 * HARVEST_BLOCKS * Vh
+    chunked, peak = run(budget)
+    whole, whole_peak = run(1 << 40)
+    print(f"\nharvest: peak {peak / 2**20:.2f} MiB in chunks of 10 rows (budget {4 * budget / 2**20:.2f} MiB), "
+          f"{whole_peak / 2**20:.2f} MiB in one")
+    assert chunked == whole and all(len(t) > 0 for t in whole)
+    outputs = 3 * 2 * n * RECYCLE_K * 8 + 4096  # the chunks' results, their concatenation, index tensors
+    assert peak <= 4 * budget + outputs < whole_peak

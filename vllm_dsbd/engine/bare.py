@@ -84,6 +84,14 @@ class BareTokens:
     def __getitem__(self, i: int) -> BareRow:
         return BareRow(self, i)
 
+    def __len__(self) -> int:
+        return int(self._dev.shape[0])
+
+
+def emitted(res) -> int:
+    """How many tokens a step's result emitted, without reading a bare row's token (a bare step emits one)."""
+    return 1 if isinstance(res, BareRow) else len(res.tokens)
+
 
 class LateRows:
     """Recycle rows computed on the device in bare steps, put into their requests' tables when :meth:`drain` runs

@@ -37,9 +37,8 @@ PROBE_BURST = 1.0  # the most probes it saves up (a fresh engine may probe at on
 
 def _interp(points: tuple[tuple[int, float], ...], n: int) -> float:
     """Piecewise-linear in the token count; the first time below the table; past its end the last slope (>= 0)."""
-    sizes = [p[0] for p in points]
-    k = bisect.bisect_left(sizes, n)
-    if k < len(points) and sizes[k] == n:
+    k = bisect.bisect_left(points, (n,))  # the first point of at least n tokens ((n,) sorts before (n, t))
+    if k < len(points) and points[k][0] == n:
         return points[k][1]
     if k == 0:
         return points[0][1]
@@ -426,8 +425,21 @@ def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
     return out
 
 
+_EXP = 1074  # every finite float is an integer multiple of 2^-1074
+_DEN = 1 << _EXP
+
+
+def _exact(x: float) -> int:
+    """``x`` as an exact integer multiple of 2^-1074 (a float's denominator is a power of 2)."""
+    n, d = x.as_integer_ratio()
+    return n << (_EXP + 1 - d.bit_length())
+
+
 class _Step:
-    """A step's expected tokens and time for the candidates' current shapes, one request's shape changed at a time."""
+    """A step's expected tokens and time for the candidates' current shapes, one request's shape changed at a time:
+    running sums, so a change and :meth:`ratio` cost O(depth), not O(requests). The expected tokens' sum is kept
+    exactly (an integer count of 2^-1074) and rounded once: the float ``math.fsum`` of the requests' values, bit for
+    bit, whatever the order of the changes."""
 
     def __init__(self, cands: Sequence[Candidate], shapes: list[tuple[int, int]], table: CostTable):
         self.cands, self.table, self.shapes = cands, table, shapes
@@ -435,21 +447,35 @@ class _Step:
         self.tokens = self.leaves = sum(c.leaves for c in cands)
         self.passes = [0] * max([c.depth for c in cands] + [1])  # draft pass -> tokens
         self.expect = [1.0] * len(cands)
+        self._one = _exact(1.0)
+        self._exp = [self._one] * len(cands)  # ``expect`` exactly
+        self._sum = len(cands) * self._one  # their sum, exactly
+        self._drafting = 0  # requests with a forest
+        self._memo: dict[tuple[int, int, int], tuple[float, int]] = {}  # (i, N', d) -> its expected tokens
+        self._target_t: dict[int, float] = {}  # the table's times by tokens, looked up once
+        self._draft_t: dict[int, float] = {0: 0.0}
         for i, s in enumerate(shapes):
             self._add(i, s, 1)
 
     def _add(self, i: int, shape: tuple[int, int], sign: int) -> None:
         w, d = shape
         if d <= 0 or w <= 0:
-            self.expect[i] = 1.0
+            if sign > 0:
+                self._sum += self._one - self._exp[i]
+                self.expect[i], self._exp[i] = 1.0, self._one
             return
-        c = self.cands[i]
+        self._drafting += sign
         self.tokens += sign * w * d
-        self.passes[0] += sign * c.catch_up
+        passes = self.passes
+        passes[0] += sign * self.cands[i].catch_up
         for p in range(1, d):
-            self.passes[p] += sign * w
+            passes[p] += sign * w
         if sign > 0:
-            self.expect[i] = expected_tokens(self.rates[i][w], d)
+            if (got := self._memo.get((i, w, d))) is None:
+                e = expected_tokens(self.rates[i][w], d)
+                got = self._memo[i, w, d] = (e, _exact(e))
+            self._sum += got[1] - self._exp[i]
+            self.expect[i], self._exp[i] = got
 
     def set(self, i: int, shape: tuple[int, int]) -> None:
         self._add(i, self.shapes[i], -1)
@@ -458,12 +484,18 @@ class _Step:
 
     def draft_seconds(self) -> float:
         """The step's draft passes, and its drafting-step cost if any request drafts, and its forest nodes' cost."""
-        t = self.table
-        draft = sum(t.draft_time(n) for n in self.passes) + t.node * (self.tokens - self.leaves)
-        return draft + (t.draft_step if any(w > 0 and d > 0 for w, d in self.shapes) else 0.0)
+        t, memo = self.table, self._draft_t
+        for n in self.passes:
+            if n not in memo:
+                memo[n] = t.draft_time(n)
+        draft = sum(memo[n] for n in self.passes) + t.node * (self.tokens - self.leaves)
+        return draft + (t.draft_step if self._drafting else 0.0)
 
     def ratio(self) -> float:
-        return math.fsum(self.expect) / (self.table.step + self.table.target_time(self.tokens) + self.draft_seconds())
+        n = self.tokens
+        if (target := self._target_t.get(n)) is None:
+            target = self._target_t[n] = self.table.target_time(n)
+        return (self._sum / _DEN) / (self.table.step + target + self.draft_seconds())
 
 
 def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[int, int]]:

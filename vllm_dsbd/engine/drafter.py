@@ -131,6 +131,9 @@ class DSBDDrafter(DraftModelProposer):
         # every row of the last pass (the next depth's inputs)
         self.head = head_mod.is_head(self.speculative_config.draft_model_config.hf_config)
         self.last_hidden: torch.Tensor | None = None
+        # the most tokens one catch-up pass runs (vLLM's drafter dummy run profiles a pass of this many): a longer
+        # catch-up runs its linear prefix in passes of at most this many first (:meth:`catch_up_prefix`)
+        self.max_catch_up = int(vllm_config.scheduler_config.max_num_batched_tokens)
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -220,6 +223,45 @@ class DSBDDrafter(DraftModelProposer):
         return self.model.compute_logits(hidden[idx]).float()
 
     # ------------------------------------------------------------------------------------------------------------
+    def catch_up_prefix(self, spans: list, block_rows: torch.Tensor, brow_np: np.ndarray, bs: int,
+                        owned: np.ndarray) -> list[int]:
+        """Bounds a call's catch-up pass by :attr:`max_catch_up` tokens: while the catch-ups of all jobs together are
+        longer, runs passes of at most that many over their linear prefixes (plain causal, as a chunked prefill: the
+        draft K/V written, no logits kept), earliest tokens first, each job keeping at least its last token for the
+        final pass. ``spans``: per job ``(start, linear end, catch-up tokens, tokens(lo, hi), features(lo, hi) or
+        None)`` (positions = slots below the linear end). Returns each job's new catch-up start."""
+        starts = [sp[0] for sp in spans]
+        rest = [sp[2] for sp in spans]
+        bound = max(1, self.max_catch_up)
+        while sum(rest) > bound:
+            left, take = bound, []
+            for k, (_, lin_end, _, _, _) in enumerate(spans):
+                t = min(max(0, lin_end - starts[k]), max(0, rest[k] - 1), left)
+                take.append(t)
+                left -= t
+            sub = [k for k, t in enumerate(take) if t]
+            if not sub:  # nothing linear left to run ahead: the final pass takes the rest
+                break
+            ids, pos, req, feats = [], [], [], []
+            for k in sub:
+                lo, hi = starts[k], starts[k] + take[k]
+                ids += list(spans[k][3](lo, hi))
+                pos += range(lo, hi)
+                req += [k] * take[k]
+                if self.head:
+                    feats.append(spans[k][4](lo, hi))
+            pos_np, req_np = np.asarray(pos, dtype=np.int64), np.asarray(req, dtype=np.int64)
+            sub_np = np.asarray(sub, dtype=np.int64)
+            q = np.asarray([take[k] for k in sub], dtype=np.int64)
+            self.forward_ragged(ids, pos_np, batch_slots(brow_np, req_np, pos_np, bs, owned), q,
+                                np.asarray([starts[k] + take[k] for k in sub], dtype=np.int64),
+                                block_rows[torch.from_numpy(sub_np)], [len(ids) - 1], None, 0,
+                                torch.cat(feats) if self.head else None)
+            for k in sub:
+                starts[k] += take[k]
+                rest[k] -= take[k]
+        return starts
+
     @torch.inference_mode()
     def propose_forests(self, jobs: list[DraftJob]) -> Reader[list[PendingForest]]:
         """Drafts one forest per job (batched: one draft pass per depth) and updates each state's draft_len; a reader
@@ -242,7 +284,17 @@ class DSBDDrafter(DraftModelProposer):
         root_pos = np.array([j.root_pos for j in jobs], dtype=np.int64)
         L = torch.from_numpy(root_pos + 1).to(dev)
 
-        # pass 0: catch-up, plain causal attention; logits at each root
+        # pass 0: catch-up, plain causal attention; logits at each root (a long one's prefix first, in passes of at
+        # most ``max_catch_up`` tokens)
+        if sum(j.root_pos + 1 - j.start for j in jobs) > self.max_catch_up:
+            new = self.catch_up_prefix(
+                [(j.start, j.root_pos + 1, j.root_pos + 1 - j.start,
+                  lambda lo, hi, j=j: j.tokens[lo - j.start : hi - j.start],
+                  lambda lo, hi, j=j: head_mod.window(j.state.head_features, lo - 1, hi - 1, self.head_hidden(),
+                                                      dev, self.dtype)) for j in jobs],
+                block_rows, brow_np, bs, owned)
+            for j, s0 in zip(jobs, new):
+                j.tokens, j.start = j.tokens[s0 - j.start :], s0
         start = np.array([j.start for j in jobs], dtype=np.int64)
         qlens = root_pos + 1 - start
         ids = [t for j in jobs for t in j.tokens]

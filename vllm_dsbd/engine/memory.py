@@ -10,11 +10,13 @@ GPU engine sized by ``--gpu-memory-utilization`` could run out of memory at a la
   a chunk's working set stays under ``chunks.VERIFY_BUDGET`` elements (``sampler.verify``; each request's results do
   not depend on the others, so chunking changes no decision; a step reads the device once per chunk);
 * an account: :func:`profile_step`, the DSBD runner's ``profile_run`` on a device, runs vLLM's profiling run inside a
-  DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth (forests drafted by the drafter's
-  real loops with random draft logits in place of the draft model's passes, whose own memory vLLM's drafter dummy run
-  profiles; held while vLLM's target pass runs; one layer's forest-attention recompute over them at the longest
-  context; the target's logits of every forest row; verification on them; the next forests drafted while these are
-  still held), so the peak vLLM sizes the KV cache from covers the step.
+  DSBD step's device work at ``max_num_seqs`` plain requests of full width and depth, for every engine that drafts
+  (forests from the engine's own drafter: a draft model's real loops with random draft logits in place of its passes,
+  whose own memory vLLM's drafter dummy run profiles, mixed with the sources where the engine mixes them; or the
+  draft-free sources' from an index proposing full-width forests; held while vLLM's target pass runs; the recycle
+  source's prompt chunk; one layer's forest-attention recompute over them at the longest context; the target's
+  logits of every forest row; verification on them with the harvest beside it; the next forests drafted while these
+  are still held), so the peak vLLM sizes the KV cache from covers the step.
 
 This module is the account; ``chunks.py`` the bound (a leaf: the sampler imports it, and this module imports the
 sampler and the drafter). Penalized requests' target rows are copied and penalized chunk by chunk
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import numpy as np
 import torch
@@ -70,14 +73,51 @@ def _dummy_draft_passes(drafter, rows: int, vocab: int, gen: torch.Generator):
             setattr(drafter, k, v)
 
 
-def _states(num: int, width: int):
+# the dummy requests' draft-free candidates: these tokens after any context of them (so every node of every depth
+# has RECYCLE_K candidates: full-width forests)
+_CANDIDATES = 8
+
+
+def _full_sources(cfg, vocab: int):
+    """A source index under which every context of the dummy forests proposes ``_CANDIDATES`` tokens (a recycled row
+    after each pair and each single one of them): the draft-free sources' widest forests."""
+    from vllm_dsbd.core.sources import SourceIndex
+
+    src = SourceIndex(recycle=True, lookup="lookup" in cfg.sources)
+    toks = list(range(min(_CANDIDATES, vocab)))
+    logp = [-math.log(len(toks))] * len(toks)
+    for a in toks:
+        src.add_row([a], toks, logp)
+        for b in toks:
+            src.add_row([a, b], toks, logp)
+    return src
+
+
+def _unread_context(vocab: int) -> list[int]:
+    """The context the dummy harvests key their rows by: one the dummy forests never look up (their tokens are the
+    candidates), so the next forests stay full."""
+    return [vocab - 1, vocab - 1]
+
+
+def _states(num: int, width: int, vocab: int, cfg=None):
     """``num`` plain requests of the widest settings: T = 1 with top-k and top-p (the joint's sort and top-k paths),
-    all three penalties (the draft's penalized rows, verification's penalized copy)."""
+    all three penalties (the draft's penalized rows, verification's penalized copy), and the logits rules (the draft
+    rows' clones before and after the penalties, which a grammar's clone matches: ``processors.DraftRows``; min_p,
+    a whitelist, a bias, min_tokens on the target's rows). With draft-free sources (``cfg.free_sources``) each a
+    source index proposing full-width forests (:func:`_full_sources`)."""
     from .penalties import RequestPenalties
+    from .processors import RequestRules
     from .state import RequestState
 
-    return [RequestState(req_id=f"dsbd-profile-{i}", seed=i, width=width, temperature=1.0, top_k=50, top_p=0.9,
-                         eos=-1, max_tokens=None, penalties=RequestPenalties(0.5, 0.5, 1.2)) for i in range(num)]
+    rules = RequestRules(allowed=tuple(range(max(vocab // 2, min(_CANDIDATES, vocab)))), bad_words=((1, 2),),
+                         min_tokens=1 << 30, stop_ids=(vocab - 1,), bias=((0, 0.5),), min_p=0.01, temperature=1.0)
+    out = [RequestState(req_id=f"dsbd-profile-{i}", seed=i, width=width, temperature=1.0, top_k=50, top_p=0.9,
+                        eos=-1, max_tokens=None, penalties=RequestPenalties(0.5, 0.5, 1.2), rules=rules)
+           for i in range(num)]
+    if cfg is not None and cfg.free_sources:
+        for st in out:
+            st.sources = _full_sources(cfg, vocab)
+    return out
 
 
 def _history(vocab: int, max_len: int) -> list[int]:
@@ -92,20 +132,36 @@ def _penalized(plan: list, vocab: int, max_len: int) -> list:
 
     hist = _history(vocab, max_len)
     return [TargetRows(r.first_row, r.forest.tokens if r.forest else [], r.forest.parents if r.forest else [],
-                       hist[:1], hist[1:], r.state.penalties) for r in plan]
+                       hist[:1], hist[1:], r.state.penalties, r.state.rules) for r in plan]
 
 
 def _forests(runner, states, vocab: int, gen: torch.Generator) -> list:
+    """The dummy requests' forests from the engine's own drafter: a draft model's loops on random draft logits, mixed
+    with the sources where the engine mixes them (the general loop, ``mixing.mix``), or the draft-free sources'."""
     from . import reads
     from .drafter import DraftJob
 
     cfg = runner.dsbd_cfg
     hist = _history(vocab, runner.model_config.max_model_len)  # the draft's penalties over the longest histories
+    mixed = cfg.draft and bool(cfg.free_sources)
     jobs = [DraftJob(state=st, row=i, tokens=[0], start=0, root_pos=0, depth=cfg.depth,
-                     history=(hist[:1], hist[1:]) if st.penalties is not None else None)
+                     history=(hist[:1], hist[1:]) if st.penalties is not None else None, tail=[0] if mixed else None)
             for i, st in enumerate(states)]
-    with _dummy_draft_passes(runner.drafter, len(states), vocab, gen):
+    passes = (_dummy_draft_passes(runner.drafter, len(states), vocab, gen) if cfg.draft else contextlib.nullcontext())
+    with passes:
         return reads.run(runner.drafter.propose_forests(jobs))
+
+
+def _prompt_chunk(runner, states, vocab: int, gen: torch.Generator) -> None:
+    """The recycle source's intake of a prefill's rows (``source_drafter.recycle_prompt``): the LM head over one chunk
+    of ``PROMPT_CHUNK`` rows and its harvest, as a prefill step runs them after the target pass."""
+    from .source_drafter import PROMPT_CHUNK, recycle_prompt
+
+    n = min(PROMPT_CHUNK, runner.scheduler_config.max_num_batched_tokens)
+    hidden = torch.rand(n, runner.model_config.get_hidden_size(), dtype=runner.dtype, device=runner.device,
+                        generator=gen)
+    recycle_prompt(runner.model, hidden, [(states[k % len(states)], k, _unread_context(vocab)) for k in range(n)],
+                   runner.dsbd_verify_elements)
 
 
 def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
@@ -151,32 +207,39 @@ def profile_step(runner, target_pass) -> None:
     a DSBD step's device work on dummy data at ``max_num_seqs`` plain requests of full width and depth, so that the
     peak vLLM sizes the KV cache from covers the step (module docstring): the forests the step verifies are held during
     the target pass, then the logits of every forest row are verified and the next forests drafted while those are
-    still held. Without a draft model just ``target_pass`` (no forests: one row per request, as vLLM's own dummy)."""
+    still held. An engine that drafts no forest just runs ``target_pass`` (one row per request, as vLLM's own
+    dummy)."""
     from . import reads, sampler
+    from .source_drafter import harvest
     from .state import PendingForest
 
     cfg = runner.dsbd_cfg
-    if not cfg.draft:
+    if not cfg.drafting:  # no forests: one row per request, as vLLM's own dummy
         return target_pass()
     R = runner.scheduler_config.max_num_seqs
     dev = runner.device
-    logger.info("DSBD: the profiling run holds a dummy DSBD step of %d requests at width %d, depth %d (its working "
-                "memory is reserved before the KV cache is sized)", R, cfg.width, cfg.depth)
+    logger.info("DSBD: the profiling run holds a dummy DSBD step of %d requests at width %d, depth %d, drafted from "
+                "%s (its working memory is reserved before the KV cache is sized)", R, cfg.width, cfg.depth,
+                "+".join(cfg.sources))
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden_size = runner.model_config.get_hidden_size()
-    states = _states(R, cfg.width)
-    # the forests a step verifies (the drafter's real loops, random draft logits); held until the step's end, as the
-    # runner's plan holds them while it drafts the next ones
     vocab = runner.model.compute_logits(torch.zeros(1, hidden_size, dtype=runner.dtype, device=dev)).shape[-1]
+    states = _states(R, cfg.width, vocab, cfg)
+    recycle = "recycle" in cfg.free_sources
+    # the forests a step verifies (the drafter's real loops: random draft logits, or the sources' widest rows); held
+    # until the step's end, as the runner's plan holds them while it drafts the next ones
     pending = _forests(runner, states, vocab, gen)
     out = target_pass()
+    if recycle:  # a prefill's rows into the recycle table, after the target pass
+        _prompt_chunk(runner, states, vocab, gen)
     _forest_attention(runner, pending, gen)  # what the target pass adds under forest attention, one layer's worth
     plan, first = [], 0
     for st, pf in zip(states, pending):
         n = len(pf.tokens) if pf is not None else 0
         row = sampler.RowPlan(state=st, first_row=first, context_len=1)
         if pf is not None:
-            row.forest = PendingForest(forest=pf.uncut, tokens=pf.tokens, parents=pf.parents, depths=pf.depths,
+            cut = pf.uncut if pf.uncut is not None else sampler.truncate(pf.forest, 1, n)
+            row.forest = PendingForest(forest=cut, tokens=pf.tokens, parents=pf.parents, depths=pf.depths,
                                        root_pos=0, depth=pf.depth)
             row.num_nodes = n
         plan.append(row)
@@ -185,9 +248,16 @@ def profile_step(runner, target_pass) -> None:
     hidden = torch.rand(first, hidden_size, dtype=runner.dtype, device=dev, generator=gen)
     logits = runner.model.compute_logits(hidden)
     del hidden
-    reads.run(sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
-                             fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements,
-                             penalized=_penalized(plan, vocab, runner.model_config.max_model_len)))
+    # verification, and the recycle source's harvest of every row beside it (as the runner's ``_sample`` runs them)
+    rows = []
+    if recycle:
+        for r in plan:
+            rows += [(r.state, r.first_row + c, _unread_context(vocab)) for c in range(1 + r.num_nodes)]
+    reads.run(reads.gather(
+        harvest(logits, rows, runner.dsbd_verify_elements) if rows else None,
+        sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
+                       fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements,
+                       penalized=_penalized(plan, vocab, runner.model_config.max_model_len))))
     # the next step's forests while this step's (and, conservatively, its logits) are still held
     for st in states:
         st.draft_len = 0

@@ -34,7 +34,7 @@ class ProposeMixin:
         if self._dsbd_head:
             self._keep_head_features(results, discard)
         cfg, jobs, beam_jobs = self.dsbd_cfg, [], []
-        levels = self._load_levels(discard)
+        levels = self._load_levels(discard, results)
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
             if discard[i] or st is None:
@@ -50,7 +50,7 @@ class ProposeMixin:
             res = results[i]
             # vLLM proposes before its bookkeeping for a draft model, after it (this step's tokens already in the
             # batch) for other drafters: the draft-free sources'
-            m = 1 if isinstance(res, bare.BareRow) else len(res.tokens)  # a bare row's token is read only if needed
+            m = bare.emitted(res)  # a bare row's token is read only if needed
             n_before = int(batch.num_tokens_no_spec[i]) - (m if self._dsbd_sources else 0)
             root_pos = n_before + m - 1
             n_out = int(n_before + m - batch.num_prompt_tokens[i])

@@ -298,7 +298,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         rows, self._dsbd_prompt_rows = self._dsbd_prompt_rows, []
         hidden = out[0] if isinstance(out, tuple) else out  # a head's target: (hidden states, auxiliary states)
         if rows and isinstance(hidden, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
-            recycle_prompt(self.model, hidden, rows)
+            recycle_prompt(self.model, hidden, rows, self.dsbd_verify_elements)
         return out
 
     def execute_model(self, *args, **kwargs):
@@ -398,7 +398,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             self._dsbd_late_rows.drain()
         # the step's kinds of work side by side: one read of the device for all of them (``engine/reads.py``)
         verified, *_ = reads.run(reads.gather(
-            harvest(logits, recycled) if recycled else None,
+            harvest(logits, recycled, self.dsbd_verify_elements) if recycled else None,
             sampler.verify(logits, [plan[k] for k in spec], self.dsbd_cfg, chain_static=self.dsbd_static,
                            forest_static=self.dsbd_static, fused=self.dsbd_fused, budget=self.dsbd_verify_elements,
                            penalized=pen if any(p is not None for p in pen) else None) if spec else None,

@@ -6,9 +6,10 @@ online correction (``step_clock.py``), and what each verified forest tells the e
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-from . import cost, load
+from . import bare, cost, load
 from .step_clock import StepClock
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
@@ -34,10 +35,37 @@ class ShapePlanMixin:
         self.dsbd_pass_rates.observe((cost.DRAFT, kind), nodes, passed, depth)
         self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
 
-    def _load_levels(self, discard) -> list[load.Level]:
+    def _catch_ups(self, results) -> list[int] | None:
+        """With the cost model and a draft model, each batch row's catch-up if it drafts this step: the tokens its
+        draft's first pass runs besides the prompt's, i.e. those since its draft last ran (a plain request's emitted
+        tokens, more after idle steps; a beam request's trie nodes and prefix without draft K/V). The prompt's own
+        catch-up (the draft's prefill, which vLLM's drafter runs for every request whatever the choice, and which a
+        request pays once) is not priced; it runs in passes of at most ``max_num_batched_tokens``
+        (``drafter.catch_up_prefix``). Beam requests' at least their live leaves. ``results``: this step's, by batch
+        row (a draft model proposes before vLLM's bookkeeping: the batch's tokens do not hold them yet)."""
+        if self.dsbd_cost is None or not self.dsbd_cfg.draft:
+            return None
+        from .beams.drafter import catch_up_start
+
+        batch, out = self.input_batch, []
+        for i, req_id in enumerate(batch.req_ids):
+            st = self.dsbd_requests.get(req_id)
+            if st is None:
+                out.append(1)
+            elif st.beam is not None:
+                b = st.beam
+                out.append(max(b.params.width, b.base + len(b.tokens) - max(catch_up_start(st), b.prompt_len)))
+            else:
+                res = results[i] if results is not None and i < len(results) else None
+                root = int(batch.num_tokens_no_spec[i]) + (bare.emitted(res) if res is not None else 1) - 1
+                out.append(max(1, root + 1 - max(min(st.draft_len, root), int(batch.num_prompt_tokens[i]))))
+        return out
+
+    def _load_levels(self, discard, results=None) -> list[load.Level]:
         """The draft limits of every request of the batch this step (``load.plan``: from the batch's shapes and the
-        budget; with the cost model, each request's depth within them, ``cost.choose_shapes``; never from a draw of
-        this step); decoding requests' depths go to ``vllm:dsbd_draft_depth``."""
+        budget; with the cost model, each request's depth within them, ``cost.choose_shapes``, its draft's first pass
+        priced with its catch-up, :meth:`_catch_ups`; never from a draw of this step); decoding requests' depths go to
+        ``vllm:dsbd_draft_depth``."""
         cfg, shapes, states = self.dsbd_cfg, [], []
         for req_id in self.input_batch.req_ids:
             st = self.dsbd_requests.get(req_id)
@@ -52,13 +80,13 @@ class ShapePlanMixin:
                 shapes.append(load.Shape(leaves=1, width=st.width, depth=cfg.depth))
         levels = load.plan(shapes, self.dsbd_budget)
         if self.dsbd_cost is not None:
-            levels = self._choose_depths(levels, shapes, states, discard)
+            levels = self._choose_depths(levels, shapes, states, discard, self._catch_ups(results))
         if cfg.drafting:
             self.dsbd_stats.record_levels(
                 [lv.depth for lv, s, skip in zip(levels, shapes, discard) if not skip and s.depth and not s.pinned])
         return levels
 
-    def _choose_depths(self, levels, shapes, states, discard) -> list[load.Level]:
+    def _choose_depths(self, levels, shapes, states, discard, catch_ups=None) -> list[load.Level]:
         """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
         request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
@@ -76,7 +104,10 @@ class ShapePlanMixin:
             pool = self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w)
             acc = st.acceptance
             tries.append(explore and acc.idle >= acc.wait)
-            cands.append(acc.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool, explore))
+            c = acc.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool, explore)
+            if catch_ups is not None and catch_ups[i] != c.catch_up:  # the draft's first pass as it will run
+                c = dataclasses.replace(c, catch_up=catch_ups[i])
+            cands.append(c)
         out, chosen = list(levels), []
         shapes = cost.choose_shapes(cands, self.dsbd_cost)
         probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))

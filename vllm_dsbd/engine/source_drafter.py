@@ -29,7 +29,7 @@ from vllm_dsbd.core.forest import Forest
 from vllm_dsbd.core.sampling import beam_step
 from vllm_dsbd.core.sources import NMAX, RECYCLE_K, SourceIndex
 
-from . import reads
+from . import chunks, reads
 from .beams import sampling as beam_sampling
 from .beams.drafter import BeamDraftJob, _grow
 from .beams.trie import BeamForest, beam_params
@@ -164,7 +164,8 @@ class SourceDrafter:
     def propose_beam_forests(self, jobs: list[BeamDraftJob]) -> reads.Reader[None]:
         """Every job's forest (``state.beam.forest``): depth by depth, T = 0 the N best (beam, token) pairs by
         cumulative score + the sources' estimate (EOS excluded), T > 0 N draws without replacement from Q (the
-        sources' rows at the request's temperature, kept for the verification). A reader (no read at T = 0)."""
+        sources' rows at the request's temperature, kept for the verification); N is ``job.width`` (the cost model's
+        N' where it chose one), the N the forest is booked with. A reader (no read at T = 0)."""
         V = self.runner.model_config.get_vocab_size()
         dev = self.runner.device
         for job in jobs:
@@ -192,7 +193,8 @@ class SourceDrafter:
                     if not live_np.any():
                         break
                     got, joint = yield from beam_sampling.sample(
-                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(), beam_params([beam], dev, True),
+                        [rows[0]], [[sc for _, sc, _, _ in frontier]], live_np.tolist(),
+                        beam_params([beam], dev, [job.width]),
                         [rng.forest_position(beam.prompt_len + beam.steps - 1, d)], rng.Stream.DRAFT_DRAW)
                     pairs, q = [(p.beam, p.token, p.score) for p in got[0]], joint[0]
                 if not pairs:
@@ -303,25 +305,41 @@ def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig) ->
     return out
 
 
-def recycle_prompt(model, hidden: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> None:
+def recycle_prompt(model, hidden: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]],
+                   budget: int | None = None) -> None:
     """The recycle source's intake of prompt rows: the target's LM head over their hidden states (which vLLM leaves
-    without logits), in chunks, each row's ``RECYCLE_K`` best tokens into its request's table."""
+    without logits), in chunks, each row's ``RECYCLE_K`` best tokens into its request's table (:func:`harvest`, under
+    ``budget``)."""
     for a in range(0, len(rows), PROMPT_CHUNK):
         part = rows[a : a + PROMPT_CHUNK]
         idx = torch.tensor([r for _, r, _ in part], dtype=torch.int64, device=hidden.device)
-        reads.run(harvest(model.compute_logits(hidden[idx]), [(st, k, ctx) for k, (st, _, ctx) in enumerate(part)]))
+        reads.run(harvest(model.compute_logits(hidden[idx]), [(st, k, ctx) for k, (st, _, ctx) in enumerate(part)],
+                          budget))
 
 
-def harvest(logits: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]]) -> reads.Reader[None]:
-    """The recycle source's intake: each row's ``RECYCLE_K`` best tokens and raw log-probabilities (one ``topk`` for
-    all rows, one read) into its request's table, keyed by the row's last tokens."""
+# float32 [rows, V] blocks one chunk of the harvest holds at once: the rows' gather (and their float copy where the
+# logits are narrower), logsumexp's exponentials and their reduction
+HARVEST_BLOCKS = 4
+
+
+def harvest(logits: torch.Tensor, rows: list[tuple[RequestState, int, list[int]]],
+            budget: int | None = None) -> reads.Reader[None]:
+    """The recycle source's intake: each row's ``RECYCLE_K`` best tokens and raw log-probabilities into its request's
+    table, keyed by the row's last tokens. In chunks of rows whose float32 working set stays under ``budget``
+    elements (default ``chunks.VERIFY_BUDGET``; the runner's is verification's): only the chunks' ``[rows, K]``
+    results are held while the reader waits for its one read (verification runs meanwhile, ``reads.gather``)."""
     if not rows:
         return
-    idx = torch.tensor([r for _, r, _ in rows], dtype=torch.int64, device=logits.device)
-    x = logits[idx].float()
-    vals, ids = torch.topk(x, RECYCLE_K, dim=-1)  # log_softmax's top-k, without writing the [rows, V] log-softmax
-    vals = vals - torch.logsumexp(x, dim=-1, keepdim=True)
-    host, = yield [torch.stack([vals.double(), ids.double()])]
+    V = logits.shape[-1]
+    step = max(1, (chunks.VERIFY_BUDGET if budget is None else budget) // (HARVEST_BLOCKS * V))
+    got = []
+    for a in range(0, len(rows), step):
+        idx = torch.tensor([r for _, r, _ in rows[a : a + step]], dtype=torch.int64, device=logits.device)
+        x = logits[idx].float()
+        vals, ids = torch.topk(x, RECYCLE_K, dim=-1)  # log_softmax's top-k, without writing the [rows, V] log-softmax
+        got.append(torch.stack([(vals - torch.logsumexp(x, dim=-1, keepdim=True)).double(), ids.double()]))
+        del x
+    host, = yield [torch.cat(got, 1) if len(got) > 1 else got[0]]
     vals_l, ids_l = host.tolist()
     for (st, _, ctx), v, t in zip(rows, vals_l, ids_l):
         st.sources.add_row(ctx, [int(x) for x in t], v)

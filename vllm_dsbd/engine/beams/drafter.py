@@ -130,9 +130,18 @@ def propose_beam_forests(drafter, jobs: list[BeamDraftJob]) -> reads.Reader[None
     brow = block_rows.numpy()
     owned = [int(owned[j.row]) for j in jobs]
 
-    # pass 0: catch-up; logits at every live leaf
-    ids, pos, slots, qlens, seqs, entries, sample = [], [], [], [], [], [], []
+    # pass 0: catch-up; logits at every live leaf (a long linear context first, in passes of at most the drafter's
+    # ``max_catch_up`` tokens)
     head = getattr(drafter, "head", False)  # an EAGLE-3 head: each row also takes its parent slot's target feature
+    if sum(j.state.beam.base + len(j.state.beam.tokens) - j.start for j in jobs) > drafter.max_catch_up:
+        new = drafter.catch_up_prefix(
+            [(j.start, j.state.beam.base, j.state.beam.base + len(j.state.beam.tokens) - j.start,
+              lambda lo, hi, j=j: j.prompt_tail[lo - j.start : hi - j.start],
+              lambda lo, hi, j=j: drafter.beam_features(j.state, [x - 1 for x in range(lo, hi)])) for j in jobs],
+            block_rows, brow, bs, np.asarray(owned, dtype=np.int64))
+        for j, s0 in zip(jobs, new):
+            j.prompt_tail, j.start = j.prompt_tail[s0 - j.start :], s0
+    ids, pos, slots, qlens, seqs, entries, sample = [], [], [], [], [], [], []
     feats = []
     t0 = 0
     for k, job in enumerate(jobs):
