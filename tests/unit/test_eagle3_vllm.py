@@ -25,6 +25,10 @@ import torch  # noqa: E402
 from vllm_dsbd.distill import eagle3  # noqa: E402
 from vllm_dsbd.testing import models  # noqa: E402
 
+# float32, two implementations with different reduction orders; the second pass feeds on the first's output: up to
+# 1.14e-5 apart in one element of 1536 in a full-suite run (2026-12-06), where 1e-5 had held alone
+TOL = 5e-5
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -100,9 +104,9 @@ def test_forward_equals_vllm(pair):
         assert torch.equal(fin, torch.isfinite(b))
         assert int(fin[0].sum()) == head.config.draft_vocab_size
         assert torch.equal(fin[0], head.t2d)
-        torch.testing.assert_close(b[fin], a[fin], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mpre[0], pre, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mpre2[0], pre2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b[fin], a[fin], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(mpre[0], pre, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(mpre2[0], pre2, atol=TOL, rtol=TOL)
     # the comparison can fail: a head with one weight changed does not match
     with torch.no_grad():
         head.midlayer.hidden_norm.weight[0] += 0.5
