@@ -16,7 +16,6 @@ markdown table.
 from __future__ import annotations
 
 import argparse
-import bisect
 import math
 import platform
 import random
@@ -24,38 +23,11 @@ import time
 
 from vllm_dsbd.engine import cost
 from vllm_dsbd.engine.cost import Candidate, CostTable, width_grid
+from vllm_dsbd.testing.cost_reference import FsumStep, full_interp
 
 TABLE = CostTable(target=((1, 0.010), (256, 0.011), (1024, 0.016), (4096, 0.050)),
                   draft=((1, 0.001), (256, 0.0012), (1024, 0.002)), step=0.002, draft_step=0.0005, node=2e-6)
 
-
-def full_interp(points, n: int) -> float:
-    """``cost._interp`` as it was until 2026-12-06 (a list of the sizes built at every call)."""
-    sizes = [p[0] for p in points]
-    k = bisect.bisect_left(sizes, n)
-    if k < len(points) and sizes[k] == n:
-        return points[k][1]
-    if k == 0:
-        return points[0][1]
-    if k == len(points):
-        if len(points) == 1:
-            return points[0][1]
-        (n0, t0), (n1, t1) = points[-2], points[-1]
-        return t1 + max(0.0, (t1 - t0) / (n1 - n0)) * (n - n1)
-    (n0, t0), (n1, t1) = points[k - 1], points[k]
-    return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
-
-
-class FullSumStep(cost._Step):
-    """``_Step``'s ratio as computed until 2026-12-06."""
-
-    def draft_seconds(self) -> float:
-        t = self.table
-        draft = sum(t.draft_time(n) for n in self.passes) + t.node * (self.tokens - self.leaves)
-        return draft + (t.draft_step if any(w > 0 and d > 0 for w, d in self.shapes) else 0.0)
-
-    def ratio(self) -> float:
-        return math.fsum(self.expect) / (self.table.step + self.table.target_time(self.tokens) + self.draft_seconds())
 
 
 def batch(kind: str, R: int, seed: int) -> list[Candidate]:
@@ -76,7 +48,7 @@ def timed(cands, repeats: int) -> tuple[float, float, list]:
     before, after, shapes = math.inf, math.inf, None
     real = cost._Step, cost._interp
     for _ in range(repeats):
-        cost._Step, cost._interp = FullSumStep, full_interp
+        cost._Step, cost._interp = FsumStep, full_interp
         try:
             t0 = time.perf_counter()
             old = cost.choose_shapes(cands, TABLE)

@@ -14,6 +14,7 @@ import itertools
 import pytest
 
 from vllm_dsbd.engine import cost as cost_mod
+from vllm_dsbd.testing.cost_reference import FsumStep
 from vllm_dsbd.engine.cost import (MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, Acceptance, Candidate, CostTable,
                                    PassRates, Subforest, choose, choose_shapes, expected_tokens, passed_by_width,
                                    upper_rate, width_grid)
@@ -450,20 +451,6 @@ def test_a_plain_request_chooses_its_width_from_one_up():
     assert acc.width_rate(2) == pytest.approx(up) and up > acc.width_rate(1)
 
 
-class _FsumStep(cost_mod._Step):
-    """The step's sums as ``choose_shapes`` computed them until 2026-12-06: ``math.fsum`` over every request's
-    expected tokens and a scan for a drafting request at each ratio (O(requests) a call)."""
-
-    def draft_seconds(self) -> float:
-        t = self.table
-        draft = sum(t.draft_time(n) for n in self.passes) + t.node * (self.tokens - self.leaves)
-        return draft + (t.draft_step if any(w > 0 and d > 0 for w, d in self.shapes) else 0.0)
-
-    def ratio(self) -> float:
-        import math
-
-        return math.fsum(self.expect) / (self.table.step + self.table.target_time(self.tokens) + self.draft_seconds())
-
 
 def random_batch(rng, n: int) -> list[Candidate]:
     """``n`` candidates as the runner makes them: plain requests of width 1..4 with options from 1 up (a rate per
@@ -501,10 +488,10 @@ def test_running_sums_choose_the_shapes_of_the_full_sums(seed, monkeypatch):
         cands = random_batch(rng, n)
         new = choose_shapes(cands, table)
         with monkeypatch.context() as m:
-            m.setattr(cost_mod, "_Step", _FsumStep)
+            m.setattr(cost_mod, "_Step", FsumStep)
             old = choose_shapes(cands, table)
         assert new == old, (seed, trial)
-        step, ref = cost_mod._Step(cands, list(new), table), _FsumStep(cands, list(new), table)
+        step, ref = cost_mod._Step(cands, list(new), table), FsumStep(cands, list(new), table)
         for i in rng.sample(range(n), min(n, 5)):  # changes in any order: the same ratio, bit for bit
             s = rng.choice(all_shapes(cands[i]))
             step.set(i, s)

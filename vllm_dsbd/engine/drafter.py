@@ -3,7 +3,7 @@
 :class:`DSBDDrafter` keeps vLLM's ``DraftModelProposer`` for what vLLM expects of a draft-model proposer (loading, KV
 group, dummy runs) and replaces the proposal (:meth:`DSBDDrafter.propose_forests`): a catch-up pass, then one draft pass
 per depth under forest attention. Forest nodes are written at the slots where the target will write them, so one commit
-after verification moves target and draft K/V alike. An engine without a draft model gets :class:`NoDrafter`. The
+after verification moves target and draft K/V alike. An engine without a draft model gets ``no_drafter.NoDrafter``. The
 drafting loops (general, chain, static with its bet): docs/design/forests.md §3.4. The draft may be an EAGLE-3 head
 (``engine/head.py``): each row then also takes a hidden state, the target's feature for the catch-up rows and the
 head's own output at the parent node for forest nodes (docs/design/forests.md, "EAGLE-3 heads as the draft"). With
@@ -12,7 +12,6 @@ the draft step (``engine/mixing.py``; the general loop only: the chain and stati
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -37,6 +36,8 @@ from .attention import ForestBatch, ForestEntry, drop_chain_queries, forest_scop
 from .kv import batch_slots
 from .penalties import DraftPenalties
 from .grammar import DraftGrammar
+from .layout import _layout_np, _pad_cols
+
 from .processors import DraftRows, DraftRules
 from .reads import Reader
 from .state import PendingForest, RequestState, batch_params
@@ -54,42 +55,6 @@ def static_draft_default() -> bool:
     """``VLLM_DSBD_STATIC_DRAFT`` as the environment says now (ValueError when it is neither 1 nor 0); the runner
     passes what it read at start-up instead (``DSBDDrafter(static_drafting=...)``)."""
     return envs.read(only=(STATIC_DRAFT_ENV,)).static_draft
-
-
-class NoDrafter:
-    """The drafter of a DSBD engine without a draft model: loads nothing and drafts no forest (its requests have
-    depth 0, so the runner never gives it a job)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def load_model(self, target_model) -> None:  # vLLM's runner calls it after loading the target
-        logger.info("DSBD: engine without a draft model: no draft to load")
-
-    def propose(self, *args, **kwargs):  # what vLLM's custom-class proposer check asks for; never called
-        raise RuntimeError("DSBD engine without a draft model: there is nothing to propose")
-
-    def propose_forests(self, jobs: list) -> list:
-        if jobs:
-            raise RuntimeError("DSBD engine without a draft model was asked to draft a forest")
-        return []
-
-
-@contextlib.contextmanager
-def vllm_runner_init(spec, has_draft: bool):
-    """Around vLLM's runner ``__init__``: an engine without a draft model is seen as method "custom_class" with
-    :class:`NoDrafter`, because vLLM's runner raises "Unknown speculative decoding method" for a method it does not know
-    (gpu_model_runner.py:595-653) and "dsbd" without a draft is not a draft-model engine (patch ``uses_draft_model``).
-    Nothing else in that ``__init__`` (nor in the worker's ``init_device``) reads the method or the model."""
-    if has_draft:
-        yield
-        return
-    method, model = spec.method, spec.model
-    spec.method, spec.model = "custom_class", f"{__name__}.{NoDrafter.__name__}"
-    try:
-        yield
-    finally:
-        spec.method, spec.model = method, model
 
 
 @dataclass
@@ -615,23 +580,6 @@ def draft_rows(jobs: list[DraftJob], width: int, vocab: int, device) -> DraftRow
     gram = DraftGrammar(gram_sel, [jobs[k].history[1] for k in gram_sel], [jobs[k].state.grammar for k in gram_sel],
                         width) if gram_sel else None
     return DraftRows(pen, rules, gram)
-
-
-def _pad_cols(a: np.ndarray, n: int, fill) -> np.ndarray:
-    return a if a.shape[1] == n else np.pad(a, ((0, 0), (0, n - a.shape[1])), constant_values=fill)
-
-
-def _layout_np(valid: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``core.forest_layout``'s compact indices [R, G, W] (-1 when invalid), node counts [R] and compact parent
-    indices, here per (depth, slot) [R, G, W] (-1 at depth 1), of a forest given by its valid and parent slots
-    [R, G, W]; ``parents[i][valid[i]]`` is request i's ``forest_layout(...).parent`` row (depth-major order)."""
-    R, G, W = valid.shape
-    flat = valid.reshape(R, G * W)
-    compact = np.where(flat, np.cumsum(flat, 1) - 1, -1).reshape(R, G, W)
-    prev = np.concatenate([np.full((R, 1, W), -1, dtype=np.int64), compact[:, :-1]], 1)
-    parents = np.take_along_axis(prev, np.clip(parent, 0, W - 1), 2)
-    parents[:, 0] = -1
-    return compact, flat.sum(1), parents
 
 
 def _pad_forest(forest: Forest, G: int, W: int, V: int) -> Forest:

@@ -21,7 +21,8 @@ from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
 from . import attention, bare, chunks, cost, grammar, memory, penalties, reads, sampler
 from .beams.step import beam_rows, step_beams
-from .drafter import DSBDDrafter, NoDrafter, vllm_runner_init
+from .drafter import DSBDDrafter
+from .no_drafter import NoDrafter, vllm_runner_init
 from .source_drafter import SourceDrafter, harvest, prompt_rows, recycle_prompt, row_contexts
 from .kv_commit import KVCommitMixin
 from .proposing import ProposeMixin

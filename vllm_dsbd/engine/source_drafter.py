@@ -33,7 +33,8 @@ from . import chunks, reads
 from .beams import sampling as beam_sampling
 from .beams.drafter import BeamDraftJob, _grow
 from .beams.trie import BeamForest, beam_params
-from .drafter import DraftJob, _layout_np, _pad_cols, draft_rows
+from .drafter import DraftJob, draft_rows
+from .layout import _layout_np, _pad_cols
 from .mixing import beam_tail, index_live_beams
 
 from .state import PendingForest, RequestState, batch_params

@@ -42,7 +42,7 @@ def _vllm_init_device(worker, init_device) -> None:
     as the DSBD runner sees it while vLLM's runner ``__init__`` runs (vLLM's runner knows no drafter for it)."""
     from vllm_dsbd.config import DSBDConfig
 
-    from .drafter import vllm_runner_init
+    from .no_drafter import vllm_runner_init
 
     vc = worker.vllm_config
     with vllm_runner_init(vc.speculative_config, DSBDConfig.from_vllm_config(vc).draft):

@@ -46,7 +46,7 @@ to add a speculative method with its own config keys and proposer; no such regis
    A "dsbd" engine without a draft model is not a draft-model engine (false: no draft load, draft KV cache, drafter
    dummy run or lookahead slots). vLLM's runner has no drafter for such a method (gpu_model_runner.py:595-653 raises
    "Unknown speculative decoding method"), so the DSBD runner runs vLLM's runner ``__init__`` with the config's
-   method and model seen as vLLM's "custom_class" and ``engine.drafter.NoDrafter`` (``drafter.vllm_runner_init``,
+   method and model seen as vLLM's "custom_class" and ``engine.no_drafter.NoDrafter`` (``no_drafter.vllm_runner_init``,
    restored after; no vLLM code is replaced), and keeps a ``NoDrafter``.
    When it can go: with 1.
 
