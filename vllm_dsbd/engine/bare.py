@@ -25,6 +25,8 @@ import torch
 
 from vllm_dsbd.core.sources import RECYCLE_K
 
+from . import reads
+
 if TYPE_CHECKING:
     from .state import RequestState
 
@@ -113,10 +115,12 @@ class LateRows:
         return len(self._parts)
 
     def drain(self) -> None:
-        """Every waiting row into its request's table, oldest step first (the newest row of a key wins)."""
+        """Every waiting row into its request's table, oldest step first (the newest row of a key wins); one host copy
+        for all of them (``reads.fetch``)."""
         parts, self._parts = self._parts, []
-        for rows, vals, ids, lse in parts:
-            v, t, z = vals.double().tolist(), ids.tolist(), lse.double().tolist()
+        host = reads.fetch([x for _, vals, ids, lse in parts for x in (vals.double(), ids, lse.double())])  # one copy
+        for k, (rows, _, _, _) in enumerate(parts):
+            v, t, z = (x.tolist() for x in host[3 * k : 3 * k + 3])
             for st, r, ctx in rows:
                 if st.sources is not None:
                     st.sources.add_row(ctx, t[r], [x - z[r] for x in v[r]])
