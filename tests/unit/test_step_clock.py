@@ -191,3 +191,85 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     for _ in range(step_clock.HORIZON):  # bare windows at batch 1 only: batch 8's samples expire
         _window(c, 0.010, 1, 1, monkeypatch=monkeypatch)
     assert not c.forests_lose(8)
+
+
+def _veto_loop(monkeypatch, steps, no_bare_probe=False):
+    """The runner's loop around ``shapes._choose_depths`` (the real method, on a stand-in runner) for 8 plain requests
+    (width 2, depth 3, passing 80% of layers) whose forests lose: a window with forests takes 30 ms and emits the
+    verified forests' tokens, a bare one 10 ms for 8 tokens, and the table says forests are free (as the start-up table
+    does before the clock measures them; its correction left out here, so that only the windows' measured tokens per
+    second can stop the forests: a correction fitted wrong, as on the README's main job). ``no_bare_probe``: the planted variant, whose bare probes never start.
+    Returns each step's planned forest nodes and the stand-in runner."""
+    import random
+    from types import SimpleNamespace
+
+    from vllm_dsbd.engine import load
+    from vllm_dsbd.engine.shapes import ShapePlanMixin
+
+    free = cost.CostTable.from_times({1: 0.010, 64: 0.010}, {1: 0.0})
+    now = [0.0]
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: now[0])
+    clock = StepClock()
+    monkeypatch.setattr(clock, "corrected", lambda table: table)  # the table stays wrong: forests look free
+    if no_bare_probe:
+        monkeypatch.setattr(clock, "needs_bare", lambda reqs: False)
+    r = SimpleNamespace(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
+                        _dsbd_cost_base=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
+                        dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
+    states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance()) for _ in range(8)]
+    shapes = [load.Shape(leaves=1, width=2, depth=3)] * 8
+    rng, planned, pending = random.Random(0), [], [0] * 8
+    for _ in range(steps):
+        clock.start(8 + sum(pending), 8)
+        emitted = 0
+        for st, d in zip(states, pending):
+            k = 0
+            while k < d and rng.random() < 0.8:
+                k += 1
+            if d:
+                st.acceptance.observe(k, d)
+            emitted += k + 1
+        levels = ShapePlanMixin._choose_depths(r, [load.Level(2, 3)] * 8, shapes, states, [False] * 8)
+        pending = [lv.depth for lv in levels]
+        planned.append(sum(lv.width * lv.depth for lv in levels))
+        clock.emitted(emitted, True)
+        now[0] += 0.030 if clock._drafted or clock._verified else 0.010
+        r.dsbd_cost = clock.finish(r._dsbd_cost_base)
+    return planned, r
+
+
+def test_forests_that_lose_stop_within_a_short_run(monkeypatch):
+    """Forests that lose at a batch size are measured to lose within the warm-up, ``MIN_REGIME`` windows and one bare
+    probe (``BARE_PROBE`` steps, outside the exploration budget), about 20 steps: a short run (the README's main job
+    makes ~45 steps at batch 8) reaches the verdict; from then on forests run only as probes within the budget. With
+    bare probes never starting (the planted variant; before 2026-12-06 they waited for the budget too) the forests run
+    on: the table says they are free."""
+    steps = 200
+    planned, r = _veto_loop(monkeypatch, steps)
+    first = next(t for t, n in enumerate(planned) if t > step_clock.WARMUP and n == 0)
+    verdict = step_clock.WARMUP + step_clock.MIN_REGIME + step_clock.BARE_PROBE + 2
+    assert first <= step_clock.WARMUP + step_clock.MIN_REGIME + 2, planned
+    late = [t for t in range(verdict, steps) if planned[t]]
+    assert len(late) <= cost.PROBE_SHARE * steps + 3, (late, planned)
+    assert r.dsbd_stats.vetoed_steps >= steps - verdict - len(late)
+    planted, _ = _veto_loop(monkeypatch, steps, no_bare_probe=True)
+    assert sum(1 for t in range(verdict, steps) if planted[t]) > steps // 2
+
+
+def test_a_bare_probe_waits_for_its_gap():
+    """``needs_bare`` asks for a bare probe once forest windows are measured at a bucket and bare ones are not, then
+    not again for ``PROBE_GAP`` measured steps at that bucket (its bare windows may not be recorded: a step with a
+    prefill is not measured), while another bucket is probed at once."""
+    c = StepClock(warmup=0)
+    for _ in range(step_clock.MIN_REGIME):
+        c.observe(0.03, 0.0, True, True)
+        c.regimes.setdefault(8, (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
+            (c.steps, 0.03, 12))
+    assert c.needs_bare(8) and c.needs_bare(15) and not c.needs_bare(4)
+    assert c.bare_probe(8) == step_clock.BARE_PROBE and not c.needs_bare(8)
+    for _ in range(step_clock.PROBE_GAP - 1):
+        c.observe(0.03, 0.0, True, True)
+    assert not c.needs_bare(8)
+    c.observe(0.03, 0.0, True, True)
+    c.regimes[8][1].extend([(c.steps, 0.03, 12)] * step_clock.MIN_REGIME)
+    assert c.needs_bare(8)

@@ -111,20 +111,21 @@ class ShapePlanMixin:
         out, chosen = list(levels), []
         shapes = cost.choose_shapes(cands, self.dsbd_cost)
         probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
-        # forests measured to lose at this batch size (step_clock.forests_lose): none but within the probe budget;
-        # only forests measured there: a bare probe, two steps without them (step_clock.needs_bare)
+        # forests measured to lose at this batch size (step_clock.forests_lose): none but as a probe within the
+        # exploration budget; only forests measured there: a bare probe, a few steps without them
+        # (step_clock.needs_bare; not from the budget: a short run must reach the verdict too)
         clock, drafts = self._dsbd_clock, any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes))
         if clock is not None and drafts:
-            bare_probe = self._dsbd_bare_probe > 0 or (explore and clock.needs_bare(len(rows)))
-            if bare_probe:
-                self._dsbd_bare_probe = self._dsbd_bare_probe - 1 if self._dsbd_bare_probe > 0 else 1
-                probed = probed or self._dsbd_bare_probe == 1
-            if bare_probe or clock.forests_lose(len(rows)):
-                if explore and not bare_probe:
-                    probed = True
-                else:
-                    shapes = [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
-                    self.dsbd_stats.vetoed_steps += 1
+            if self._dsbd_bare_probe == 0 and clock.needs_bare(len(rows)):
+                self._dsbd_bare_probe = clock.bare_probe(len(rows))
+            bare_probe = self._dsbd_bare_probe > 0
+            self._dsbd_bare_probe -= bare_probe
+            lose = not bare_probe and clock.forests_lose(len(rows))
+            if lose and explore:
+                probed = True
+            elif bare_probe or lose:
+                shapes = [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
+                self.dsbd_stats.vetoed_steps += 1
         self.dsbd_explore.step(probed)
         if self._dsbd_clock is not None:
             self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes),

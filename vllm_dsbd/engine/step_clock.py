@@ -24,7 +24,8 @@ per second of the windows with forests (drafted or verified) against those of th
 same batch size (a power-of-two bucket of its requests) over their last ``WINDOW`` samples; the runner then drafts no
 forest at that size but within the engine's probe budget (``shapes.py``), so a batch whose forests lose runs at
 nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7); where only forests were measured
-at a batch size, a bare probe (two steps without forests, within the same budget) measures the other side. Only
+at a batch size, a bare probe (``BARE_PROBE`` steps without forests, at most once per ``PROBE_GAP`` measured steps and
+batch-size bucket, outside the probe budget: a short run must reach the verdict) measures the other side. Only
 windows of plain requests count (a beam request's step is not one token per request).
 Imports neither vLLM nor torch.
 """
@@ -44,6 +45,8 @@ WINDOW = 32  # the most recent surpluses kept per kind of window
 HORIZON = 256  # measured steps after which a surplus expires
 
 MIN_REGIME = 4  # windows of each regime measured at a batch size before forests_lose can say they lose
+BARE_PROBE = MIN_REGIME + 1  # steps of a bare probe: its first window still verifies the forests planned before it
+PROBE_GAP = 64  # measured steps before a batch-size bucket is probed again (its bare windows not recorded, or expired)
 NEITHER, DRAFTED, VERIFIED, BOTH = 0, 1, 2, 3  # a window's kind: (verified forests) * 2 + (drafted forests)
 KINDS = ("neither", "drafted", "verified", "both")
 
@@ -74,6 +77,7 @@ class StepClock:
     _reqs: int = 0  # requests of the window
     _emitted: int = 0  # tokens the window emitted
     _plain: bool = True  # only plain requests in the window (a beam step is not one token per request)
+    _probed: dict = field(default_factory=dict)  # batch-size bucket -> the measured step its last bare probe began
 
     def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0) -> None:
         """One window's time against the table's prediction; ``nodes``: the forest nodes it drafted and verified
@@ -114,10 +118,25 @@ class StepClock:
         return self.corrected(table)
 
     def needs_bare(self, reqs: int) -> bool:
-        """Whether, at a batch of ``reqs`` requests, windows with forests are measured and bare ones are not (a bare
-        probe then measures what the batch does without forests: two steps that draft nothing)."""
-        pair = self.regimes.get(_bucket(reqs))
-        return pair is not None and len(pair[1]) >= MIN_REGIME and len(pair[0]) < MIN_REGIME
+        """Whether, at a batch of ``reqs`` requests, windows with forests are measured and bare ones are not, and the
+        bucket was not probed in the last ``PROBE_GAP`` measured steps (a bare probe, :meth:`bare_probe`, then measures
+        what the batch does without forests)."""
+        bucket = _bucket(reqs)
+        pair = self.regimes.get(bucket)
+        if pair is None or self.steps - self._probed.get(bucket, -PROBE_GAP) < PROBE_GAP:
+            return False
+        return len(self._live(pair[1])) >= MIN_REGIME and len(self._live(pair[0])) < MIN_REGIME
+
+    def bare_probe(self, reqs: int) -> int:
+        """A bare probe begins at a batch of ``reqs`` requests: the steps it lasts (``BARE_PROBE``)."""
+        self._probed[_bucket(reqs)] = self.steps
+        return BARE_PROBE
+
+    def _live(self, q: deque) -> deque:
+        """``q`` without its samples older than ``HORIZON`` measured steps."""
+        while q and q[0][0] <= self.steps - HORIZON:
+            q.popleft()
+        return q
 
     def forests_lose(self, reqs: int) -> bool:
         """Whether, at a batch of ``reqs`` requests, the windows with forests emitted fewer tokens per second than
@@ -126,9 +145,7 @@ class StepClock:
         if pair is None:
             return False
         rates = []
-        for q in pair:
-            while q and q[0][0] <= self.steps - HORIZON:
-                q.popleft()
+        for q in map(self._live, pair):
             if len(q) < MIN_REGIME:
                 return False
             rates.append(sum(t for _, _, t in q) / sum(s for _, s, _ in q))
