@@ -213,9 +213,10 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False):
     monkeypatch.setattr(clock, "corrected", lambda table: table)  # the table stays wrong: forests look free
     if no_bare_probe:
         monkeypatch.setattr(clock, "needs_bare", lambda reqs: False)
-    r = SimpleNamespace(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
-                        _dsbd_cost_base=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
-                        dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
+    r = ShapePlanMixin()  # the runner's state that _choose_depths reads, nothing else
+    vars(r).update(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
+                   _dsbd_cost_base=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
+                   dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
     states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance()) for _ in range(8)]
     shapes = [load.Shape(leaves=1, width=2, depth=3)] * 8
     rng, planned, pending = random.Random(0), [], [0] * 8
@@ -229,7 +230,7 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False):
             if d:
                 st.acceptance.observe(k, d)
             emitted += k + 1
-        levels = ShapePlanMixin._choose_depths(r, [load.Level(2, 3)] * 8, shapes, states, [False] * 8)
+        levels = r._choose_depths([load.Level(2, 3)] * 8, shapes, states, [False] * 8)
         pending = [lv.depth for lv in levels]
         planned.append(sum(lv.width * lv.depth for lv in levels))
         clock.emitted(emitted, True)

@@ -109,23 +109,17 @@ class ShapePlanMixin:
                 c = dataclasses.replace(c, catch_up=catch_ups[i])
             cands.append(c)
         out, chosen = list(levels), []
-        shapes = cost.choose_shapes(cands, self.dsbd_cost)
-        probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
-        # forests measured to lose at this batch size (step_clock.forests_lose): none but as a probe within the
-        # exploration budget; only forests measured there: a bare probe, a few steps without them
-        # (step_clock.needs_bare; not from the budget: a short run must reach the verdict too)
-        clock, drafts = self._dsbd_clock, any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes))
-        if clock is not None and drafts:
-            if self._dsbd_bare_probe == 0 and clock.needs_bare(len(rows)):
-                self._dsbd_bare_probe = clock.bare_probe(len(rows))
-            bare_probe = self._dsbd_bare_probe > 0
-            self._dsbd_bare_probe -= bare_probe
-            lose = not bare_probe and clock.forests_lose(len(rows))
-            if lose and explore:
-                probed = True
-            elif bare_probe or lose:
-                shapes = [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
-                self.dsbd_stats.vetoed_steps += 1
+        clock = self._dsbd_clock
+        if clock is not None and not explore and self._dsbd_bare_probe == 0 and clock.forests_lose(len(rows)):
+            # forests measured to lose at this batch size and no probe due: the model is not asked (its host work
+            # saved on every such step), none drafts but a pinned beam request
+            shapes, probed = [(c.width, c.depth if c.pinned else 0) for c in cands], False
+            self.dsbd_stats.vetoed_steps += any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
+        else:
+            shapes = cost.choose_shapes(cands, self.dsbd_cost)
+            probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
+            if clock is not None:
+                shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed)
         self.dsbd_explore.step(probed)
         if self._dsbd_clock is not None:
             self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes),
@@ -140,3 +134,22 @@ class ShapePlanMixin:
                 chosen += [n] if beam and n is not None else []
         self.dsbd_stats.record_nodes(chosen)
         return out
+
+    def _measured_veto(self, clock, cands, shapes, reqs: int, explore: bool, probed: bool):
+        """The model's ``shapes`` against what the step clock measured at a batch of ``reqs`` requests
+        (``step_clock.forests_lose``): forests that lose there run only as a probe within the exploration budget; where
+        only forests were measured, a bare probe, a few steps without them (``step_clock.needs_bare``; not from the
+        budget: a short run must reach the verdict too). Returns (shapes, whether the step probes)."""
+        if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
+            return shapes, probed
+        if self._dsbd_bare_probe == 0 and clock.needs_bare(reqs):
+            self._dsbd_bare_probe = clock.bare_probe(reqs)
+        bare_probe = self._dsbd_bare_probe > 0
+        self._dsbd_bare_probe -= bare_probe
+        lose = not bare_probe and clock.forests_lose(reqs)
+        if lose and explore:
+            return shapes, True
+        if bare_probe or lose:
+            self.dsbd_stats.vetoed_steps += 1
+            return [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)], probed
+        return shapes, probed
