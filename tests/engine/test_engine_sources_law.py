@@ -17,34 +17,35 @@ One engine on SmolLM2-135M (float32, a context-sensitive target), width 2 (W = 1
 * plain requests, T = 1, prompt TEXT (random letters: flat, context-sensitive laws, the first layer rejected in
   about 60% of forests, so residual draws and recycled rows of rejected nodes are common), W = 1 and W = 2, TOKENS = 8
   tokens each, several forests per request (the engine's counts: about 2.3 per request), against plain vLLM: two-sample
-  chi-squares at the 1e-6 quantile (bins with fewer than 10 merged) of the marginal law of each of the 8 positions
-  and of the joint law of the first 2 tokens (binned over the prefix tree); each with df >= 3 and its MDE printed and
-  bounded (two samples of N_PLAIN = 400: TV 0.32-0.35 per statistic). Family-wise false alarm: 9 statistics x 1e-6 per
-  width;
+  chi-squares at the 1e-6 quantile (bins with fewer than 10 merged) of the marginal law of each of the 8 positions,
+  of the joint law of the first 2 tokens (binned over the prefix tree), and of two counts over the 8 tokens: the
+  pairs of consecutive tokens that are pairs of the prompt (what the lookup source drafts) and the pairs that repeat
+  an earlier pair (what the recycle source drafts); each position's with df >= 3, every MDE printed and bounded (two
+  samples of N_PLAIN = 400: TV 0.27-0.35 per statistic). Family-wise false alarm: 11 statistics x 1e-6 per width.
+  **Power, every run**: a verifier that accepts every draft the target gives mass (``planted.py`` "accept_all", in
+  every core a plain forest takes), N_POWER = 200 requests per width against as many of plain vLLM's, is rejected;
 * beam sampling (W = 2, N = 2 nodes per depth, 3 steps, top-k 4, T = 1.5, prompt BEAM_TEXT: on the letters no beam
   forest passed a layer), whose forests recycle their leaves' and nodes' rows: the law of the beam set equals the exact
   law by enumeration (``beam_oracle``; one sample, MDE TV 0.18), with layers passed.
 
 Measured 2026-12-06 (CPU, N_PLAIN = 400): W = 1 938 forests for 400 requests, 374 layers passed, the largest
-statistic 43.8 / 67.1 (token 5, df 21), df 15-28, MDE TV 0.318-0.345; W = 2 936 forests, 396 passed, 38.9 / 65.4
-(token 5, df 20), df 14-28, MDE TV 0.315-0.345; beams 8.6 / 50.8 (df 12, MDE TV 0.179), 204 layers passed in 1,800
-steps. The file: 328 s wall, about 330 s CPU (N_PLAIN was 500 until 2026-12-06: about 385 s, MDE TV
-0.30-0.31; cut to pay for ``test_engine_draft_keys.py``, about 47 s). With 500 requests: W = 1 1,172 forests, 467
-passed, 44.9 / 73.9; W = 2 1,172 forests, 491 passed, 47.9 / 75.5 (token 5 both); 651 s CPU with the planted runs.
+statistic 43.8 / 67.1 (token 5, df 21), df 15-28, MDE TV 0.318-0.345, prompt pairs 10.5 / 30.7 (df 3), repeated
+pairs 7.7 / 27.6 (df 2); W = 2 936 forests, 396 passed, 38.9 / 65.4 (token 5, df 20), prompt pairs 6.1 / 30.7,
+repeated pairs 8.3 / 27.6; beams 8.6 / 50.8 (df 12, MDE TV 0.179), 204 layers passed in 1,800 steps. Planted
+"accept_all": prompt pairs 72.1 / 35.9 (W = 1, df 5) and 65.0 / 33.4 (W = 2, df 4), repeated pairs 28.3 and 27.8 /
+33.4, while every position's marginal and the first 2 tokens' joint stay below threshold (largest 25.1 / 30.7): the
+letters are exchangeable, so a bias that keeps every letter as likely at every position (drafts copy the prompt's
+order or repeat the sequence's own pairs) is seen only by a statistic over the sequence. The planted sample is seeded
+(fixed), plain vLLM's is not: the margin (about 2x the threshold) is the plain sample's to lose. The file: 441 s wall
+(N_PLAIN was 500 until 2026-12-06: about 385 s without power runs).
 
-No power check of these law statistics passes at this size (a gap against docs/design/testing.md): on the letters
-the sources' drafts mostly
-miss the target's mass (0.4 layers passed per forest), so a wrong verification rule changes little: the residual
-dropped from every plain core (``DSBD_TEST_PLANTED=1``, W = 1) gave 42.3 / 75.5 at most, deterministic drafts
-recorded as softmax Q (200 requests) 14.4 / 60.1, the dropped residual in the beams' layer 16.3 / 50.8 (76.3 / 88.4
-on the letters). Measured 2026-12-06 with 300 requests at W = 1 (largest statistic / its threshold): noise keyed by
-the depth only (``forest_position = depth``: every forest of a request redraws the same numbers) 15.3 / 48.9 on the
-letters; on the list to repeat at T = 1.5, top-k 8 (1.2 layers passed per forest) the exact code 13.2 / 52.7, the
-dropped residual 17.7 / 52.7, depth-only noise 11.1 / 48.9 (the recycled rows are the target's own, so Q is close to
-the target's law and a wrong rule changes little); draft noise without the request's seed (every request's forests
-draw the same numbers) 61.3 / 58.3 on the letters (token 2, df 16; W = 2 the same), rejected but by a margin a run of
-the unseeded plain sample can lose, so not wired as an assertion. The verification rules themselves are powered in
-``test_engine_cost_law.py`` and the beam law tests; the keying is checked directly by ``test_engine_draft_keys.py``.
+Before the two counts, no power check passed (numbers kept for the record): the residual dropped from every plain
+core (``DSBD_TEST_PLANTED=1``, W = 1) gave 42.3 / 75.5 at most, deterministic drafts recorded as softmax Q (200
+requests) 14.4 / 60.1, the dropped residual in the beams' layer 16.3 / 50.8 (76.3 / 88.4 on the letters); with 300
+requests at W = 1: noise keyed by the depth only (``forest_position = depth``) 15.3 / 48.9; on the list to repeat at
+T = 1.5, top-k 8, the dropped residual 17.7 / 52.7, depth-only noise 11.1 / 48.9; draft noise without the request's
+seed 61.3 / 58.3 (token 2). The verification rules themselves are powered in ``test_engine_cost_law.py`` and the
+beam law tests; the keying is checked directly by ``test_engine_draft_keys.py``.
 
 Not reached: an MDE of TV 0.05 over the sequence. Per position at df ~ 28 it needs ~19,000 requests per sample
 (``chisq.n_for_mde``), about 40 CPU minutes at W = 2 here; the 8-token joint law is far beyond that.
@@ -52,12 +53,12 @@ Not reached: an MDE of TV 0.05 over the sequence. Per position at df ~ 28 it nee
 The old keying is rejected by the mechanism test ``test_engine_draft_keys.py`` (every draft key a real engine draws,
 recorded: no position word drawn by two forests of a request; the old keying, planted there, reuses words at W = 1, 2
 and in beam sampling). Its law effect (``DSBD_TEST_PLANTED=1`` runs it here beside the exact code and prints its
-statistics) was not seen at this size: 2026-12-06, 300 requests x 9 tokens, W = 1 and 2, on the letters and on
-random digits, every position's
-marginal and the first 2 tokens' joint stayed below threshold (largest 25.2 / 51, the exact code's largest 34 / 55);
-nor on a list to repeat or a count at W = 1. The bias needs a rejection whose residual token r was also the token of
-an unverified deep node, and the next root's key (previous token, r) missing from the table so that the fallback key
-(r) serves that node's row: rare on these prompts, and then a shift of one draft's law.
+statistics) was not seen at this size: 2026-12-06, 300 requests x 9 tokens, W = 1 and 2, on the letters and on random
+digits, every position's marginal and the first 2 tokens' joint stayed below threshold (largest 25.2 / 51, the exact
+code's largest 34 / 55); nor on a list to repeat or a count at W = 1 (the two counts over the sequence were added
+after these runs and not measured on it). The bias needs a rejection whose residual token r was also the token of an
+unverified deep node, and the next root's key (previous token, r) missing from the table so that the fallback key (r)
+serves that node's row: rare on these prompts, and then a shift of one draft's law.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ pytestmark = pytest.mark.slow
 TEXT = "Random letters: q x m b t k w f z d r h p j v c y g n s l"
 N_PLAIN, TOKENS, TEMP, DEPTH, WIDTHS = 400, 8, 1.0, 3, (1, 2)
 PLANTED, POWER_WIDTH = "dropped_residual", 1  # planted.py, in every core a plain forest can take
+POWER, N_POWER = "accept_all", 200  # planted.py: a verifier that accepts every draft; its requests per width
 MDE_MAX = 0.37  # every plain statistic's MDE TV is at most this (two samples of N_PLAIN; df <= 40)
 # beam sampling: a list to repeat (forests pass layers there; none did on the letters), T = 1.5 (a flatter law)
 BEAM_TEXT = ("Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape, kiwi\n"
@@ -99,13 +101,14 @@ PLANTED_RUNS = os.environ.get("DSBD_TEST_PLANTED") == "1"
 def _planted(variant: str | None):
     """Inside the block the engine runs ``variant``: PLANTED (the residual dropped from every verification core a
     plain request's forest can take, the width-1 chains' too: after a rejection the target's law instead of the
-    residual's) or "old keying" (DRAFT_DRAW keyed by the node's position, ``root + depth``); None: as it is."""
+    residual's), POWER (every draft accepted, in the same cores) or "old keying" (DRAFT_DRAW keyed by the node's
+    position, ``root + depth``); None: as it is."""
     with pytest.MonkeyPatch.context() as mp:
-        if variant == PLANTED:
-            mp.setattr(verify_mod, "verify_layer", planted_verify_layer(PLANTED))
-            mp.setattr(static_mod, "verify_layer_static", planted_verify_layer(PLANTED, static=True))
-            mp.setattr(chain_mod, "_layer", planted_chain(PLANTED))
-            mp.setattr(sampler_mod, "verify_chains_static", planted_chain(PLANTED, static=True))
+        if variant in (PLANTED, POWER):
+            mp.setattr(verify_mod, "verify_layer", planted_verify_layer(variant))
+            mp.setattr(static_mod, "verify_layer_static", planted_verify_layer(variant, static=True))
+            mp.setattr(chain_mod, "_layer", planted_chain(variant))
+            mp.setattr(sampler_mod, "verify_chains_static", planted_chain(variant, static=True))
         elif variant == "old keying":
             mp.setattr(rng_mod, "forest_position", lambda root, depth: root + depth)
         yield
@@ -146,7 +149,11 @@ def statistics(sample: list[tuple], plain: list[tuple]) -> dict[str, tuple[float
     """Two-sample chi-squares against plain vLLM: each position's marginal and the first 2 tokens' joint law, binned
     over the prefix tree (a pair seen fewer than 10 times in both samples together counts as its first token: some
     20 letters at each position make most pairs too rare for a bin of their own; a binning by the pooled samples
-    leaves the statistic's null law as it is)."""
+    leaves the statistic's null law as it is); and the law of two counts over the whole sequence that the drafts
+    move where verification errs, though every letter stays as likely at every position (the letters are
+    exchangeable, so a marginal barely sees it): the pairs of consecutive tokens that are pairs of the prompt (what
+    the lookup source drafts) and the pairs that repeat an earlier pair of the sequence (what the recycle source
+    drafts)."""
     out = {f"token {t + 1}": chisq.two_sample(Counter(s[t] for s in sample), Counter(s[t] for s in plain))
            for t in range(TOKENS)}
     pooled = Counter(s[:2] for s in sample + plain)
@@ -155,6 +162,17 @@ def statistics(sample: list[tuple], plain: list[tuple]) -> dict[str, tuple[float
         return s[:2] if pooled[s[:2]] >= 10 else (s[0], None)
 
     out["tokens 1-2"] = chisq.two_sample(Counter(map(pair, sample)), Counter(map(pair, plain)))
+    prompt_pairs = set(zip(PROMPT, PROMPT[1:]))
+
+    def copied(s):
+        return sum(p in prompt_pairs for p in zip(s, s[1:]))
+
+    def repeated(s):
+        pairs = list(zip(s, s[1:]))
+        return sum(p in pairs[:i] for i, p in enumerate(pairs))
+
+    out["prompt pairs"] = chisq.two_sample(Counter(map(copied, sample)), Counter(map(copied, plain)))
+    out["repeated pairs"] = chisq.two_sample(Counter(map(repeated, sample)), Counter(map(repeated, plain)))
     return out
 
 
@@ -186,6 +204,8 @@ def runs():
             for variant in [None] + ["old keying"] * PLANTED_RUNS:
                 with _planted(variant):
                     out[width, variant] = _counted(llm, lambda: _plain(llm, width=width))
+            with _planted(POWER):  # the power check, every run
+                out[width, POWER] = _counted(llm, lambda: _plain(llm, width=width, n=N_POWER))
         if PLANTED_RUNS:
             with _planted(PLANTED):
                 out[POWER_WIDTH, PLANTED] = _counted(llm, lambda: _plain(llm, width=POWER_WIDTH))
@@ -218,10 +238,18 @@ def test_plain_law_over_many_forests_equals_plain_vllm(runs, width):
         if (width, variant) in runs:  # DSBD_TEST_PLANTED=1: measured, not asserted (not rejected at this size)
             for name, stat in statistics(runs[width, variant][0], runs["plain"]).items():
                 chisq.report(f"  planted {variant}, W={width}: {name}", *stat)
+    # power: every draft accepted (planted in every core a plain forest takes) is rejected by the same statistics on
+    # N_POWER requests against as many of plain vLLM's
+    planted = statistics(runs[width, POWER][0], runs["plain"][:N_POWER])
+    for name, stat in planted.items():
+        chisq.report(f"  planted {POWER}, W={width}: {name}", *stat, n=N_POWER, two_sample=True)
     for name, (stat, df, thr) in exact.items():
-        assert df >= 3, f"{name}: too few bins to mean anything"
+        # the counts' laws have few values (df 2-3 measured); every position's marginal has df >= 3
+        assert df >= (1 if name.endswith("pairs") else 3), f"{name}: too few bins to mean anything"
         assert stat < thr, name
         assert chisq.mde_tv(N_PLAIN, df, two_sample=True) <= MDE_MAX, name
+    assert runs[width, POWER][1]["forests"] >= N_POWER
+    assert any(stat > thr for stat, df, thr in planted.values()), planted
 
 
 def test_beam_forests_were_verified(runs):

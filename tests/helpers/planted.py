@@ -38,6 +38,9 @@ VARIANTS = {
     ],
     # A subtle one: each draft accepted with probability min(1, 0.9 T(z) / Q_j(z)), 10% too strict.
     "accept_bias": [("acc = live & (u * (qz / denom) < tz)", "acc = live & (u * (qz / denom) < 0.9 * tz)")],
+    # A verifier that does not verify: every live draft the target gives mass accepted (the output law becomes the
+    # drafts' Q where there are drafts; its distance from the target's is the rejection rate's order)
+    "accept_all": [("acc = live & (u * (qz / denom) < tz)", "acc = live & (tz > 0)")],
 }
 # the same variants of the static layer (its lines compute on every row under masks)
 STATIC_VARIANTS = {
@@ -50,14 +53,17 @@ STATIC_VARIANTS = {
     ],
     "residual_bias": [("res = (t - qj).clamp(min=0.0)", "res = (t - qj).clamp(min=0.0) * " + _BIAS)],
     "accept_bias": [("acc = live & (u * (qz / denom) < tz)", "acc = live & (u * (qz / denom) < 0.9 * tz)")],
+    "accept_all": [("acc = live & (u * (qz / denom) < tz)", "acc = live & (tz > 0)")],
 }
 
 
-# the dropped residual in the width-1 chain cores (plain requests' forests of width 1 take them, not verify_layer):
+# the dropped residual (and every draft accepted) in the width-1 chain cores (plain requests' forests of width 1 take them, not verify_layer):
 # ``chain._layer`` (``verify_chains`` looks it up in its module) and ``chain_static.verify_chains_static`` (the runner's
 # sampler calls it by the name it imported: install it as ``vllm_dsbd.engine.sampler.verify_chains_static``)
-CHAIN_VARIANTS = {"dropped_residual": [("tr = torch.where(good, res / tot, pr)", "tr = pr")]}
-CHAIN_STATIC_VARIANTS = {"dropped_residual": [("tr = torch.where(tot > _TINY, res / tot, p)", "tr = p")]}
+CHAIN_VARIANTS = {"dropped_residual": [("tr = torch.where(good, res / tot, pr)", "tr = pr")],
+                  "accept_all": [("acc = dval & hit", "acc = dval & (p.gather(1, zi).squeeze(1) > 0)")]}
+CHAIN_STATIC_VARIANTS = {"dropped_residual": [("tr = torch.where(tot > _TINY, res / tot, p)", "tr = p")],
+                         "accept_all": [("acc = dval & hit", "acc = dval & (p.gather(1, zi).squeeze(1) > 0)")]}
 
 
 def planted_chain(variant: str, static: bool = False):
