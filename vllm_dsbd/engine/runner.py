@@ -238,7 +238,10 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                 self.dsbd_stats.foreign_drafts += 1
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
-        if self._dsbd_recycle:  # draft-free sources: the prompt rows to recycle after the pass
+        clock = self._dsbd_clock
+        # draft-free sources: the prompt rows to recycle after the pass (an LM head over up to PROMPT_ROWS rows per
+        # request), unless forests are measured to lose at this batch size (step_clock.forests_lose): no draft to feed
+        if self._dsbd_recycle and (clock is None or not clock.forests_lose(len(plan))):
             self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
