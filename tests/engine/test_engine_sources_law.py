@@ -55,8 +55,9 @@ recorded: no position word drawn by two forests of a request; the old keying, pl
 and in beam sampling). Its law effect (``DSBD_TEST_PLANTED=1`` runs it here beside the exact code and prints its
 statistics) was not seen at this size: 2026-12-06, 300 requests x 9 tokens, W = 1 and 2, on the letters and on random
 digits, every position's marginal and the first 2 tokens' joint stayed below threshold (largest 25.2 / 51, the exact
-code's largest 34 / 55); nor on a list to repeat or a count at W = 1 (the two counts over the sequence were added
-after these runs and not measured on it). The bias needs a rejection whose residual token r was also the token of an
+code's largest 34 / 55); nor on a list to repeat or a count at W = 1; with the two counts over the sequence, 400
+requests: prompt pairs 1.5 / 27.6 (W = 1) and 0.7 / 27.6 (W = 2), repeated pairs 3.8 / 30.7 and 1.4 / 30.7 (the
+dropped residual: 7.9 / 30.7 and 3.9 / 30.7). The bias needs a rejection whose residual token r was also the token of an
 unverified deep node, and the next root's key (previous token, r) missing from the table so that the fallback key (r)
 serves that node's row: rare on these prompts, and then a shift of one draft's law.
 """
