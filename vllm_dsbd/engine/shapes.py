@@ -113,7 +113,7 @@ class ShapePlanMixin:
         if clock is not None and not explore and self._dsbd_bare_probe == 0 and clock.forests_lose(len(rows)):
             # forests measured to lose at this batch size and no probe due: the model is not asked (its host work
             # saved on every such step), none drafts but a pinned beam request
-            shapes, probed = [(c.width, c.depth if c.pinned else 0) for c in cands], False
+            shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
             self.dsbd_stats.vetoed_steps += any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
         else:
             shapes = cost.choose_shapes(cands, self.dsbd_cost)
@@ -136,20 +136,22 @@ class ShapePlanMixin:
         return out
 
     def _measured_veto(self, clock, cands, shapes, reqs: int, explore: bool, probed: bool):
-        """The model's ``shapes`` against what the step clock measured at a batch of ``reqs`` requests
-        (``step_clock.forests_lose``): forests that lose there run only as a probe within the exploration budget; where
-        only forests were measured, a bare probe, a few steps without them (``step_clock.needs_bare``; not from the
-        budget: a short run must reach the verdict too). Returns (shapes, whether the step probes)."""
+        """The model's ``shapes`` against what the step clock measured at a batch of ``reqs`` requests, on a step the
+        early veto in :meth:`_choose_depths` let through: where only forests were measured, a bare probe, a few steps
+        without them (``step_clock.needs_bare``; not from the budget: a short run must reach the verdict too); forests
+        measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open, and
+        run as its probe. Returns (shapes, whether the step probes)."""
         if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
             return shapes, probed
         if self._dsbd_bare_probe == 0 and clock.needs_bare(reqs):
             self._dsbd_bare_probe = clock.bare_probe(reqs)
-        bare_probe = self._dsbd_bare_probe > 0
-        self._dsbd_bare_probe -= bare_probe
-        lose = not bare_probe and clock.forests_lose(reqs)
-        if lose and explore:
-            return shapes, True
-        if bare_probe or lose:
+        if self._dsbd_bare_probe > 0:
+            self._dsbd_bare_probe -= 1
             self.dsbd_stats.vetoed_steps += 1
-            return [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)], probed
-        return shapes, probed
+            return _pinned_only(cands, shapes), probed
+        return shapes, probed or clock.forests_lose(reqs)
+
+
+def _pinned_only(cands, shapes) -> list[tuple[int, int]]:
+    """``shapes`` with every forest dropped but a pinned request's (a beam request that set its own depth)."""
+    return [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
