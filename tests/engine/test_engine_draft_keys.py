@@ -1,12 +1,12 @@
 """Every forest draws fresh draft noise: the mechanism behind ``rng.forest_position`` (docs/deviations.md D10), checked
 on the numbers a real engine draws.
 
-The default engine (no draft model: recycle + lookup), T > 0, depth 3 pinned (cost model off, verify budget null:
-full forests every step, so forests fail at every depth; on this CPU the cost model would switch most off), plain
-requests at W = 1 and W = 2 and beam-sampling requests; every ``DRAFT_DRAW`` key the drafter actually draws with
-(the position word handed to ``core.beam_step`` for a row with a live slot, the request's seed) is recorded with the forest it was drawn for (its
-root, from ``rng.forest_position``'s arguments). The promise "every forest draws numbers nothing before it used"
-(``core/rng.py``) is then checked directly: no request draws two forests' noise from the same position word.
+The default engine (no draft model: recycle + lookup), T > 0, depth 3 pinned (cost model off, verify budget null: full
+forests every step, so forests fail at every depth; on this CPU the cost model would switch most off), plain requests at
+W = 1 and W = 2 and beam-sampling requests; every ``DRAFT_DRAW`` key the drafter actually draws with (the position word
+handed to ``core.beam_step`` for a row with a live slot, the request's seed) is recorded with the forest it was drawn
+for (its root, from ``rng.forest_position``'s arguments). The promise "every forest draws numbers nothing before it
+used" (``core/rng.py``) is then checked directly: no request draws two forests' noise from the same position word.
 
 Not vacuous: each request verifies several forests and some fail before their last drafted depth (the next root comes
 before the previous forest's deepest drawn position: exactly where a keying by the node's position reuses numbers).
