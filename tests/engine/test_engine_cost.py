@@ -295,8 +295,10 @@ def test_an_auto_engine_with_a_draft_that_pays_drafts(auto):
     # (its outputs: greedy decoding's and vLLM's beams, test_outputs_equal_greedy_and_vllm_beams)
     print("auto engine: depths", {k: auto[k]["depths"] for k in ("plain", "beams")}, "clock", auto["load"]["clock"],
           "cost", {k: auto["load"]["cost"][k] for k in ("step", "draft_step")})
-    for run in (auto["plain"], auto["beams"]):
-        assert run["depths"].get(0, 0) <= 0.4 * sum(run["depths"].values()), run["depths"]
+    # the engine's first requests: its warm-up (step_clock.WARMUP decode steps, unmeasured) drafts nothing
+    warmup = step_clock.WARMUP * len(PROMPTS)
+    for run, skip in ((auto["plain"], warmup), (auto["beams"], 0)):
+        assert run["depths"].get(0, 0) - skip <= 0.4 * (sum(run["depths"].values()) - skip), run["depths"]
     assert auto["plain"]["vllm:spec_decode_num_drafts"] > 0 and auto["beams"]["vllm:dsbd_beam_layers_passed"] > 0
 
 

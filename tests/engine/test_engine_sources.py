@@ -11,7 +11,8 @@ One plain engine (vLLM's own ``LLM.beam_search`` and greedy decoding, the oracle
 * plain greedy requests equal plain vLLM greedy token for token, at >= 2 tokens per target pass on these prompts
   (the engine's counts; deterministic at T = 0 with pinned shapes: measured 2.3 and 2.9);
 * the engine as a user gets it (cost model on): greedy equal to plain vLLM, and forests verified with more tokens
-  than target passes (the engine's counts).
+  than target passes (the engine's counts); its first requests' prompt rows not recycled (no verdict of the step
+  clock yet), where the pinned engine recycles every prompt row but the last.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _drafter(worker) -> dict:
 @pytest.fixture(scope="module")
 def runs(setup):
     folder, prompts = setup
-    out = {}
+    out = {"prompts": prompts}
     kw = dict(max_model_len=1024, max_num_seqs=4)
     with dsbd_llm(folder, **kw) as llm:
         out["vllm_beams"], out["vllm_greedy"] = _beams(llm, prompts), _greedy(llm, prompts)
@@ -81,13 +82,14 @@ def runs(setup):
         out["beams"] = _beams(llm, prompts)
         out["beam"] = {n: metric(llm, f"vllm:dsbd_beam_{n}") for n in ("steps", "target_passes", "draft_nodes",
                                                                          "layers_passed")}
-        per = []
+        per, rows0 = [], llm.collective_rpc("dsbd_load")[0]["prompt_rows"]
         for p in prompts:  # one at a time: each prompt's own tokens per target pass
             before = llm.collective_rpc("dsbd_decisions")[0]
             g = _greedy(llm, [p])[0]
             after = llm.collective_rpc("dsbd_decisions")[0]
             per.append((g, {k: after[k] - before[k] for k in ("iterations", "tokens", "forest_iterations")}))
         out["greedy"] = per
+        out["prompt_rows"] = llm.collective_rpc("dsbd_load")[0]["prompt_rows"] - rows0
     # the engine as a user gets it: the same, cost model on (nothing overridden)
     user = {"method": "dsbd", "width": WIDTH, "cost_model": "auto"}  # "auto" is the default; named for engine_utils
     with dsbd_llm(folder, **kw, speculative_config=user) as llm:
@@ -95,7 +97,8 @@ def runs(setup):
         out["user_greedy"] = _greedy(llm, prompts)
         after = llm.collective_rpc("dsbd_decisions")[0]
         out["user_counts"] = {k: after[k] - before[k] for k in ("iterations", "tokens", "forest_iterations")}
-        out["user_depths"] = llm.collective_rpc("dsbd_load")[0]["depths"]
+        load = llm.collective_rpc("dsbd_load")[0]
+        out["user_depths"], out["user_prompt_rows"] = load["depths"], load["prompt_rows"]
     return out
 
 
@@ -122,8 +125,13 @@ def test_greedy_equals_plain_vllm_at_two_tokens_per_pass(runs):
 
 
 def test_the_users_engine_drafts_from_the_sources_and_equals_plain_vllm(runs):
-    """Cost model on: the sources cost no draft pass, so on these prompts it drafts (the engine's counts)."""
+    """Cost model on: the sources cost no draft pass, so on these prompts it drafts (the engine's counts). Its first
+    requests' prompt rows are not recycled: a plain request's are taken only where forests are measured to pay at
+    the batch size, and the step clock has measured nothing at their prefill; the pinned engine (no clock) takes them,
+    so the count is not vacuous."""
     c = runs["user_counts"]
-    print("user's engine greedy counts:", c, "depths chosen:", runs["user_depths"])
+    print("user's engine greedy counts:", c, "depths chosen:", runs["user_depths"], "prompt rows:",
+          runs["user_prompt_rows"], "pinned:", runs["prompt_rows"])
     assert runs["user_greedy"] == runs["vllm_greedy"]
     assert c["forest_iterations"] > 0 and c["tokens"] > c["iterations"]
+    assert runs["user_prompt_rows"] == 0 and runs["prompt_rows"] == sum(len(p) - 1 for p in runs["prompts"])

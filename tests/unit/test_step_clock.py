@@ -76,7 +76,7 @@ def test_a_forest_is_charged_to_both_windows_that_hold_it():
 
 
 def test_the_start_and_planned_calls_class_each_window():
-    c = StepClock(warmup=0)
+    c = StepClock(warmup=0, forest_warmup=0)
     for drafted in (False, True, True, False, False):
         c.start(4)
         c.planned(0.0, drafted)
@@ -122,7 +122,7 @@ def test_host_cost_of_drafting_switches_it_off_at_batch_one():
 def test_start_planned_finish_measure_one_step(monkeypatch):
     now = iter([10.0, 10.090])
     monkeypatch.setattr(step_clock.time, "perf_counter", lambda: next(now))
-    c = StepClock()
+    c = StepClock(forest_warmup=0)
     for _ in range(step_clock.WARMUP):  # the first decode steps are not measured
         c.start(4)
         c.finish(TABLE)
@@ -173,7 +173,7 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     """At batch 8 forests emit 12 tokens in 30 ms (400/s) against bare steps' 8 in 10 ms (800/s): they lose there,
     and only there (batch 2 unmeasured, batch 9-15 shares batch 8's bucket); with too few windows of either regime it
     says nothing; faster forests do not lose; beam windows do not count; old windows expire."""
-    c = StepClock(warmup=0)
+    c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         _window(c, 0.010, 8, 8, monkeypatch=monkeypatch)
     assert not c.forests_lose(8)  # no forest window yet
@@ -182,7 +182,7 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     assert not c.forests_lose(8)
     _window(c, 0.030, 12, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
     assert c.forests_lose(8) and c.forests_lose(12) and not c.forests_lose(2) and not c.forests_lose(16)
-    fast = StepClock(warmup=0)
+    fast = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         _window(fast, 0.010, 8, 8, monkeypatch=monkeypatch)
         _window(fast, 0.012, 16, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
@@ -193,13 +193,14 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     assert not c.forests_lose(8)
 
 
-def _veto_loop(monkeypatch, steps, no_bare_probe=False):
+def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
     """The runner's loop around ``shapes._choose_depths`` (the real method, on a stand-in runner) for 8 plain requests
     (width 2, depth 3, passing 80% of layers) whose forests lose: a window with forests takes 30 ms and emits the
     verified forests' tokens, a bare one 10 ms for 8 tokens, and the table says forests are free (as the start-up table
     does before the clock measures them; its correction left out here, so that only the windows' measured tokens per
-    second can stop the forests: a correction fitted wrong, as on the README's main job). ``no_bare_probe``: the planted variant, whose bare probes never start.
-    Returns each step's planned forest nodes and the stand-in runner."""
+    second can stop the forests: a correction fitted wrong, as on the README's main job). ``no_bare_probe``: the planted
+    variant whose bare probes never start; ``no_warmup_veto``: the one whose warm-up drafts. Returns each step's planned
+    forest nodes and the stand-in runner."""
     import random
     from types import SimpleNamespace
 
@@ -213,6 +214,8 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False):
     monkeypatch.setattr(clock, "corrected", lambda table: table)  # the table stays wrong: forests look free
     if no_bare_probe:
         monkeypatch.setattr(clock, "needs_bare", lambda reqs: False)
+    if no_warmup_veto:
+        monkeypatch.setattr(clock, "warming", lambda: False)
     r = ShapePlanMixin()  # the runner's state that _choose_depths reads, nothing else
     vars(r).update(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
                    _dsbd_cost_base=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
@@ -257,11 +260,29 @@ def test_forests_that_lose_stop_within_a_short_run(monkeypatch):
     assert sum(1 for t in range(verdict, steps) if planted[t]) > steps // 2
 
 
+def test_the_warm_up_drafts_no_forest_and_the_first_forests_are_not_measured(monkeypatch):
+    """The engine's first ``WARMUP`` decode steps are not measured, so forests there would cost what the table does not
+    know: none is drafted (the last warm-up step plans the first forests); the first ``FOREST_WARMUP`` windows with
+    forests are not measured either (their one-time costs), the next are. Planted: without the warm-up's veto the
+    table (forests free) drafts from the first step."""
+    planned, _ = _veto_loop(monkeypatch, 20)
+    assert planned[: step_clock.WARMUP - 1] == [0] * (step_clock.WARMUP - 1) and planned[step_clock.WARMUP - 1] > 0
+    planted, _ = _veto_loop(monkeypatch, 20, no_warmup_veto=True)
+    assert all(planted[: step_clock.WARMUP - 1]), planted
+    for forest_warmup, measured in ((step_clock.FOREST_WARMUP, [1, 0, 1, 1]), (0, [1, 1, 1, 2])):
+        c = StepClock(warmup=0, forest_warmup=forest_warmup)
+        for drafted in (False, True, True, True, False):  # neither, drafted, both, both, verified
+            c.start(4)
+            c.planned(0.0, drafted)
+            c.finish(TABLE)
+        assert [len(q) for q in c.surplus] == measured, (forest_warmup, c.surplus)
+
+
 def test_a_bare_probe_waits_for_its_gap():
     """``needs_bare`` asks for a bare probe once forest windows are measured at a bucket and bare ones are not, then
     not again for ``PROBE_GAP`` measured steps at that bucket (its bare windows may not be recorded: a step with a
     prefill is not measured), while another bucket is probed at once."""
-    c = StepClock(warmup=0)
+    c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         c.observe(0.03, 0.0, True, True)
         c.regimes.setdefault(8, (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(

@@ -39,6 +39,7 @@ class DSBDStats:
         self.forest_iterations = 0  # those that verified a forest
         self.bare_steps = 0  # steps sampled by vLLM's sampler: no forest, no beam step (engine/bare.py)
         self.vetoed_steps = 0  # steps whose forests the step clock vetoed: they lose at this batch size (shapes.py)
+        self.prompt_rows = 0  # prompt rows the recycle source took into its tables (runner._model_forward)
         self.layers_passed = Counter()  # layers passed -> iterations (forest iterations only)
         self.width_per_layer = [Counter() for _ in range(cfg.depth)]  # layer d -> Counter(K)
         self.tokens = 0

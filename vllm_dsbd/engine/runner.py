@@ -240,9 +240,13 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             first += (n + 1) if has_spec_rows else 1
         clock = self._dsbd_clock
         # draft-free sources: the prompt rows to recycle after the pass (an LM head over up to PROMPT_ROWS rows per
-        # request), unless forests are measured to lose at this batch size (step_clock.forests_lose): no draft to feed
-        if self._dsbd_recycle and (clock is None or not clock.forests_lose(len(plan))):
-            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
+        # request): a plain request's only where forests are measured to pay at this batch size, a beam request's
+        # unless they are measured to lose (step_clock.verdict; beam steps are not measured: no verdict but this)
+        if self._dsbd_recycle:
+            verdict = True if clock is None else clock.verdict(len(plan))
+            if verdict is not False:
+                self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg,
+                                                     plain=verdict)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
@@ -303,6 +307,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         hidden = out[0] if isinstance(out, tuple) else out  # a head's target: (hidden states, auxiliary states)
         if rows and isinstance(hidden, torch.Tensor):  # draft-free sources: the prompt's rows feed the recycle table
             recycle_prompt(self.model, hidden, rows, self.dsbd_verify_elements)
+            self.dsbd_stats.prompt_rows += len(rows)
         return out
 
     def execute_model(self, *args, **kwargs):

@@ -110,7 +110,9 @@ class ShapePlanMixin:
             cands.append(c)
         out, chosen = list(levels), []
         clock = self._dsbd_clock
-        if clock is not None and not explore and self._dsbd_bare_probe == 0 and clock.forests_lose(len(rows)):
+        if clock is not None and clock.warming():  # the engine's first decode steps: unmeasured, so no forests
+            shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
+        elif clock is not None and not explore and self._dsbd_bare_probe == 0 and clock.forests_lose(len(rows)):
             # forests measured to lose at this batch size and no probe due: the model is not asked (its host work
             # saved on every such step), none drafts but a pinned beam request
             shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from .cost import CostTable
 
 MIN_STEPS = 3  # windows of a kind measured before its median is used
-WARMUP = 8  # decode steps not measured after start-up (one-time costs: first allocations, first forests)
+WARMUP = 8  # decode steps not measured after start-up (one-time costs: first allocations); none drafts a forest
+FOREST_WARMUP = 2  # the engine's first windows with forests, not measured (the first forests' one-time costs)
 WINDOW = 32  # the most recent surpluses kept per kind of window
 HORIZON = 256  # measured steps after which a surplus expires
 
@@ -56,10 +57,12 @@ class StepClock:
     """Surpluses (measured minus predicted seconds) of the measured step windows, by kind: whether the window verified
     forests (planned the step before) and whether it drafted forests (planned in it). The runner calls :meth:`start`
     as a step begins (its scheduled tokens; None: a step with a prefill, not measured; the first ``warmup`` decode
-    steps are not measured either), :meth:`planned` when the cost model chose the next forests, and :meth:`finish`
-    once they are drafted, which returns the corrected table."""
+    steps are not measured either, and draft no forest: :meth:`warming`; nor are the engine's first
+    ``forest_warmup`` windows with forests), :meth:`planned` when the cost model chose the next forests, and
+    :meth:`finish` once they are drafted, which returns the corrected table."""
 
     warmup: int = WARMUP
+    forest_warmup: int = FOREST_WARMUP
     steps: int = 0  # windows measured
     surplus: tuple = field(default_factory=lambda: tuple(deque(maxlen=WINDOW) for _ in KINDS))  # (step, seconds)
     _t0: float | None = None
@@ -107,6 +110,8 @@ class StepClock:
         self._plain = self._plain and plain
 
     def finish(self, table: CostTable) -> CostTable:
+        if (self._drafted or self._verified) and self.forest_warmup > 0:  # the engine's first windows with forests
+            self.forest_warmup, self._t0 = self.forest_warmup - 1, None
         if self._t0 is not None:
             seconds = time.perf_counter() - self._t0
             predicted = table.step + table.target_time(self._tokens) + self._draft
@@ -141,15 +146,31 @@ class StepClock:
     def forests_lose(self, reqs: int) -> bool:
         """Whether, at a batch of ``reqs`` requests, the windows with forests emitted fewer tokens per second than
         the bare windows (each over its last samples not expired, ``MIN_REGIME`` of each at least; else False)."""
+        return self.verdict(reqs) is False
+
+    def forests_pay(self, reqs: int) -> bool:
+        """Whether, at a batch of ``reqs`` requests, forests are measured not to lose (see :meth:`forests_lose`;
+        False while either side is unmeasured)."""
+        return self.verdict(reqs) is True
+
+    def verdict(self, reqs: int) -> bool | None:
+        """At a batch of ``reqs`` requests: True where the windows with forests emitted at least the bare windows'
+        tokens per second, False where fewer, None until ``MIN_REGIME`` of each are live."""
         pair = self.regimes.get(_bucket(reqs))
         if pair is None:
-            return False
+            return None
         rates = []
         for q in map(self._live, pair):
             if len(q) < MIN_REGIME:
-                return False
+                return None
             rates.append(sum(t for _, _, t in q) / sum(s for _, s, _ in q))
-        return rates[1] < rates[0]
+        return rates[1] >= rates[0]
+
+    def warming(self) -> bool:
+        """Whether the engine is still in its first ``WARMUP`` decode steps, which draft no forest: they are not
+        measured, and forests there would cost what the table does not know yet (their cost is measured after them,
+        ``FOREST_WARMUP`` windows later)."""
+        return self.warmup > 0
 
     def median(self, kind: int) -> tuple[float, int]:
         """(the median surplus of a kind of window over its samples not expired, their count)."""

@@ -89,7 +89,8 @@ class _DecisionsMixin:
         (with the cost model: chosen) so far {depth: count}, the nodes per depth the cost model chose for beam forests
         {N: count}, the exploration budget's steps and steps with a probe (``explore``, ``cost.Exploration``), the
         steps vLLM's sampler ran (``bare_steps``, ``bare.py``) and the steps whose forests the clock vetoed because
-        they lose at that batch size (``vetoed_steps``, ``step_clock.StepClock.forests_lose``)."""
+        they lose at that batch size (``vetoed_steps``, ``step_clock.StepClock.forests_lose``), and the prompt rows the
+        recycle source took (``prompt_rows``: a plain request's only where forests are measured to pay)."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
@@ -101,7 +102,8 @@ class _DecisionsMixin:
                                in runner.dsbd_pass_rates.counts.items() if pt[1] > 0},
                 "depths": dict(runner.dsbd_stats.draft_depths), "nodes": dict(runner.dsbd_stats.beam_nodes_chosen),
                 "explore": {"steps": runner.dsbd_explore.steps, "probes": runner.dsbd_explore.probes},
-                "bare_steps": runner.dsbd_stats.bare_steps, "vetoed_steps": runner.dsbd_stats.vetoed_steps}
+                "bare_steps": runner.dsbd_stats.bare_steps, "vetoed_steps": runner.dsbd_stats.vetoed_steps,
+                "prompt_rows": runner.dsbd_stats.prompt_rows}
 
     def dsbd_decisions(self) -> dict:
         """This rank's DSBD decision digest and counts (``LLM.collective_rpc("dsbd_decisions")``): equal on every
