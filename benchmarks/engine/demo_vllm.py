@@ -213,8 +213,9 @@ def main():
                              "what the saved passes do (docs/results.md has the numbers)."))
     print(f"The same prompts again on each engine (\"tok/s, again\"; prefix cache warm on both): DSBD at {again:.2f}x "
           "plain vLLM. The first call pays the engine's calibration: the start-up table prices forests at their "
-          "target tokens alone, and the step clock needs ~17 decode steps at a batch size (8 of warm-up, 4 with "
-          "forests, 5 without) to measure whether forests pay there; where they lose, they stop (step_clock.py).")
+          "target tokens alone, so the step clock measures them: after 8 decode steps of warm-up without forests, "
+          "~11 steps at each batch size (6 with forests, 5 without) say whether forests pay there; where they lose, "
+          "they stop (step_clock.py).")
     if W:
         print_beams(tok, texts, plain[3]["beams"], dsbd[3]["beams"], W)
 
