@@ -246,7 +246,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             verdict = True if clock is None else clock.verdict(len(plan))
             if verdict is not False:
                 self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg,
-                                                     plain=verdict)
+                                                     plain=bool(verdict))
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(
