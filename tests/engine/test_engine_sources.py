@@ -126,8 +126,8 @@ def test_greedy_equals_plain_vllm_at_two_tokens_per_pass(runs):
 
 def test_the_users_engine_drafts_from_the_sources_and_equals_plain_vllm(runs):
     """Cost model on: the sources cost no draft pass, so on these prompts it drafts (the engine's counts). Its first
-    requests' prompt rows are not recycled: a plain request's are taken only where forests are measured to pay at
-    the batch size, and the step clock has measured nothing at their prefill; the pinned engine (no clock) takes them,
+    requests' prompt rows are not recycled: they are taken only where forests are measured to pay at the batch size,
+    and the step clock has measured nothing at their prefill; the pinned engine (no clock) takes them,
     so the count is not vacuous."""
     c = runs["user_counts"]
     print("user's engine greedy counts:", c, "depths chosen:", runs["user_depths"], "prompt rows:",

@@ -240,13 +240,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             first += (n + 1) if has_spec_rows else 1
         clock = self._dsbd_clock
         # draft-free sources: the prompt rows to recycle after the pass (an LM head over up to PROMPT_ROWS rows per
-        # request): a plain request's only where forests are measured to pay at this batch size, a beam request's
-        # unless they are measured to lose (step_clock.verdict; beam steps are not measured: no verdict but this)
-        if self._dsbd_recycle:
-            verdict = True if clock is None else clock.verdict(len(plan))
-            if verdict is not False:
-                self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg,
-                                                     plain=bool(verdict))
+        # request), with the step clock only where forests are measured to pay at this batch size (step_clock.verdict)
+        if self._dsbd_recycle and (clock is None or clock.forests_pay(len(plan))):
+            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(

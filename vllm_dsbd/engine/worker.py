@@ -90,7 +90,7 @@ class _DecisionsMixin:
         {N: count}, the exploration budget's steps and steps with a probe (``explore``, ``cost.Exploration``), the
         steps vLLM's sampler ran (``bare_steps``, ``bare.py``) and the steps whose forests the clock vetoed because
         they lose at that batch size (``vetoed_steps``, ``step_clock.StepClock.forests_lose``), and the prompt rows the
-        recycle source took (``prompt_rows``: a plain request's only where forests are measured to pay)."""
+        recycle source took (``prompt_rows``: only where forests are measured to pay)."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
