@@ -240,7 +240,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             first += (n + 1) if has_spec_rows else 1
         clock = self._dsbd_clock
         # draft-free sources: the prompt rows to recycle after the pass (an LM head over up to PROMPT_ROWS rows per
-        # request), with the step clock only where forests are measured to pay at this batch size (step_clock.verdict)
+        # request), with the step clock only where forests are measured to pay at this batch size (forests_pay)
         if self._dsbd_recycle and (clock is None or clock.forests_pay(len(plan))):
             self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request

@@ -110,13 +110,13 @@ class ShapePlanMixin:
             cands.append(c)
         out, chosen = list(levels), []
         clock = self._dsbd_clock
-        if clock is not None and clock.warming():  # the engine's first decode steps: unmeasured, so no forests
+        # the engine's first decode steps (unmeasured), or forests measured to lose at this batch size with no probe
+        # due: the model is not asked (its host work saved on every such step), none drafts but a pinned beam request
+        lose = (clock is not None and not clock.warming() and not explore and self._dsbd_bare_probe == 0
+                and clock.forests_lose(len(rows)))
+        if lose or (clock is not None and clock.warming()):
             shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
-        elif clock is not None and not explore and self._dsbd_bare_probe == 0 and clock.forests_lose(len(rows)):
-            # forests measured to lose at this batch size and no probe due: the model is not asked (its host work
-            # saved on every such step), none drafts but a pinned beam request
-            shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
-            self.dsbd_stats.vetoed_steps += any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
+            self.dsbd_stats.vetoed_steps += lose and any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
         else:
             shapes = cost.choose_shapes(cands, self.dsbd_cost)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
