@@ -18,7 +18,8 @@ makes the forest checks below never vacuous. Checked on both:
   threshold at p = 1e-6; 800 requests per sample: minimum detectable effect TV 0.25); power: the same statistic
   rejects plain vLLM at T = 0.9, and rejects the DSBD sample against it;
 * not vacuous: on ``pinned`` vLLM's counters show drafts made and accepted, the DSBD counters layers passed and beam
-  steps; on ``default`` the start-up probe measured a cost table, the step clock timed decode steps and the cost
+  steps; on ``default`` the start-up probe measured a cost table (with a forest step's own work: drafting, forest
+  attention, verification), the step clock timed decode steps and the cost
   model chose a depth for every decoding request (the depths it chose are printed: drafting nothing is its right
   where a forest does not pay, and then the equalities above hold trivially for that engine).
 """
@@ -205,12 +206,14 @@ def test_the_default_engine_measured_its_costs(default):
     cost = default["cost"]
     table = cost["table"]
     print("default engine: start-up table target", table.target if table else None, "draft",
-          table.draft if table else None, "step", table.step if table else None)
+          table.draft if table else None, "step", table.step if table else None, "forest work",
+          (table.draft_step, table.node) if table else None)
     print("corrected draft_step", cost["corrected"].draft_step if cost["corrected"] else None,
           "clock (median surplus s and windows by kind)", cost["clock"])
     print("depths chosen (depth: requests x steps)", cost["depths"], "beam N chosen", cost["beam_nodes"])
     print("counters", default["delta"])
     assert table is not None and len(table.target) >= 2 and all(s > 0 for _, s in table.target)
     assert len(table.draft) >= 1 and all(s > 0 for _, s in table.draft)
+    assert table.draft_step > 0  # the forest work of a step timed at start-up (forest_probe.py), beside the passes
     assert cost["clock"] is not None and cost["clock"]["steps"] > 0
     assert sum(cost["depths"].values()) > 0

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_utils import dsbd_llm, metric, peaky_pair, runner_of, tiny_pair  # the CPU engine environment first
+from engine_utils import (dsbd_llm, metric, peaky_pair, runner_of, slow_target,  # the CPU engine environment first
+                          tiny_pair)
 import vllm  # noqa: E402
 
 import chisq  # noqa: E402
@@ -43,6 +44,7 @@ DEPTH, WIDTH, MAX_TOKENS, DRAFT_VOCAB = 3, 4, 16, 300
 PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102, 103, 104, 105], [250, 3, 77, 12, 9]]
 BEAM = BeamSearchParams(beam_width=2, max_tokens=6)
 LAW_N, LAW_TOKENS, HOT = 800, 4, 0.9
+SLOW_TARGET = 0.02  # seconds added to every target pass of the user's engine (slow_target)
 PLANTED = "with_replacement"  # the wrong rule planted into the engine (planted.py)
 LAW_PROMPT = [(7 * i + 3) % 290 + 5 for i in range(40)]
 
@@ -258,9 +260,13 @@ def test_head_law_equals_plain_vllm_and_planted_rule_is_rejected(law):
 
 def test_default_engine_with_a_head_serves(head, plain, law):  # after law: one engine at a time
     """The user's default settings (load-aware speculation and the cost model measured at start-up, which time the
-    head's passes with a hidden input and the target's tuple output) start and decode greedily as plain vLLM."""
+    head's passes with a hidden input and the target's tuple output) start and decode greedily as plain vLLM. The
+    target is then made ``SLOW_TARGET`` dearer per pass and the table measured again (``slow_target``): on these tiny
+    models no forest pays by the table, forest work included, and the check below needs forests."""
     with dsbd_llm(tiny_pair()[0], max_num_seqs=4,
                   speculative_config={"method": "dsbd", "model": str(head), "cost_model": "auto"}) as llm:
+        assert runner_of(llm).dsbd_cost.draft_step > 0  # the start-up probe timed a step's forest work
+        slow_target(llm, SLOW_TARGET)
         assert _greedy(llm, [None]) == plain[0]
         assert runner_of(llm).dsbd_cost is not None
         # non-vacuous: the head drafted (with no forest the equality above is plain vLLM's own decoding)

@@ -94,6 +94,27 @@ def runner_of(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
+def slow_target(llm, seconds: float) -> None:
+    """Makes ``llm``'s target ``seconds`` dearer per pass (as a large target's; the draft is another module) and
+    measures its cost table again, forest work included (``cost_model: "auto"``): on the tiny test models, whose
+    passes cost about what a step's forest work does, a forest then pays by the table, so a test of the user's engine
+    sees forests drafted."""
+    import time
+
+    from vllm_dsbd.engine.forest_probe import with_forest_work
+    from vllm_dsbd.engine.load_probe import measure_costs
+
+    runner = runner_of(llm)
+    forward = runner.model.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    runner.model.forward = slow_forward
+    runner.set_cost_table(with_forest_work(measure_costs(runner), runner), "measured again, slow target")
+
+
 def shutdown(llm) -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

@@ -119,6 +119,43 @@ def test_host_cost_of_drafting_switches_it_off_at_batch_one():
         cost.draft_seconds(_one(0.95), shapes, TABLE) + 0.030)
 
 
+def _seeded_corrections(corrected):
+    """The tables ``corrected`` (``StepClock.corrected`` or a planted variant) gives from a table seeded by the start-up
+    probe (40 ms a drafting step, 2 ms a node): before forests are measured, after windows measured at 5 ms a drafting
+    step and 1 ms a node, and after more measured at 60 ms a drafting step."""
+    seeded = dataclasses.replace(TABLE, draft_step=0.040, node=0.002)
+    c, out = StepClock(), []
+    _observe(c, 0.0385, 0.0385, N, step_clock.MIN_STEPS)
+    out.append(corrected(c, seeded))
+    for n in (4, 6, 8) * 2:  # a window's node 0.5 ms: it counts in two windows (drafted, verified), so 1 ms a node
+        c.observe(0.0385 + 0.005 + 0.0005 * n, 0.0385, True, True, nodes=n)
+    out.append(corrected(c, seeded))
+    for n in (4, 6, 8) * step_clock.WINDOW:
+        c.observe(0.0385 + 0.060 + 0.0005 * n, 0.0385, True, True, nodes=n)
+    out.append(corrected(c, seeded))
+    return out
+
+
+def test_the_start_up_probe_prices_forests_until_they_are_measured():
+    """A table seeded by the start-up probe (``forest_probe.py``) prices the first forests; once forests are measured,
+    their measured extra replaces the probe's, downwards as well as upwards. The surpluses are over the passes alone,
+    so adding them to the probe's (the planted variant) counts the forests' work twice and keeps declining forests
+    that the measurement says pay."""
+    probe, cheap, dear = _seeded_corrections(StepClock.corrected)
+    assert (probe.draft_step, probe.node) == (0.040, 0.002)  # forests not measured: the probe's prices
+    assert cost.choose(_one(0.6), probe) == [0]  # which decline a forest passing 60% of its layers
+    assert cheap.draft_step == pytest.approx(0.005) and cheap.node == pytest.approx(0.001)
+    assert cost.choose(_one(0.6), cheap)[0] >= 1  # the measured prices draft it
+    assert dear.draft_step == pytest.approx(0.060) and dear.node == pytest.approx(0.001)
+
+    def added(clock, table):  # the planted variant: the measured extra added to the probe's
+        got = StepClock.corrected(clock, dataclasses.replace(table, draft_step=0.0, node=0.0))
+        return dataclasses.replace(got, draft_step=table.draft_step + got.draft_step, node=table.node + got.node)
+
+    _, cheap, _ = _seeded_corrections(added)
+    assert cheap.draft_step == pytest.approx(0.045) and cost.choose(_one(0.6), cheap) == [0]
+
+
 def test_start_planned_finish_measure_one_step(monkeypatch):
     now = iter([10.0, 10.090])
     monkeypatch.setattr(step_clock.time, "perf_counter", lambda: next(now))
@@ -218,7 +255,7 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
         monkeypatch.setattr(clock, "warming", lambda: False)
     r = ShapePlanMixin()  # the runner's state that _choose_depths reads, nothing else
     vars(r).update(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
-                   _dsbd_cost_base=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
+                   _dsbd_cost_base=free, _dsbd_cost_passes=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
                    dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
     states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance()) for _ in range(8)]
     shapes = [load.Shape(leaves=1, width=2, depth=3)] * 8

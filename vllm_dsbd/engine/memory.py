@@ -201,6 +201,26 @@ def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
     recompute_forest_outputs(batch, query, cache, table, impl.scale, out, getattr(impl, "_dsbd_forest_impl", None))
 
 
+def verify_plan(states, pending: list, context_len: int) -> tuple[list, int]:
+    """(the sampler's plan verifying the dummy ``pending`` forests of ``states``, its logits rows: a root and the
+    forest's nodes per request)."""
+    from . import sampler
+    from .state import PendingForest
+
+    plan, first = [], 0
+    for st, pf in zip(states, pending):
+        n = len(pf.tokens) if pf is not None else 0
+        row = sampler.RowPlan(state=st, first_row=first, context_len=context_len)
+        if pf is not None:
+            cut = pf.uncut if pf.uncut is not None else sampler.truncate(pf.forest, 1, n)
+            row.forest = PendingForest(forest=cut, tokens=pf.tokens, parents=pf.parents, depths=pf.depths,
+                                       root_pos=0, depth=pf.depth)
+            row.num_nodes = n
+        plan.append(row)
+        first += 1 + n
+    return plan, first
+
+
 @torch.inference_mode()
 def profile_step(runner, target_pass) -> None:
     """vLLM's profiling run (``target_pass``: the model at ``max_num_batched_tokens`` and vLLM's sampler dummy) inside
@@ -211,7 +231,6 @@ def profile_step(runner, target_pass) -> None:
     dummy)."""
     from . import reads, sampler
     from .source_drafter import harvest
-    from .state import PendingForest
 
     cfg = runner.dsbd_cfg
     if not cfg.drafting:  # no forests: one row per request, as vLLM's own dummy
@@ -233,17 +252,7 @@ def profile_step(runner, target_pass) -> None:
     if recycle:  # a prefill's rows into the recycle table, after the target pass
         _prompt_chunk(runner, states, vocab, gen)
     _forest_attention(runner, pending, gen)  # what the target pass adds under forest attention, one layer's worth
-    plan, first = [], 0
-    for st, pf in zip(states, pending):
-        n = len(pf.tokens) if pf is not None else 0
-        row = sampler.RowPlan(state=st, first_row=first, context_len=1)
-        if pf is not None:
-            cut = pf.uncut if pf.uncut is not None else sampler.truncate(pf.forest, 1, n)
-            row.forest = PendingForest(forest=cut, tokens=pf.tokens, parents=pf.parents, depths=pf.depths,
-                                       root_pos=0, depth=pf.depth)
-            row.num_nodes = n
-        plan.append(row)
-        first += 1 + n
+    plan, first = verify_plan(states, pending, 1)
     # the target's logits of every row (root and forest nodes), from the model's own head
     hidden = torch.rand(first, hidden_size, dtype=runner.dtype, device=dev, generator=gen)
     logits = runner.model.compute_logits(hidden)

@@ -114,7 +114,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         # the cost model (cost.py): each request's depth this step; its table pinned here or measured by the worker
         # after vLLM's warm-up (load_probe.py, cost_model "auto"); None: off
         self.dsbd_cost: cost.CostTable | None = None
-        self._dsbd_clock, self._dsbd_cost_base = None, None  # the table's online correction (step_clock.py)
+        # the table's online correction (step_clock.py); the table, and it without draft_step and node (shapes.py)
+        self._dsbd_clock, self._dsbd_cost_base, self._dsbd_cost_passes = None, None, None
         self._dsbd_bare_probe = 0  # steps left of a bare probe (shapes.py: forests measured, bare steps not)
         self.dsbd_pass_rates = cost.PassRates()  # every source's engine-wide pass rate by N (a try's floor)
         self.dsbd_explore = cost.Exploration()  # the budget of probes: tries and forests at the prior

@@ -20,6 +20,8 @@ class ShapePlanMixin:
         """Switches the cost model on with ``table`` (logged once with the rule); a measured table is corrected by the
         steps' own timings (``step_clock.py``) without tensor or pipeline parallelism."""
         self.dsbd_cost = self._dsbd_cost_base = table
+        # the clock's surpluses are over the passes and ``step`` alone (it measures draft_step and node itself)
+        self._dsbd_cost_passes = dataclasses.replace(table, draft_step=0.0, node=0.0)
         self._dsbd_clock = (StepClock() if origin.startswith("measured") and self.parallel_config.world_size == 1
                             else None)
         logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
@@ -124,8 +126,8 @@ class ShapePlanMixin:
                 shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed)
         self.dsbd_explore.step(probed)
         if self._dsbd_clock is not None:
-            self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_base), any(d for _, d in shapes),
-                                     sum(w * d for w, d in shapes))
+            self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_passes),
+                                     any(d for _, d in shapes), sum(w * d for w, d in shapes))
         for i, c, low, tr, (w, d) in zip(rows, cands, lows, tries, shapes):
             if not c.pinned:
                 if c.depth > 0 and c.width > 0:

@@ -100,7 +100,8 @@ class StepClock:
         self._verified_nodes, self._next_nodes = self._next_nodes, 0
 
     def planned(self, draft_seconds: float, drafted: bool, nodes: int = 0) -> None:
-        """The model chose the next forests: their draft passes' predicted seconds, whether any, their nodes."""
+        """The model chose the next forests: their draft passes' predicted seconds (without the table's
+        ``draft_step`` and ``node``: what the surplus measures), whether any, their nodes."""
         self._draft, self._drafted, self._next_verified = draft_seconds, drafted, drafted
         self._nodes = self._next_nodes = nodes if drafted else 0
 
@@ -180,7 +181,12 @@ class StepClock:
         return (statistics.median(s for _, s in q), len(q)) if q else (0.0, 0)
 
     def extra(self) -> float:
-        """What a step that drafts costs beyond its passes (0 until measured; never below 0): over the windows that
+        """See :meth:`_extra` (0 until measured)."""
+        got = self._extra()
+        return 0.0 if got is None else got
+
+    def _extra(self) -> float | None:
+        """What a step that drafts costs beyond its passes (None until measured; never below 0): over the windows that
         drafted and verified, or the sum of those that did one of them; each minus the windows that did neither;
         both estimates weighed by their windows where both exist. Without ``MIN_STEPS`` windows that did neither,
         their surplus is the additive model's ``drafted + verified - both`` where those are measured, else 0 (which
@@ -193,7 +199,7 @@ class StepClock:
         if min(nd, nv) >= MIN_STEPS:
             est.append((min(nd, nv), d + v - 2 * base))
         if not est:
-            return 0.0
+            return None
         return max(0.0, sum(w * x for w, x in est) / sum(w for w, _ in est))
 
     def base(self) -> float:
@@ -233,18 +239,23 @@ class StepClock:
         return 0.0, 2.0 * max(0.0, statistics.median(y / x for x, y in pts))
 
     def corrected(self, table: CostTable) -> CostTable:
-        """``table`` with a drafting step's measured extra added to ``draft_step`` (:meth:`extra`) and every step's
-        measured surplus to ``step`` (:meth:`base`): a bare step is then predicted at what it measured and a drafting
-        step at what its windows measured, so the choice weighs both steps' measured costs (with the surplus charged
-        nowhere, a bare step on an H100 looked 9x cheaper than it was: results/gpu/2026-11-27, run 3)."""
-        extra, base, node = self.extra(), self.base(), 0.0
-        fit = self.node_cost()
+        """``table`` with a drafting step's measured extra as ``draft_step`` and ``node`` (:meth:`node_cost`, else
+        :meth:`extra` and no per-node part; the table's own, the start-up probe's, until forests are measured: the
+        measurement replaces them, upwards or downwards) and every step's measured surplus added to ``step``
+        (:meth:`base`): a bare step is then predicted at what it measured and a drafting step at what its windows
+        measured, so the choice weighs both steps' measured costs (with the surplus charged nowhere, a bare step on an
+        H100 looked 9x cheaper than it was: results/gpu/2026-11-27, run 3). The surpluses are measured over the table's
+        passes and ``step`` alone (the runner's :meth:`planned` seconds leave ``draft_step`` and ``node`` out)."""
+        base, fit, measured = self.base(), self.node_cost(), self._extra()
         if fit is not None:  # forests' node counts measured: a fixed part and a part per node (node_cost)
             extra, node = fit
-        if not extra and not base and not node:
+        elif measured is not None:
+            extra, node = measured, 0.0
+        else:  # forests not measured yet: the table's own (the start-up probe's, forest_probe.py)
+            extra, node = table.draft_step, table.node
+        if not base and extra == table.draft_step and node == table.node:
             return table
-        return dataclasses.replace(table, step=table.step + base, draft_step=table.draft_step + extra,
-                                   node=table.node + node)
+        return dataclasses.replace(table, step=table.step + base, draft_step=extra, node=node)
 
     def summary(self) -> dict:
         """The medians and counts by kind of window (``dsbd_load``'s ``clock``), and the extra they give."""

@@ -52,17 +52,19 @@ def _vllm_init_device(worker, init_device) -> None:
 class _DecisionsMixin:
     def compile_or_warm_up_model(self):
         """vLLM's warm-up (and graph capture), then the start-up probe (``load_probe.py``): the cost model's table
-        (``cost_model="auto"``, on every device) or, with the cost model off, the knee of ``verify_budget="auto"``
-        (on a GPU); the random state is reset after it, as vLLM resets it after its own warm-up."""
+        (``cost_model="auto"``, on every device; with a forest step's own work, ``forest_probe.py``) or, with the cost
+        model off, the knee of ``verify_budget="auto"`` (on a GPU); the random state is reset after it, as vLLM resets
+        it after its own warm-up."""
         out = super().compile_or_warm_up_model()
         runner = self.model_runner
         if runner.dsbd_cfg.cost_aware:
             if runner.dsbd_cfg.cost_model == AUTO_COST:
                 from vllm.utils.torch_utils import set_random_seed
 
+                from .forest_probe import with_forest_work
                 from .load_probe import measure_costs
 
-                runner.set_cost_table(measure_costs(runner), "measured at start-up")
+                runner.set_cost_table(with_forest_work(measure_costs(runner), runner), "measured at start-up")
                 set_random_seed(self.model_config.seed)
             return out
         if runner.dsbd_cfg.load_aware and runner.dsbd_cfg.verify_budget == AUTO_BUDGET:
