@@ -212,10 +212,10 @@ def main():
                              ": on these 2 CPU cores a forest's tokens and the engine's own work per step cost about "
                              "what the saved passes do (docs/results.md has the numbers)."))
     print(f"The same prompts again on each engine (\"tok/s, again\"; prefix cache warm on both): DSBD at {again:.2f}x "
-          "plain vLLM. The first call pays the engine's calibration: the start-up table prices forests at their "
-          "target tokens alone, so the step clock measures them: after 8 decode steps of warm-up without forests, "
-          "~11 steps at each batch size (6 with forests, 5 without) say whether forests pay there; where they lose, "
-          "they stop (step_clock.py).")
+          "plain vLLM. The first call pays the engine's calibration: the start-up table prices forests from a "
+          "dummy forest step (forest_probe.py), and the step clock measures the real ones: after 8 decode steps of "
+          "warm-up without forests, ~11 steps at each batch size where forests are drafted (6 with forests, 5 "
+          "without) say whether they pay there; where they lose, they stop (step_clock.py).")
     if W:
         print_beams(tok, texts, plain[3]["beams"], dsbd[3]["beams"], W)
 
