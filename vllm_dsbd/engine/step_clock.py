@@ -1,12 +1,14 @@
 """Online correction of the cost model's table from the steps the engine actually ran (``cost_model: "auto"``).
 
-The start-up table times the target and draft passes alone; drafting also costs host work the table does not see, so
-at batch 1 on a CPU the model drafted where drafting lost. A forest planned in step t costs twice outside its passes:
+The start-up table times the target and draft passes and a dummy step's forest work (``forest_probe.py``); real steps
+cost what those leave out (host work around the forests, the batch's own contexts and sampling), so before this
+correction the model drafted on a CPU where drafting lost. A forest planned in step t costs twice outside its passes:
 its drafting (the drafter's host work) in step t's window, and its verification (forest attention's recompute, the
 verifier) in step t + 1's, since a step's window runs from ``execute_model`` (the target pass over the forests planned
 the step before) to the end of drafting the next ones. Each window is classed by what it holds (verified forests,
-drafted forests: four kinds) and its surplus over the table kept per kind; :meth:`StepClock.corrected` adds to the
-table, as ``draft_step``, what a step that drafts costs over both windows: ``(drafted and verified) - neither``, or
+drafted forests: four kinds) and its surplus over the table's passes kept per kind; :meth:`StepClock.corrected` sets
+in the table, as ``draft_step`` (in place of the start-up probe's, ``forest_probe.py``, once measured), what a step
+that drafts costs over both windows: ``(drafted and verified) - neither``, or
 ``(drafted only) + (verified only) - 2 neither`` where a request drafts now and then (``neither`` from the other three
 where it is not measured: the surpluses add up), and to ``step`` what every step costs beyond its passes
 (``neither``: the engine's own work per step, 12.1 ms on an H100 beside a 1.4 ms target pass; a step that emits more
