@@ -499,6 +499,55 @@ def test_running_sums_choose_the_shapes_of_the_full_sums(seed, monkeypatch):
             assert step.ratio() == ref.ratio()
 
 
+def _random_table(rng) -> CostTable:
+    """A table of target passes 5-50 ms, draft passes 0.5-10 ms, and a drafting step and per-node cost from none to
+    what a GPU's forest work costs beside a small target (so that some batches pay for forests and some cannot)."""
+    t = sorted(rng.uniform(0.005, 0.05) for _ in range(4))
+    dr = sorted(rng.uniform(0.0005, 0.01) for _ in range(3))
+    return CostTable(target=tuple(zip((1, 16, 128, 1024), t)), draft=tuple(zip((1, 64, 512), dr)),
+                     step=rng.choice([0.0, 0.002]), draft_step=rng.choice([0.0, 0.001, 0.03, 0.2]),
+                     node=rng.choice([0.0, 2.5e-4, 0.004]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_none_can_pay_only_where_the_model_chooses_no_forest(seed, monkeypatch):
+    """``none_can_pay`` (the bound ``choose_shapes`` returns at once on) holds only where the full choice, every
+    request's every shape tried, drafts no forest: on random batches of 1..96 requests (plain and beam, options,
+    probes; no pinned one, which drafts whatever the model says) and random tables. It is not vacuous (it holds on many
+    of them), and a planted bound that prices every layer at the widest N's nodes (a smaller N' costs fewer) claims
+    batches whose full choice drafts."""
+    import dataclasses
+    import random
+
+    def full(cands, table):
+        with monkeypatch.context() as m:
+            m.setattr(cost_mod, "none_can_pay", lambda cands, table: False)
+            return choose_shapes(cands, table)
+
+    def planted(cands, table):  # every layer priced at the widest N's nodes, though a smaller N' costs fewer
+        return cost_mod.none_can_pay(cands, dataclasses.replace(table, node=table.node * max(c.width for c in cands)))
+
+    rng = random.Random(seed)
+    held = 0
+    for trial in range(60):
+        n = rng.choice([1, 2, 3, 8, 24, 96])
+        table = _random_table(rng)
+        cands = [dataclasses.replace(c, pinned=False) for c in random_batch(rng, n)]
+        shapes = full(cands, table)
+        if cost_mod.none_can_pay(cands, table):
+            held += 1
+            assert all(d == 0 for _, d in shapes), (seed, trial)
+            assert choose_shapes(cands, table) == shapes
+    assert held >= 10, held
+    # 5 ms target passes, 2 ms a node: one request of N = 4 passing 95% of its layers at every N'. At N' = 1 depth 3
+    # pays (3.71 tokens in 12.5 ms against 1 in 5 ms); priced at N = 4's nodes no layer would
+    table = CostTable(target=((1, 0.005), (1024, 0.005)), draft=((1, 0.0005), (1024, 0.0005)), node=0.002)
+    one = [Candidate(leaves=1, width=4, depth=3, rate=0.95, options=((2, 0.95), (1, 0.95)))]
+    assert full(one, table) == choose_shapes(one, table) == [(1, 3)]
+    assert not cost_mod.none_can_pay(one, table) and planted(one, table)
+    assert not cost_mod.none_can_pay([Candidate(1, 2, 3, 0.9, pinned=True)], _random_table(rng))  # pinned: drafts
+
+
 def test_the_draft_catch_up_is_priced_as_it_runs():
     """``shapes._catch_ups`` (the runner's pass-0 tokens of each request, with a draft model): a plain request that
     drafted last step catches up its emitted tokens, one idle for 30 steps its 31, a new one 1 (its prompt's catch-up,

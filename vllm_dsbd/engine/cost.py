@@ -21,7 +21,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest", "choose", "choose_shapes",
-           "draft_seconds", "expected_tokens", "passed_by_width", "upper_rate", "width_grid"]
+           "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width", "upper_rate", "width_grid"]
 
 PRIOR_RATE = 0.6  # a new request's per-layer pass rate, before it has verified any forest
 PRIOR_WEIGHT = 2.0  # how many layers' worth of evidence the prior counts for
@@ -498,6 +498,41 @@ class _Step:
         return (self._sum / _DEN) / (self.table.step + target + self.draft_seconds())
 
 
+def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
+    """Whether no forest of any shape the candidates allow can make the step faster than none (then
+    :func:`choose_shapes` chooses depth 0 for every candidate, which it returns at once). A bound, cheap where the
+    model would try every request's every shape (O(R) tries and more at R requests: ~8 ms a step at R = 128 on 2 CPU
+    cores, results/cost-host-2026-12-06): a forest of ``m`` layers over all requests adds at most the ``m`` largest
+    ``rate^k`` among the candidates' layers (each candidate at its highest rate over its N') to the bare step's
+    expected tokens, and costs at least the drafting step, ``m`` nodes (``node`` each) and the bare step's target pass
+    (draft passes and target tokens only add); where that bound stays below the bare step's tokens per second for
+    every ``m``, no forest pays. Never with a pinned candidate (it drafts whatever the model says); False where the
+    table's target times ever fall (a pinned table may)."""
+    if not cands or any(c.pinned for c in cands):
+        return not cands
+    pts = table.target
+    if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+        return False
+    leaves = sum(c.leaves for c in cands)
+    bare = table.step + table.target_time(leaves)
+    if not bare > 0.0:
+        return False
+    expect = float(len(cands))
+    floor = expect / bare * (1.0 - 1e-6)  # the bare step's tokens per second, less a margin for rounding
+    gains = []
+    for c in cands:
+        if c.width > 0:
+            r = max([c.rate] + [x for _, x in c.options])
+            gains += [r ** k for k in range(1, c.depth + 1)]
+    gains.sort(reverse=True)
+    fixed = bare + table.draft_step
+    for m, g in enumerate(gains, start=1):
+        expect += g
+        if expect / (fixed + table.node * m) >= floor:
+            return False
+    return True
+
+
 def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[int, int]]:
     """The (nodes per depth, depth) of every candidate (order of ``cands``) maximising the step's expected tokens per
     second (depth 0: no forest, reported at the candidate's ``width``).
@@ -514,6 +549,8 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
     the shallower, then the wider): at batch 1 the argmax over every (N', depth)."""
     if not cands:
         return []
+    if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`)
+        return [(c.width, 0) for c in cands]
     shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table))]
     movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
     if not movable:
