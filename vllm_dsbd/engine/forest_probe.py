@@ -2,21 +2,20 @@
 
 The start-up table (``load_probe.measure_costs``) times the target's and the draft's passes alone. A step with forests
 also drafts them (the drafter's loops), recomputes forest attention in every layer, and verifies them (with the
-recycle source's harvest beside it): on the README main job's CPU such a step cost 150-222 ms against a 62 ms bare
-step, where a table without that work priced it at its target tokens alone, so each batch size's first forests were
-drafted at a loss until the step clock had measured them (results/first-call-2026-12-06). This probe runs that work
-once at start-up, after vLLM's warm-up, on dummy greedy plain requests with full-width, full-depth forests from the
-engine's own drafter (a draft model's loops on random draft logits: its passes are in the table; or the draft-free
-sources' widest forests), at ``REQUESTS`` batch sizes at a context of ``CONTEXT`` tokens: drafting, one layer's
-forest recompute times the layers, verification (and the harvest). Each part's least of ``load_probe.REPEATS`` timed
-runs after one warm-up run (which also pays one-time costs such as a kernel's compilation); ``node`` is the slope per
-forest node between the two sizes, ``draft_step`` what is left at the first. Greedy requests are the cheapest to
-verify (on 2 CPU cores T = 1 verification took 1.8x greedy's) and forest attention grows with the context (2.4x from
-128 to 512 tokens): the probe prices forests low rather than high, for a table that overprices forests declines them
-and so never measures them, where one that underprices them drafts a few and measures them. The step clock
-(``step_clock.py``) replaces both by what the steps themselves measure once it has measured forests, upwards or
-downwards; the table only prices the forests before that. On one rank only (the clock's condition too).
-Reuses the profiling run's dummy step (``memory.py``).
+recycle source's harvest beside it): a table without that work priced a forest at its target tokens alone, so each
+batch size's first forests were drafted at a loss until the step clock had measured them
+(results/first-call-2026-12-06). This probe runs that work once at start-up, after vLLM's warm-up, on dummy greedy
+plain requests with full-width, full-depth forests from the engine's own drafter (a draft model's loops on random
+draft logits: its passes are in the table; or the draft-free sources' widest forests), at ``REQUESTS`` batch sizes at
+a context of ``CONTEXT`` tokens: drafting, one layer's forest recompute times the layers, verification (and the
+harvest). Each part's least of ``load_probe.REPEATS`` timed runs after one warm-up run (which also pays one-time
+costs such as a kernel's compilation); ``node`` is the slope per forest node between the two sizes, ``draft_step``
+what is left at the first. Greedy requests are the cheapest to verify and forest attention grows with the context
+(results/forest-probe-2026-12-06): the probe prices forests low rather than high, for a table that overprices forests
+declines them and so never measures them, where one that underprices them drafts a few and measures them. The step
+clock (``step_clock.py``) replaces both by what the steps themselves measure once it has measured forests, upwards or
+downwards; the table only prices the forests before that. On one rank only (the clock's condition too). Reuses the
+profiling run's dummy step (``memory.py``).
 """
 from __future__ import annotations
 
@@ -94,9 +93,7 @@ def _attention(runner, pending: list, gen: torch.Generator):
 def _step(runner, reqs: int, vocab: int, gen: torch.Generator) -> tuple[tuple[float, float, float], int]:
     """((drafting, forest attention, verification) seconds, forest nodes) of one step's forest work at ``reqs``
     requests: each part's least of ``REPEATS`` timed runs after a warm-up run."""
-    from . import reads, sampler
-    from .memory import _forests, verify_plan
-    from .source_drafter import harvest
+    from .memory import _forests, verify_dummy, verify_plan
 
     cfg, dev = runner.dsbd_cfg, runner.device
     best, nodes = [float("inf")] * 3, 0
@@ -119,14 +116,7 @@ def _step(runner, reqs: int, vocab: int, gen: torch.Generator) -> tuple[tuple[fl
         if attend is not None:
             attend()
         t3 = now()
-        rows = []
-        if "recycle" in cfg.free_sources:
-            for r in plan:
-                rows += [(r.state, r.first_row + c, [vocab - 1, vocab - 1]) for c in range(1 + r.num_nodes)]
-        reads.run(reads.gather(
-            harvest(logits, rows, runner.dsbd_verify_elements) if rows else None,
-            sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
-                           fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements)))
+        verify_dummy(runner, logits, plan, vocab)
         t4 = now()
         if k > 0:  # the first run pays one-time costs (allocations, a kernel's compilation)
             best = [min(b, t) for b, t in zip(best, (t1 - t0, t3 - t2, t4 - t3))]

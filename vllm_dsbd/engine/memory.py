@@ -221,6 +221,23 @@ def verify_plan(states, pending: list, context_len: int) -> tuple[list, int]:
     return plan, first
 
 
+def verify_dummy(runner, logits: torch.Tensor, plan: list, vocab: int, penalized=None) -> None:
+    """Verification of the dummy ``plan`` on ``logits``, and the recycle source's harvest of every row beside it (as
+    the runner's ``_sample`` runs them), keyed by a context the dummy forests never look up."""
+    from . import reads, sampler
+    from .source_drafter import harvest
+
+    rows = []
+    if "recycle" in runner.dsbd_cfg.free_sources:
+        for r in plan:
+            rows += [(r.state, r.first_row + c, _unread_context(vocab)) for c in range(1 + r.num_nodes)]
+    reads.run(reads.gather(
+        harvest(logits, rows, runner.dsbd_verify_elements) if rows else None,
+        sampler.verify(logits, plan, runner.dsbd_cfg, chain_static=runner.dsbd_static,
+                       forest_static=runner.dsbd_static, fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements,
+                       penalized=penalized)))
+
+
 @torch.inference_mode()
 def profile_step(runner, target_pass) -> None:
     """vLLM's profiling run (``target_pass``: the model at ``max_num_batched_tokens`` and vLLM's sampler dummy) inside
@@ -229,9 +246,6 @@ def profile_step(runner, target_pass) -> None:
     the target pass, then the logits of every forest row are verified and the next forests drafted while those are
     still held. An engine that drafts no forest just runs ``target_pass`` (one row per request, as vLLM's own
     dummy)."""
-    from . import reads, sampler
-    from .source_drafter import harvest
-
     cfg = runner.dsbd_cfg
     if not cfg.drafting:  # no forests: one row per request, as vLLM's own dummy
         return target_pass()
@@ -257,16 +271,7 @@ def profile_step(runner, target_pass) -> None:
     hidden = torch.rand(first, hidden_size, dtype=runner.dtype, device=dev, generator=gen)
     logits = runner.model.compute_logits(hidden)
     del hidden
-    # verification, and the recycle source's harvest of every row beside it (as the runner's ``_sample`` runs them)
-    rows = []
-    if recycle:
-        for r in plan:
-            rows += [(r.state, r.first_row + c, _unread_context(vocab)) for c in range(1 + r.num_nodes)]
-    reads.run(reads.gather(
-        harvest(logits, rows, runner.dsbd_verify_elements) if rows else None,
-        sampler.verify(logits, plan, cfg, chain_static=runner.dsbd_static, forest_static=runner.dsbd_static,
-                       fused=runner.dsbd_fused, budget=runner.dsbd_verify_elements,
-                       penalized=_penalized(plan, vocab, runner.model_config.max_model_len))))
+    verify_dummy(runner, logits, plan, vocab, _penalized(plan, vocab, runner.model_config.max_model_len))
     # the next step's forests while this step's (and, conservatively, its logits) are still held
     for st in states:
         st.draft_len = 0
