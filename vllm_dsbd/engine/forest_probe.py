@@ -49,45 +49,13 @@ def _states(num: int, width: int, vocab: int, cfg):
 
 
 def _attention(runner, pending: list, gen: torch.Generator):
-    """A callable running every attention layer's forest recompute over ``pending`` at ``CONTEXT`` tokens (the forest
-    metadata built once, as a pass builds it), or None where no layer recomputes (``attention.install``)."""
-    from .attention import ForestBatch, ForestEntry, drop_chain_queries, recompute_forest_outputs
+    """A callable running every attention layer's forest recompute over ``pending`` at ``CONTEXT`` tokens, on a dummy
+    cache holding every block it reads (``memory.forest_attention_run``), or None where no layer recomputes."""
+    from .memory import forest_attention_run
 
-    layers = [m for m in runner.compilation_config.static_forward_context.values()
-              if getattr(getattr(m, "impl", None), "__dsbd_base__", None) is not None]
-    forests = [pf for pf in pending if pf is not None]
-    if not layers or not forests:
-        return None
-    impl, dev = layers[0].impl, runner.device
-    bs = runner.cache_config.block_size
-    entries, t = [], 0
-    for i, pf in enumerate(forests):
-        n = len(pf.tokens)
-        ctx = max(min(CONTEXT, runner.model_config.max_model_len - n - 1), 1)
-        entries.append(drop_chain_queries(ForestEntry(req_row=i, token_rows=list(range(t + 1, t + 1 + n)),
-                                                      context_len=ctx, parents=pf.parents, query_nodes=list(range(n)))))
-        t += 1 + n
-    blocks = -(-(CONTEXT + t) // bs)
-    dtype = runner.kv_cache_dtype if isinstance(getattr(runner, "kv_cache_dtype", None), torch.dtype) else runner.dtype
-    heads, kv_heads, head = impl.num_heads, impl.num_kv_heads, impl.head_size
-    if torch.device(dev).type == "cpu":  # CPU_ATTN's layout (memory._forest_attention)
-        cache = torch.zeros(blocks, kv_heads, bs, 2 * head, dtype=dtype, device=dev)
-    else:
-        cache = torch.zeros(blocks, bs, kv_heads, 2 * head, dtype=dtype, device=dev).transpose(1, 2)
-    table = torch.arange(blocks, dtype=torch.int32, device=dev).repeat(len(forests), 1)
-    query = torch.randn(t, heads, head, dtype=runner.dtype, device=dev, generator=gen)
-    out = torch.zeros_like(query)
-    max_nodes = runner.dsbd_cfg.forest_slots
-
-    def run():
-        batch = ForestBatch.build(entries, max_nodes=max_nodes)
-        if batch is None:
-            return
-        for layer in layers:
-            recompute_forest_outputs(batch, query, cache, table, layer.impl.scale, out,
-                                     getattr(layer.impl, "_dsbd_forest_impl", None))
-
-    return run
+    nodes = sum(1 + len(pf.tokens) for pf in pending if pf is not None)
+    blocks = -(-(CONTEXT + nodes) // runner.cache_config.block_size)
+    return forest_attention_run(runner, pending, gen, CONTEXT, blocks, blocks, True)
 
 
 def _step(runner, reqs: int, vocab: int, gen: torch.Generator) -> tuple[tuple[float, float, float], int]:

@@ -164,41 +164,60 @@ def _prompt_chunk(runner, states, vocab: int, gen: torch.Generator) -> None:
                    runner.dsbd_verify_elements)
 
 
-def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
-    """One attention layer's forest recompute (``attention.recompute_forest_outputs``, the implementation the layers
-    were given) over the dummy forests at the longest context, on a one-block dummy cache: its working set (the CPU
-    path's gathered K/V and scores; the Triton kernel's outputs) is sized by the requests, nodes and context lengths,
-    not by the cache. The layers recompute one after the other, so one layer's is the pass's."""
+def forest_attention_run(runner, pending: list, gen: torch.Generator, context: int, cache_blocks: int, columns: int,
+                         every_layer: bool):
+    """A callable running the forest recompute (``attention.recompute_forest_outputs``, the implementation the layers
+    were given; the forest metadata built first, as a pass builds it) over the dummy ``pending`` forests, each at
+    ``context`` tokens of context (at most ``max_model_len`` less its forest), on a dummy cache of ``cache_blocks``
+    blocks with a block table of ``columns`` columns (column k: block k modulo the cache), for the first attention
+    layer or ``every_layer``; None where no layer recomputes or no forest is pending."""
     from .attention import ForestBatch, ForestEntry, drop_chain_queries, recompute_forest_outputs
 
-    layer = next((m for m in runner.compilation_config.static_forward_context.values()
-                  if getattr(getattr(m, "impl", None), "__dsbd_base__", None) is not None), None)
+    layers = [m for m in runner.compilation_config.static_forward_context.values()
+              if getattr(getattr(m, "impl", None), "__dsbd_base__", None) is not None]
     forests = [pf for pf in pending if pf is not None]
-    if layer is None or not forests:
-        return
-    impl, dev = layer.impl, runner.device
+    if not layers or not forests:
+        return None
+    layers = layers if every_layer else layers[:1]
+    impl, dev = layers[0].impl, runner.device
     heads, kv_heads, head = impl.num_heads, impl.num_kv_heads, impl.head_size
     bs = runner.cache_config.block_size
     entries, t = [], 0
     for i, pf in enumerate(forests):
         n = len(pf.tokens)
-        ctx = max(runner.model_config.max_model_len - n - 1, 1)
+        ctx = max(min(context, runner.model_config.max_model_len - n - 1), 1)
         entries.append(drop_chain_queries(ForestEntry(req_row=i, token_rows=list(range(t + 1, t + 1 + n)),
                                                       context_len=ctx, parents=pf.parents, query_nodes=list(range(n)))))
         t += 1 + n
-    batch = ForestBatch.build(entries, max_nodes=runner.dsbd_cfg.forest_slots)
-    if batch is None:
-        return
-    blocks = -(-runner.model_config.max_model_len // bs)
     dtype = runner.kv_cache_dtype if isinstance(getattr(runner, "kv_cache_dtype", None), torch.dtype) else runner.dtype
     if torch.device(dev).type == "cpu":  # CPU_ATTN: [blocks, kv heads, block size, 2 * head] contiguous (kv.py)
-        cache = torch.zeros(1, kv_heads, bs, 2 * head, dtype=dtype, device=dev)
+        cache = torch.zeros(cache_blocks, kv_heads, bs, 2 * head, dtype=dtype, device=dev)
     else:  # the GPU backends' logical shape over NHD memory, as vLLM allocates it
-        cache = torch.zeros(1, bs, kv_heads, 2 * head, dtype=dtype, device=dev).transpose(1, 2)
-    table = torch.zeros(len(forests), blocks, dtype=torch.int32, device=dev)
+        cache = torch.zeros(cache_blocks, bs, kv_heads, 2 * head, dtype=dtype, device=dev).transpose(1, 2)
+    table = (torch.arange(columns, dtype=torch.int32, device=dev) % cache_blocks).repeat(len(forests), 1)
     query = torch.randn(t, heads, head, dtype=runner.dtype, device=dev, generator=gen)
     out = torch.zeros_like(query)
-    recompute_forest_outputs(batch, query, cache, table, impl.scale, out, getattr(impl, "_dsbd_forest_impl", None))
+    max_nodes = runner.dsbd_cfg.forest_slots
+
+    def run() -> None:
+        batch = ForestBatch.build(entries, max_nodes=max_nodes)
+        if batch is not None:
+            for layer in layers:
+                recompute_forest_outputs(batch, query, cache, table, layer.impl.scale, out,
+                                         getattr(layer.impl, "_dsbd_forest_impl", None))
+
+    return run
+
+
+def _forest_attention(runner, pending: list, gen: torch.Generator) -> None:
+    """One attention layer's forest recompute over the dummy forests at the longest context, on a one-block dummy
+    cache: its working set (the CPU path's gathered K/V and scores; the Triton kernel's outputs) is sized by the
+    requests, nodes and context lengths, not by the cache. The layers recompute one after the other, so one layer's is
+    the pass's."""
+    max_len = runner.model_config.max_model_len
+    run = forest_attention_run(runner, pending, gen, max_len, 1, -(-max_len // runner.cache_config.block_size), False)
+    if run is not None:
+        run()
 
 
 def verify_plan(states, pending: list, context_len: int) -> tuple[list, int]:
