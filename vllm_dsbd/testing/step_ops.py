@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ class Step:
     proposed: int  # draft tokens proposed for the next step (the runner's ``propose_draft_token_ids``)
     op_names: collections.Counter = field(default_factory=collections.Counter)
     read_names: collections.Counter = field(default_factory=collections.Counter)
+    read_sites: collections.Counter = field(default_factory=collections.Counter)  # "file:line" (``sites=True``)
 
     @property
     def bare(self) -> bool:
@@ -44,12 +46,28 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
         self.reads: collections.Counter = collections.Counter()
+        self.sites: collections.Counter | None = None
         self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused:
             self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _site() -> str:
+    """The innermost caller outside torch and this module, as "path:line" (path from the package or site root)."""
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename == __file__ or "/torch/" in f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        return "?"
+    name = f.f_code.co_filename
+    for root in ("/vllm_dsbd/", "/vllm/"):
+        if root in name:
+            name = root.strip("/") + "/" + name.split(root, 1)[1]
+            break
+    return f"{name}:{f.f_lineno}"
 
 
 @contextlib.contextmanager
@@ -60,6 +78,8 @@ def _reads_counted(counter: _Counter):
         def counted(self, *a, **k):
             if not counter.paused:
                 counter.reads[name] += 1
+                if counter.sites is not None:
+                    counter.sites[_site()] += 1
             return fn(self, *a, **k)
         return counted
 
@@ -73,9 +93,9 @@ def _reads_counted(counter: _Counter):
 
 
 @contextlib.contextmanager
-def count_steps(llm):
+def count_steps(llm, sites: bool = False):
     """Counts every engine step of ``llm`` (an in-process ``vllm.LLM``) while the block runs; yields the list of
-    :class:`Step` it fills."""
+    :class:`Step` it fills. ``sites``: also where each read was made (``Step.read_sites``)."""
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
     steps: list[Step] = []
@@ -108,6 +128,8 @@ def count_steps(llm):
 
     def step(*a, **k):
         c = _Counter()
+        if sites:
+            c.sites = collections.Counter()
         counter.append(c)
         seen.clear()
         proposed.clear()
@@ -125,7 +147,8 @@ def count_steps(llm):
                             so.num_scheduled_tokens.items())
                 steps.append(Step(ops=sum(c.ops.values()), reads=sum(c.reads.values()), reqs=reqs,
                                   tokens=so.total_num_scheduled_tokens, drafts=drafts, proposed=sum(proposed),
-                                  prefill=bool(so.scheduled_new_reqs) or chunk, op_names=c.ops, read_names=c.reads))
+                                  prefill=bool(so.scheduled_new_reqs) or chunk, op_names=c.ops, read_names=c.reads,
+                                  read_sites=c.sites or collections.Counter()))
 
     core.step_fn, core.scheduler.schedule, runner._model_forward = step, schedule, forward
     runner.propose_draft_token_ids = propose
