@@ -58,9 +58,12 @@ def fast_calls(monkeypatch):
 
 
 def _compare(logits, plans, cfg, seen: Counter):
-    fast = reads.run(sampler.verify(logits, plans, cfg, chain_static=False))
-    static = reads.run(sampler.verify(logits, plans, cfg, chain_static=True))
-    general = reads.run(sampler.verify(logits, plans, cfg, chain_fast_path=False))
+    # the chain paths themselves: an all-greedy chunk would otherwise take the greedy walk (sampler._greedy_forests,
+    # compared with the general path in test_verify_forest_static.py)
+    kw = dict(greedy_fast_path=False)
+    fast = reads.run(sampler.verify(logits, plans, cfg, chain_static=False, **kw))
+    static = reads.run(sampler.verify(logits, plans, cfg, chain_static=True, **kw))
+    general = reads.run(sampler.verify(logits, plans, cfg, chain_fast_path=False, **kw))
     assert len(fast) == len(static) == len(general)
     for i, (a, c, b) in enumerate(zip(fast, static, general)):
         assert (a.tokens, a.path, a.passed, a.widths, a.rows) == (b.tokens, b.path, b.passed, b.widths, b.rows), i

@@ -87,7 +87,8 @@ def build_wide_step(reqs: list[Req], G: int, W: int, V: int, seed: int = 0, dyna
             comp = compact_index(cut.valid)[0]
             order = sorted((int(comp[d, j]), d, j) for d in range(G) for j in range(W) if bool(cut.valid[0, d, j]))
             toks = [int(cut.token[0, d, j]) for _, d, j in order]
-            plan.forest = PendingForest(forest=cut, tokens=toks, parents=[], depths=[d + 1 for _, d, _ in order],
+            pars = [-1 if d == 0 else int(comp[d - 1, int(cut.parent[0, d, j])]) for _, d, j in order]
+            plan.forest = PendingForest(forest=cut, tokens=toks, parents=pars, depths=[d + 1 for _, d, _ in order],
                                         root_pos=L - 1)
             plan.num_nodes, plan.drafted_depth = n, rq.depth
             plan.drafted_nodes = total  # (for the test's coverage count)
@@ -110,9 +111,10 @@ def _random_req(rnd: random.Random, G: int, V: int) -> Req:
                peak=rnd.choice([0.3, 1.0, 3.0, 8.0]), noise=rnd.choice([0.0, 0.1, 0.5, 2.0]))
 
 
-def _compare(logits, plans, cfg, seen: Counter):
-    static = reads.run(sampler.verify(logits, plans, cfg, forest_static=True))
-    general = reads.run(sampler.verify(logits, plans, cfg, forest_static=False))
+def _compare(logits, plans, cfg, seen: Counter, greedy: bool = False):
+    """The static path (``greedy``: the all-greedy walk, ``sampler._greedy_forests``) against the general path."""
+    static = reads.run(sampler.verify(logits, plans, cfg, forest_static=not greedy, greedy_fast_path=greedy))
+    general = reads.run(sampler.verify(logits, plans, cfg, forest_static=False, greedy_fast_path=False))
     assert len(static) == len(general)
     for i, (a, b) in enumerate(zip(static, general)):
         assert (a.tokens, a.path, a.passed, a.widths, a.rows) == (b.tokens, b.path, b.passed, b.widths, b.rows), i
@@ -164,6 +166,73 @@ def test_static_forest_path_equals_general_path(G, W, V, dynamic, static_calls):
         assert seen[what] >= 3, (what, seen)
     assert seen["accepted layers"] >= seen["rows"] // 4, seen
     print(dict(seen))
+
+
+@pytest.mark.parametrize("G,W,V", [(3, 2, 50), (2, 4, 400)])
+def test_an_all_greedy_step_skips_the_sampling_layer_with_the_same_results(G, W, V, monkeypatch):
+    """A step whose requests are all at temperature 0 (a host fact) does not run the sampling rows' layer
+    (``verify_layer_static``: every row's k is 0 there) and gives the general path's results: greedy forests of every
+    depth, EOS drafted, truncated, accepted in full and rejected."""
+    from vllm_dsbd.core import verify_static
+
+    calls = Counter()
+    layer = verify_static.verify_layer_static
+    monkeypatch.setattr(verify_static, "verify_layer_static", lambda *a: (calls.update(["layer"]), layer(*a))[1])
+    rnd = random.Random(7 * G + W + V)
+    seen = Counter()
+    for step in range(20):
+        reqs = [dataclasses.replace(_random_req(rnd, G, V), temperature=0.0) for _ in range(rnd.choice([1, 3, 8]))]
+        logits, plans, cfg = build_wide_step(reqs, G, W, V, seed=step)
+        _compare(logits, plans, cfg, seen)
+    assert calls["layer"] == 0
+    for what in ("rejected", "full passes", "eos ends", "truncated"):
+        assert seen[what] >= 2, (what, seen)
+    assert seen["greedy rows"] == seen["rows"]
+    # a sampling request in the step runs the layer again
+    logits, plans, cfg = build_wide_step([Req(depth=G, temperature=0.0), Req(depth=G)], G, W, V, seed=99)
+    _compare(logits, plans, cfg, seen)
+    assert calls["layer"] == G + 1
+
+
+@pytest.mark.parametrize("G,W,V", [(1, 2, 11), (3, 2, 50), (3, 4, 40), (4, 1, 30), (2, 3, 400)])
+def test_an_all_greedy_chunk_walks_its_forests_on_the_host_with_the_same_results(G, W, V, monkeypatch):
+    """A chunk whose requests are all at temperature 0 takes ``sampler._greedy_forests`` (the top-1 of every root and
+    scheduled node row in one read, the walk on the host) and gives the general path's results, field for field:
+    forests of every depth (chains too), EOS drafted at every depth, truncated forests, full passes and rejections; it
+    declines a NaN row. The walk is what ran (spied), and it reads the device once."""
+    calls = Counter()
+    walk = sampler._greedy_forests
+
+    def spy(*a):
+        out = yield from walk(*a)
+        calls["walked" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(sampler, "_greedy_forests", spy)
+    rnd = random.Random(31 * G + 7 * W + V)
+    seen = Counter()
+    steps = 30
+    for step in range(steps):
+        reqs = [dataclasses.replace(_random_req(rnd, G, V), temperature=0.0) for _ in range(rnd.choice([1, 3, 8]))]
+        logits, plans, cfg = build_wide_step(reqs, G, W, V, seed=step)
+        _compare(logits, plans, cfg, seen, greedy=True)
+    assert calls["walked"] >= steps // 2 and calls["declined"] == 0, calls
+    for what in ("rejected", "full passes", "eos ends", "truncated"):
+        assert seen[what] >= 2, (what, seen)
+    if W > 1:
+        assert seen["later draft accepted"] >= 1, seen
+    logits, plans, cfg = build_wide_step([Req(depth=G, temperature=0.0)] * 2, G, W, V, seed=5)
+    logits[plans[1].first_row + 1] = float("nan")  # a node row: the walk declines (to the general path)
+    assert reads.run(walk(logits, plans)) is None
+    for p in plans:
+        f = p.forest.forest
+        p.forest.forest = Forest(*(sim_device.tag(x.clone()) for x in (f.parent, f.token, f.valid, f.score,
+                                                                         f.q_joint, f.depth)))
+    logits, _, _ = build_wide_step([Req(depth=G, temperature=0.0)] * 2, G, W, V, seed=5)
+    mode = sim_device.SimulatedDevice()
+    with mode:
+        reads.run(sampler.verify(sim_device.tag(logits.clone()), plans, cfg))
+    assert mode.mismatches == [] and sum(mode.syncs.values()) == 1, (mode.mismatches[:3], mode.syncs)
 
 
 def test_uniform_sampling_steps():

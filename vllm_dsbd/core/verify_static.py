@@ -104,7 +104,8 @@ def verify_forest_static(forest: Forest, target_logits: torch.Tensor, root_score
     ``max_k`` = 1: one output per layer, the engine's mode "sample"), with no read of a tensor on the host: every
     layer runs on every row (a row that stopped verifying has no outputs there, as in ``verify_forest``), the width
     rule's two branches are computed and selected per row, the sampling rows' layer is ``verify_layer_static`` with
-    ``kmax`` = 1 and the deterministic rows' top-1 is ``beam_step`` on every row (when the batch has some).
+    ``kmax`` = 1 (not run when the batch has none: a host fact) and the deterministic rows' top-1 is ``beam_step`` on
+    every row (when the batch has some).
     ``layer``: a callable making the sampling rows' layer from the logits instead (the engine's fused kernel,
     ``engine/fused.py``: ``layer(logits, scores, live, params, position, draft_idx, draft_valid, logq, k, kmax)``
     -> ``(out_idx, out_valid)``, the same decisions)."""
@@ -132,7 +133,10 @@ def verify_forest_static(forest: Forest, target_logits: torch.Tensor, root_score
         k = torch.where(rows, k, 0)
         samp = rows & ~det
         ks = torch.where(samp, k, 0)
-        if layer is not None:
+        if facts.all_deterministic:  # no sampling row (a host fact): its layer would output nothing (k = 0 everywhere)
+            oi = torch.zeros(R, 1, dtype=torch.int64, device=logits.device)
+            ov = torch.zeros(R, 1, dtype=torch.bool, device=logits.device)
+        elif layer is not None:
             oi, ov = layer(logits, st.scores, st.live, params, pos, didx, dval, logq, ks, 1)
         else:
             oi, ov = verify_layer_static(logp, didx, dval, logq, ks, params.seed, pos, 1)

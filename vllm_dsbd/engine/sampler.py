@@ -2,9 +2,9 @@
 
 One call per step over the target's logits rows (per request: the root's row, then one after each scheduled forest node
 in compact depth-major order) verifies every forest exactly (``core.verify_forest``, or its chain and static forms,
-which make the same decisions) and returns the emitted tokens in vLLM's sampled-token format. vLLM's linear rollback is
-right once the runner has moved the accepted path's K/V into the first slots after the context (``kv.commit`` with
-:attr:`RowResult.path`). Rows, paths and output format: docs/design/step.md §3.1.
+or for a chunk of temperature-0 requests the greedy walk, which make the same decisions) and returns the emitted
+tokens in vLLM's sampled-token format. vLLM's linear rollback is right once the runner has moved the accepted path's
+K/V into the first slots after the context (``kv.commit`` with :attr:`RowResult.path`). Rows, paths and output format: docs/design/step.md §3.1.
 """
 from __future__ import annotations
 
@@ -97,10 +97,11 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
            forest_static: bool | None = None, fused: bool | None = None,
            budget: int | None = None,
            penalized: Sequence[penalties.TargetRows | None] | None = None,
-           narrow_bare: bool = True) -> Reader[list[RowResult]]:
+           narrow_bare: bool = True, greedy_fast_path: bool = True) -> Reader[list[RowResult]]:
     """Verifies every request of a step (logits: [num_logits_rows, V] from the target pass); a reader
     (``engine/reads.py``). Runs on the logits' device, one host copy at the end of each chunk of requests (the general
-    path also reads at the core's branches). Paths with the same decisions: width-1 chains (``chain_fast_path``), and
+    path also reads at the core's branches). Paths with the same decisions: chunks whose requests are all at
+    temperature 0 (``greedy_fast_path``: :func:`_greedy_forests`), width-1 chains (``chain_fast_path``), and
     with ``chain_static`` / ``forest_static`` (default :func:`static_default`) the static forms, with the fused kernel
     when ``fused``. Requests go in chunks of ``chunks.verify_chunk`` (``budget`` float32 elements, default
     ``chunks.VERIFY_BUDGET``): a request's results do not depend on the other requests of its chunk. ``penalized``
@@ -114,7 +115,7 @@ def verify(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
         if penalized is not None and any(p is not None for p in penalized[a : a + n]):
             lg, chunk = penalized_chunk(logits, chunk, penalized[a : a + n])
         out += yield from _verify_chunk(lg, chunk, cfg, chain_fast_path, chain_static, forest_static, fused,
-                                        narrow_bare)
+                                        narrow_bare, greedy_fast_path)
     return out
 
 
@@ -141,7 +142,8 @@ def penalized_chunk(logits: torch.Tensor, rows: list[RowPlan],
 
 def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, chain_fast_path: bool,
                   chain_static: bool | None, forest_static: bool | None,
-                  fused: bool | None, narrow_bare: bool = True) -> Reader[list[RowResult]]:
+                  fused: bool | None, narrow_bare: bool = True,
+                  greedy_fast_path: bool = True) -> Reader[list[RowResult]]:
     """:func:`verify` of one chunk of requests (``narrow_bare`` False: a chunk without forests at the full shapes,
     for the tests that compare the two)."""
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
@@ -152,6 +154,11 @@ def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, ch
         # no forest in the chunk (the cost model drafted nothing): the chain path at no depth, one layer (the root's
         # draw), without a forest to build (``_bare_chains``)
         out = yield from _bare_chains(logits, rows, cfg, chain_static)
+        if out is not None:
+            return out
+    if (greedy_fast_path and not bare and cfg.mode == "sample"
+            and all(r.state.temperature == 0.0 for r in rows)):
+        out = yield from _greedy_forests(logits, rows)
         if out is not None:
             return out
     if bare:
@@ -293,6 +300,46 @@ def _bare_chains(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     ctx = torch.tensor([r.context_len for r in rows], **i64)
     static = static_default(dev) if static is None else static
     return (yield from _verify_chains(logits, rows, forest, none, params, ctx, [0] * R, static))
+
+
+def _greedy_forests(logits: torch.Tensor, rows: list[RowPlan]) -> Reader[list[RowResult] | None]:
+    """Mode "sample", every request at temperature 0: a layer's output is the top-1 of the row of the node the walk
+    is at (its only live slot, score shift 0: ``greedy_roots``'s float operations, so the same token as the forest
+    paths' ``beam_step``), and the walk passes to the scheduled child drafted with that token, if any, until the
+    emitted token is EOS or the forest's last depth. So the top-1 of every root and scheduled node row, computed at
+    once (one top-k over the gathered rows) and read in one copy, decides every request on the host from the forest's
+    host lists (a drafted EOS passes its layer and ends the walk, off the path, as ``iteration_outputs`` has it): a
+    handful of operations for any batch, where the forest paths run a few hundred per layer. None: a row
+    without a finite top-1 (NaN or fully masked; the general path then decides and reports)."""
+    idx, spans = [], []
+    for r in rows:
+        n = min(r.num_nodes, len(r.forest.tokens)) if r.forest is not None else 0
+        spans.append((len(idx), n))
+        idx += range(r.first_row, r.first_row + 1 + n)
+    vals, token = greedy_roots(logits, torch.tensor(idx, dtype=torch.int64).to(logits.device))
+    host, = yield [torch.stack([token, (~torch.isfinite(vals)).long()])]
+    top, declined = host.tolist()
+    if any(declined):
+        return None
+    out = []
+    for r, (at, n) in zip(rows, spans):
+        pf, eos = r.forest, r.state.eos
+        depth = pf.depths[n - 1] if n else 0  # the deepest scheduled node's (compact order is depth-major)
+        children: dict[tuple[int, int], int] = {}  # (compact parent, token) -> compact node, scheduled nodes only
+        for c in range(n):
+            children.setdefault((pf.parents[c], pf.tokens[c]), c)
+        tokens, path, node, passed = [], [], -1, 0
+        for d in range(depth + 1):
+            t = top[at + 1 + node]
+            tokens.append(t)
+            child = children.get((node, t)) if d < depth else None
+            passed += child is not None
+            if child is None or (eos >= 0 and t == eos):  # a drafted EOS passes its layer and ends the walk
+                break
+            path.append(child)
+            node = child
+        out.append(RowResult(tokens=tokens, path=path, passed=passed, widths=[1] * min(len(tokens), depth)))
+    return out
 
 
 def _depths(rows: list[RowPlan], forest: Forest) -> list[int]:

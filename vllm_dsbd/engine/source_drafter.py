@@ -77,10 +77,71 @@ class SourceDrafter:
     def propose_forests(self, jobs: list[DraftJob]) -> reads.Reader[list[PendingForest | None]]:
         """One forest per job (``job.tokens``: the whole text up to the root, since no draft K/V is ever kept), its
         depth-d nodes ``core.beam_step``'s draws on the sources' rows, masked by the request's grammar and logits rules
-        and penalised (``processors.DraftRows``, from ``job.history``) as a draft model's rows are; a reader with one
-        host read per depth (and one per depth for a grammar's paths)."""
-        if not jobs:
-            return []
+        and penalised (``processors.DraftRows``, from ``job.history``) as a draft model's rows are. A reader: the jobs
+        at temperature 0 without rows to process are drafted on the host (:func:`greedy_layers`, no read of the
+        device), the others with one host read per depth (and one per depth for a grammar's paths)."""
+        out: list[PendingForest | None] = [None] * len(jobs)
+        host = [k for k, j in enumerate(jobs) if host_greedy(j)]
+        if host:
+            for k, pf in zip(host, self._host_forests([jobs[k] for k in host])):
+                out[k] = pf
+        on_host = set(host)
+        rest = [k for k in range(len(jobs)) if k not in on_host]
+        if rest:
+            got = yield from self._device_forests([jobs[k] for k in rest])
+            for k, pf in zip(rest, got):
+                out[k] = pf
+        return out
+
+    def _host_forests(self, jobs: list[DraftJob]) -> list[PendingForest | None]:
+        """:meth:`propose_forests` of temperature-0 jobs without rows to process: ``beam_step``'s choice (the W best
+        (slot, token) pairs by score + the sources' log-probability, renormalised per row) made on the host, and the
+        forest put on the device in one go (its joint -inf outside the candidates, as ``beam_step`` leaves it)."""
+        dev, W = self.runner.device, self.cfg.width
+        V = self.runner.model_config.get_vocab_size()
+        for j in jobs:
+            sources_of(j.state, self.cfg).index_text(j.tokens)
+        valid, parent, token, score, depth, cand = greedy_layers(jobs, W, V)
+        g, G, R = valid.shape[1], self.cfg.depth, len(jobs)
+        if g == 0:
+            return [None] * R
+
+        def full(a, fill):  # [R, g, W] -> [R, G, W] on the device: every request's forest is then a view of it
+            return torch.from_numpy(np.pad(a, ((0, 0), (0, G - g), (0, 0)), constant_values=fill)).to(dev)
+
+        q = torch.full((R, G, W * V), -math.inf, device=dev)
+        if cand[0]:
+            q[torch.tensor(cand[:3], dtype=torch.int64).to(dev).unbind()] = torch.tensor(cand[3]).to(dev)
+        forest = Forest(parent=full(parent, 0), token=full(token, 0), valid=full(valid, False),
+                        score=full(score, -math.inf), q_joint=q, depth=torch.from_numpy(depth).to(dev))
+        return self._pending(jobs, forest, valid, parent, token, depth, W, V, views=True)
+
+    def _pending(self, jobs, forest: Forest, fv: np.ndarray, parent: np.ndarray, tokens: np.ndarray,
+                 depth_np: np.ndarray, W: int, V: int, views: bool = False) -> list[PendingForest | None]:
+        """Each job's pending forest from the batch's forest (``fv``, ``parent``, ``tokens``: its valid mask, parent
+        slots and tokens [R, g, W] on the host, ``fv`` already cut at ``depth_np``); ``views``: the batch's forest is
+        already [R, depth, W] (joint [R, depth, W V]), so each request's is a view of it (no device operation)."""
+        g = fv.shape[1]
+        _, _, parents = _layout_np(fv, parent)
+        fdepth = np.repeat(np.arange(1, g + 1)[:, None], W, 1)
+        out = []
+        for i, j in enumerate(jobs):
+            v = fv[i]
+            if depth_np[i] <= 0 or not v.any():
+                out.append(None)
+                continue
+            f = (Forest(*(t[i : i + 1] for t in (forest.parent, forest.token, forest.valid, forest.score,
+                                                  forest.q_joint, forest.depth)))
+                 if views else _one(forest, i, self.cfg.depth, W, V))
+            # uncut: what ``sampler.truncate`` gives when nothing is cut (every layer up to the depth has a node), so
+            # the runner reads nothing of it
+            out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
+                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, depth=int(depth_np[i]),
+                                     uncut=f))
+        return out
+
+    def _device_forests(self, jobs: list[DraftJob]) -> reads.Reader[list[PendingForest | None]]:
+        """:meth:`propose_forests` on the device: ``core.beam_step`` on the sources' rows, one read per depth."""
         dev = self.runner.device
         R, W = len(jobs), self.cfg.width
         G = max(j.depth for j in jobs)
@@ -146,19 +207,7 @@ class SourceDrafter:
         forest = Forest.from_steps(steps, depth, W)
         g = len(steps)
         fv = np.stack(valid_np, 1) & (np.arange(g)[None, :] < depth_np[:, None])[:, :, None]
-        _, _, parents = _layout_np(fv, np.stack(parent_np, 1))
-        tokens = np.stack(token_np, 1)
-        fdepth = np.repeat(np.arange(1, g + 1)[:, None], W, 1)
-        out = []
-        for i, j in enumerate(jobs):
-            v = fv[i]
-            if depth_np[i] <= 0 or not v.any():
-                out.append(None)
-                continue
-            f = _one(forest, i, self.cfg.depth, W, V)
-            out.append(PendingForest(forest=f, tokens=tokens[i][v].tolist(), parents=parents[i][v].tolist(),
-                                     depths=fdepth[v].tolist(), root_pos=j.root_pos, depth=int(depth_np[i])))
-        return out
+        return self._pending(jobs, forest, fv, np.stack(parent_np, 1), np.stack(token_np, 1), depth_np, W, V)
 
     # beam requests -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -208,6 +257,66 @@ class SourceDrafter:
                     break
             f.nodes = job.width
             beam.forest = f if f.tokens else None
+
+
+def host_greedy(job: DraftJob) -> bool:
+    """Whether a plain job is drafted on the host (:func:`greedy_layers`): temperature 0, and no grammar, logits rules
+    or penalties whose processing of the rows runs on the device (``job.history`` is given exactly for those)."""
+    return job.state.temperature <= 0.0 and job.history is None
+
+
+def greedy_layers(jobs: list[DraftJob], W: int, V: int):
+    """The forests ``beam_step`` draws at temperature 0 from the sources' rows, computed on the host: at each depth,
+    each request's live slots (the root, then the kept nodes not ending in EOS) get the sources' candidates (tokens in
+    [0, V)), each renormalised over its row (log-softmax of a row that is -inf elsewhere) and added to the slot's score;
+    the request's ``width`` best (slot, token) pairs by that score (ties: the lower joint index ``slot * V + token``)
+    are the depth's nodes. A request ends where it has no live slot or reaches its depth.
+
+    Returns host arrays ``valid``, ``parent``, ``token``, ``score`` [R, g, W] (g: the deepest depth drawn; ``valid``
+    cut at each request's depth), ``depth`` [R] and the candidates of the joint (lists of request, depth, joint index
+    and joint score: what ``beam_step``'s joint holds, -inf elsewhere)."""
+    R = len(jobs)
+    rows: list[list[tuple]] = []  # per request, per depth: [(slot, token, score)] of the kept pairs
+    depth = np.zeros(R, dtype=np.int64)
+    cr, cd, ci, cv = [], [], [], []
+    for r, j in enumerate(jobs):
+        src, width, eos = j.state.sources, min(W, j.state.width if j.width is None else j.width), j.state.eos
+        slots: list[tuple[list[int], float] | None] = [(list(j.tokens[-NMAX:]), 0.0)]
+        layers = []
+        for d in range(1, j.depth + 1):
+            pairs = []
+            for s, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                c, sc = slot
+                prop = [(t, v) for t, v in src.propose(c).items() if 0 <= t < V and math.isfinite(v)]
+                if not prop:
+                    continue
+                top = max(v for _, v in prop)
+                lse = top + math.log(math.fsum(math.exp(v - top) for _, v in prop))
+                for t, v in prop:
+                    pairs.append((sc + (v - lse), s * V + t))
+            if not pairs:
+                break
+            pairs.sort(key=lambda p: (-p[0], p[1]))
+            for v, i in pairs:
+                cr.append(r), cd.append(d - 1), ci.append(i), cv.append(v)
+            kept = [(i // V, i % V, v) for v, i in pairs[:width]]
+            layers.append(kept)
+            slots = [None if (eos >= 0 and t == eos) else ((slots[s][0] + [t])[-NMAX:], v) for s, t, v in kept]
+            slots += [None] * (W - len(slots))
+        rows.append(layers)
+        depth[r] = len(layers)
+    g = int(depth.max()) if R else 0
+    valid = np.zeros((R, g, W), dtype=bool)
+    parent = np.zeros((R, g, W), dtype=np.int64)
+    token = np.zeros((R, g, W), dtype=np.int64)
+    score = np.full((R, g, W), -math.inf, dtype=np.float32)
+    for r, layers in enumerate(rows):
+        for d, kept in enumerate(layers):
+            for k, (s, t, v) in enumerate(kept):
+                valid[r, d, k], parent[r, d, k], token[r, d, k], score[r, d, k] = True, s, t, v
+    return valid, parent, token, score, depth, (cr, cd, ci, cv)
 
 
 def _rows(props: list[list[dict[int, float] | None]], V: int, dev) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
