@@ -2,16 +2,17 @@
 the CPU proxy of a step's device overhead (each operation a kernel launch on a GPU, each read a wait for it).
 
     python benchmarks/engine/step_ops.py [--batches 1 8] [--max-tokens 24] [--out DIR] [--names] [--sites]
+        [--temperature T]
 
-The tiny random Llama target of the engine tests (vocabulary 400), greedy, B requests in one ``generate``, engines one
-after another in this process: ``plain`` (no speculation), ``dsbd none`` (``"sources": []``: nothing drafted, ever),
-``dsbd`` (the user's engine, ``{"method": "dsbd"}``: draft-free sources, cost model measured at start-up),
-``dsbd draft`` (the tiny draft model, cost model measured); ``--engines "dsbd forests"``: the user's sources with the
-cost model off (every step drafts: the drafting steps' counts). Per engine and batch: the median operations and reads
-of the bare steps (decode steps with nothing scheduled to verify; :mod:`vllm_dsbd.testing.step_ops`), and of the
-drafting steps, and how many of each. ``--names``: the operations that differ from plain vLLM's bare step;
-``--sites``: where the median drafting step reads (file:line; on the CPU every tensor is a host one, so a site that
-reads a copy already fetched counts as a read too).
+The tiny random Llama target of the engine tests (vocabulary 400), greedy (``--temperature``: seeded sampling), B
+requests in one ``generate``, engines one after another in this process: ``plain`` (no speculation), ``dsbd none``
+(``"sources": []``: nothing drafted, ever), ``dsbd`` (the user's engine, ``{"method": "dsbd"}``: draft-free sources,
+cost model measured at start-up), ``dsbd draft`` (the tiny draft model, cost model measured); ``--engines "dsbd
+forests"``: the user's sources with the cost model off (every step drafts: the drafting steps' counts). Per engine and
+batch: the median operations and reads of the bare steps (decode steps with nothing scheduled to verify;
+:mod:`vllm_dsbd.testing.step_ops`), and of the drafting steps, and how many of each. ``--names``: the operations that
+differ from plain vLLM's bare step; ``--sites``: where the median drafting step reads (file:line; on the CPU every
+tensor is a host one, so a site that reads a copy already fetched counts as a read too).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ ENGINES = {"plain": None, "dsbd none": {"method": "dsbd", "sources": []}, "dsbd"
            "dsbd forests": {"method": "dsbd", "cost_model": None}}
 
 
-def measure(target, draft, engine: str, batches, max_tokens: int, sites: bool = False) -> list[dict]:
+def measure(target, draft, engine: str, batches, max_tokens: int, sites: bool = False,
+            temperature: float = 0.0) -> list[dict]:
     import gc
 
     import torch
@@ -48,7 +50,8 @@ def measure(target, draft, engine: str, batches, max_tokens: int, sites: bool = 
     llm = vllm.LLM(model=str(target), **kw, **({"speculative_config": spec} if spec else {}))
     rows = []
     try:
-        sp = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        sp = vllm.SamplingParams(temperature=temperature, seed=0 if temperature > 0 else None, max_tokens=max_tokens,
+                                 ignore_eos=True)
         for b in batches:
             prompts = [{"prompt_token_ids": [(7 * i + j) % 390 + 5 for j in range(8)]} for i in range(b)]
             llm.generate(prompts, sp, use_tqdm=False)  # warm-up
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", nargs="+", default=[e for e in ENGINES if e != "dsbd forests"])
     ap.add_argument("--names", action="store_true")
     ap.add_argument("--sites", action="store_true", help="where the median drafting step's host reads are made")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the requests' (seeded at T > 0)")
     ap.add_argument("--out", type=pathlib.Path)
     args = ap.parse_args(argv)
     from vllm_dsbd.testing.models import tiny_llama_pair
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
                                     draft_layers=2)
     rows = []
     for e in args.engines:
-        rows += measure(target, draft, e, args.batches, args.max_tokens, args.sites)
+        rows += measure(target, draft, e, args.batches, args.max_tokens, args.sites, args.temperature)
     print(table(rows))
     if args.names:
         plain = {r["batch"]: r for r in rows if r["engine"] == "plain"}

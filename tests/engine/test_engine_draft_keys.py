@@ -4,8 +4,9 @@ on the numbers a real engine draws.
 The default engine (no draft model: recycle + lookup), T > 0, depth 3 pinned (cost model off, verify budget null: full
 forests every step, so forests fail at every depth; on this CPU the cost model would switch most off), plain requests at
 W = 1 and W = 2 and beam-sampling requests; every ``DRAFT_DRAW`` key the drafter actually draws with (the position word
-handed to ``core.beam_step`` for a row with a live slot, the request's seed) is recorded with the forest it was drawn
-for (its root, from ``rng.forest_position``'s arguments). The promise "every forest draws numbers nothing before it
+handed to ``core.beam_step`` for a row with a live slot, or to ``source_drafter.draft_keys`` for the requests that draw
+on the host, with the request's seed) is recorded with the forest it was drawn for (its root, from
+``rng.forest_position``'s arguments). The promise "every forest draws numbers nothing before it
 used" (``core/rng.py``) is then checked directly: no request draws two forests' noise from the same position word.
 
 Not vacuous: each request verifies several forests and some fail before their last drafted depth (the next root comes
@@ -46,8 +47,9 @@ def old_keying(root, depth):
 
 
 class Recorder:
-    """Wraps ``rng.forest_position`` (the keying under test: exact or planted) and the drafters' ``beam_step``: each
-    ``DRAFT_DRAW`` step appends, per request row with a live slot, (seed, root, depth, position word)."""
+    """Wraps ``rng.forest_position`` (the keying under test: exact or planted), the drafters' ``beam_step`` and the
+    host path's ``draft_keys``: each ``DRAFT_DRAW`` step appends, per request row with a live slot, (seed, root, depth,
+    position word)."""
 
     def __init__(self):
         self.draws: list[tuple[int, int, int, int]] = []
@@ -73,7 +75,17 @@ class Recorder:
                 return real(logits, scores, live, params, position, stream)
             return beam_step
 
+        def host_keys(real):  # plain requests without rows to process draw on the host (source_drafter.host_layers)
+            def draft_keys(seed, root, depth):
+                words = forest_position(root, depth)
+                self._roots = None
+                for s, r, w in zip(seed.tolist(), root.tolist(), words.tolist()):
+                    self.draws.append((s, r, depth, w))
+                return real(seed, root, depth)
+            return draft_keys
+
         mp.setattr(rng_mod, "forest_position", forest_position)
+        mp.setattr(source_drafter_mod, "draft_keys", host_keys(source_drafter_mod.draft_keys))
         mp.setattr(source_drafter_mod, "beam_step", recorded(source_drafter_mod.beam_step))
         mp.setattr(beam_sampling_mod, "beam_step", recorded(beam_sampling_mod.beam_step))
 

@@ -344,9 +344,9 @@ def test_a_step_without_forests_narrows_to_one_slot(G, W, V, static):
 
 @pytest.mark.parametrize("G,W,V", [(1, 1, 11), (3, 4, 40), (2, 3, 400)])
 def test_an_all_greedy_step_without_forests_takes_the_root_top1(G, W, V):
-    """A chunk without forests whose requests are all greedy (``chain.greedy_roots``: one top-1 per root row) gives
-    the tokens of the full [G + 1, W, V] shapes, EOS and top-k / top-p settings included; a NaN row declines to the
-    general path, which fails as at the full shapes."""
+    """A chunk without forests whose requests are all greedy (the greedy walk, ``sampler._greedy_forests``: one top-1
+    per root row) gives the tokens of the full [G + 1, W, V] shapes without the walk, EOS and top-k / top-p settings
+    included; a NaN row declines to the general path, which fails as at the full shapes."""
     rnd = random.Random(G + 10 * W + V)
     for step in range(8):
         reqs = [dataclasses.replace(_random_req(rnd, G, V), depth=0, temperature=0.0)
@@ -359,6 +359,6 @@ def test_an_all_greedy_step_without_forests_takes_the_root_top1(G, W, V):
                     reads.run(sampler.verify(logits, plans, cfg, narrow_bare=narrow))
             continue
         fast = reads.run(sampler.verify(logits, plans, cfg))
-        full = reads.run(sampler.verify(logits, plans, cfg, narrow_bare=False))
+        full = reads.run(sampler.verify(logits, plans, cfg, narrow_bare=False, greedy_fast_path=False))
         assert [(a.tokens, a.path, a.passed, a.widths, a.rows) for a in fast] == \
             [(b.tokens, b.path, b.passed, b.widths, b.rows) for b in full]

@@ -4,7 +4,8 @@ One call per step over the target's logits rows (per request: the root's row, th
 in compact depth-major order) verifies every forest exactly (``core.verify_forest``, or its chain and static forms,
 or for a chunk of temperature-0 requests the greedy walk, which make the same decisions) and returns the emitted
 tokens in vLLM's sampled-token format. vLLM's linear rollback is right once the runner has moved the accepted path's
-K/V into the first slots after the context (``kv.commit`` with :attr:`RowResult.path`). Rows, paths and output format: docs/design/step.md §3.1.
+K/V into the first slots after the context (``kv.commit`` with :attr:`RowResult.path`). Rows, paths and output
+format: docs/design/step.md §3.1.
 """
 from __future__ import annotations
 
@@ -149,16 +150,15 @@ def _verify_chunk(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig, ch
     R, G, W = len(rows), max(cfg.depth, 1), cfg.width  # depth 0 (no draft model): every row is a depth-0 iteration
     V = logits.shape[-1]
     dev = logits.device
+    if greedy_fast_path and cfg.mode == "sample" and all(r.state.temperature == 0.0 for r in rows):
+        out = yield from _greedy_forests(logits, rows)  # forests or not
+        if out is not None:
+            return out
     bare = narrow_bare and all(r.forest is None for r in rows)
     if bare and chain_fast_path and cfg.mode == "sample":
         # no forest in the chunk (the cost model drafted nothing): the chain path at no depth, one layer (the root's
         # draw), without a forest to build (``_bare_chains``)
         out = yield from _bare_chains(logits, rows, cfg, chain_static)
-        if out is not None:
-            return out
-    if (greedy_fast_path and not bare and cfg.mode == "sample"
-            and all(r.state.temperature == 0.0 for r in rows)):
-        out = yield from _greedy_forests(logits, rows)
         if out is not None:
             return out
     if bare:
@@ -285,13 +285,6 @@ def _bare_chains(logits: torch.Tensor, rows: list[RowPlan], cfg: DSBDConfig,
     and concatenate an empty forest per request and (static) verify one more, masked, layer. None: declined."""
     R, V, dev = len(rows), logits.shape[-1], logits.device
     i64 = dict(dtype=torch.int64, device=dev)
-    if all(r.state.temperature == 0.0 for r in rows):  # every request greedy: its root row's top-1, one read
-        vals, token = greedy_roots(logits, torch.tensor([r.first_row for r in rows], dtype=torch.int64).to(dev))
-        host, = yield [torch.stack([token, (~torch.isfinite(vals)).long()])]
-        token, declined = host.tolist()
-        if any(declined):
-            return None
-        return [RowResult(tokens=[t], path=[], passed=0, widths=[]) for t in token]
     none = torch.zeros(R, 0, 1, **i64)
     forest = Forest(parent=none, token=none, valid=torch.zeros(R, 0, 1, dtype=torch.bool, device=dev),
                     score=torch.zeros(R, 0, 1, device=dev), q_joint=torch.zeros(R, 0, V, device=dev),

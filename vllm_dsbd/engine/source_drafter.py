@@ -78,15 +78,15 @@ class SourceDrafter:
         """One forest per job (``job.tokens``: the whole text up to the root, since no draft K/V is ever kept), its
         depth-d nodes ``core.beam_step``'s draws on the sources' rows, masked by the request's grammar and logits rules
         and penalised (``processors.DraftRows``, from ``job.history``) as a draft model's rows are. A reader: the jobs
-        at temperature 0 without rows to process are drafted on the host (:func:`greedy_layers`, no read of the
-        device), the others with one host read per depth (and one per depth for a grammar's paths)."""
+        without rows to process are drafted on the host (:func:`host_layers`, the same draws, no read of the
+        device), the others on the device with one host read per depth (and one per depth for a grammar's paths)."""
         out: list[PendingForest | None] = [None] * len(jobs)
-        host = [k for k, j in enumerate(jobs) if host_greedy(j)]
+        host = [k for k, j in enumerate(jobs) if on_host(j)]
         if host:
             for k, pf in zip(host, self._host_forests([jobs[k] for k in host])):
                 out[k] = pf
-        on_host = set(host)
-        rest = [k for k in range(len(jobs)) if k not in on_host]
+        hosted = set(host)
+        rest = [k for k in range(len(jobs)) if k not in hosted]
         if rest:
             got = yield from self._device_forests([jobs[k] for k in rest])
             for k, pf in zip(rest, got):
@@ -94,14 +94,14 @@ class SourceDrafter:
         return out
 
     def _host_forests(self, jobs: list[DraftJob]) -> list[PendingForest | None]:
-        """:meth:`propose_forests` of temperature-0 jobs without rows to process: ``beam_step``'s choice (the W best
-        (slot, token) pairs by score + the sources' log-probability, renormalised per row) made on the host, and the
-        forest put on the device in one go (its joint -inf outside the candidates, as ``beam_step`` leaves it)."""
+        """:meth:`propose_forests` of jobs without rows to process: ``beam_step``'s draws (:func:`host_layers`) made
+        on the host, and the forest put on the device in one go (its joint -inf outside the drawn-from entries, as
+        ``beam_step`` leaves it)."""
         dev, W = self.runner.device, self.cfg.width
         V = self.runner.model_config.get_vocab_size()
         for j in jobs:
             sources_of(j.state, self.cfg).index_text(j.tokens)
-        valid, parent, token, score, depth, cand = greedy_layers(jobs, W, V)
+        valid, parent, token, score, depth, cand = host_layers(jobs, W, V)
         g, G, R = valid.shape[1], self.cfg.depth, len(jobs)
         if g == 0:
             return [None] * R
@@ -259,64 +259,130 @@ class SourceDrafter:
             beam.forest = f if f.tokens else None
 
 
-def host_greedy(job: DraftJob) -> bool:
-    """Whether a plain job is drafted on the host (:func:`greedy_layers`): temperature 0, and no grammar, logits rules
-    or penalties whose processing of the rows runs on the device (``job.history`` is given exactly for those)."""
-    return job.state.temperature <= 0.0 and job.history is None
+def on_host(job: DraftJob) -> bool:
+    """Whether a plain job is drafted on the host (:func:`host_layers`): no grammar, logits rules or penalties, whose
+    processing of the rows runs on the device (``job.history`` is given exactly for those)."""
+    return job.history is None
 
 
-def greedy_layers(jobs: list[DraftJob], W: int, V: int):
-    """The forests ``beam_step`` draws at temperature 0 from the sources' rows, computed on the host: at each depth,
-    each request's live slots (the root, then the kept nodes not ending in EOS) get the sources' candidates (tokens in
-    [0, V)), each renormalised over its row (log-softmax of a row that is -inf elsewhere) and added to the slot's score;
-    the request's ``width`` best (slot, token) pairs by that score (ties: the lower joint index ``slot * V + token``)
-    are the depth's nodes. A request ends where it has no live slot or reaches its depth.
+def _lse(xs: list[float]) -> float:
+    top = max(xs)
+    return top + math.log(math.fsum(math.exp(x - top) for x in xs))
+
+
+def _mask_top_k_top_p(pairs: list[list], top_k: int, top_p: float) -> list[list]:
+    """``core.joint._top_k_top_p`` on a row's finite entries ([joint, index, ...], any order): the top-k (ties at the
+    k-th kept; all when fewer), then the smallest top set holding mass >= top_p (ties at its threshold kept)."""
+    if top_k > 0 and len(pairs) > top_k:
+        kth = sorted((p[0] for p in pairs), reverse=True)[top_k - 1]
+        pairs = [p for p in pairs if p[0] >= kth]
+    if top_p < 1.0:
+        srt = sorted((p[0] for p in pairs), reverse=True)
+        z = _lse(srt)
+        before, last = 0.0, 0
+        for k, x in enumerate(srt):
+            if k > 0 and before >= top_p:
+                break
+            last = k
+            before += math.exp(x - z)
+        pairs = [p for p in pairs if p[0] >= srt[last]]
+    return pairs
+
+
+def host_layers(jobs: list[DraftJob], W: int, V: int):
+    """The forests ``core.beam_step`` draws from the sources' rows (``_device_forests``), computed on the host. Depth
+    by depth, each request's live slots (the root, then the kept nodes not ending in EOS) get the sources' candidates
+    (tokens in [0, V)) as a row -inf elsewhere: log-softmax of the row at the request's temperature (1 at T = 0) plus
+    the slot's score is the joint over (slot, token). T = 0: the request's ``width`` best pairs by it (ties: the lower
+    joint index ``slot * V + token``). T > 0: the joint shifted by the live slots' best score, masked by the request's
+    top-k / top-p, normalised to log Q, and the ``width`` best pairs by log Q + Gumbel noise drawn at those pairs' joint
+    indices with ``beam_step``'s key (seed, ``rng.forest_position(root, d)``, ``DRAFT_DRAW``): the same numbers it adds
+    to every entry, needed only where log Q is finite. A request ends where it has no live slot or reaches its depth.
 
     Returns host arrays ``valid``, ``parent``, ``token``, ``score`` [R, g, W] (g: the deepest depth drawn; ``valid``
-    cut at each request's depth), ``depth`` [R] and the candidates of the joint (lists of request, depth, joint index
-    and joint score: what ``beam_step``'s joint holds, -inf elsewhere)."""
+    cut at each request's depth), ``depth`` [R] and the finite entries of each depth's joint (lists of request, depth,
+    joint index and log Q; T = 0: the score, as ``beam_step`` leaves it), -inf elsewhere."""
     R = len(jobs)
-    rows: list[list[tuple]] = []  # per request, per depth: [(slot, token, score)] of the kept pairs
-    depth = np.zeros(R, dtype=np.int64)
+    slots: list[list] = [[(list(j.tokens[-NMAX:]), 0.0)] for j in jobs]  # per request: (last tokens, score) | None
+    layers: list[list] = [[] for _ in jobs]  # per request, per depth: [(slot, token, score)] of the kept pairs
+    live = [j.depth >= 1 for j in jobs]
     cr, cd, ci, cv = [], [], [], []
-    for r, j in enumerate(jobs):
-        src, width, eos = j.state.sources, min(W, j.state.width if j.width is None else j.width), j.state.eos
-        slots: list[tuple[list[int], float] | None] = [(list(j.tokens[-NMAX:]), 0.0)]
-        layers = []
-        for d in range(1, j.depth + 1):
-            pairs = []
-            for s, slot in enumerate(slots):
+    for d in range(1, max((j.depth for j in jobs), default=0) + 1):
+        draws = []  # sampling requests of this depth: (r, entries [log Q, index, score])
+        for r, j in enumerate(jobs):
+            if not live[r] or d > j.depth:
+                live[r] = False
+                continue
+            st = j.state
+            t = float(np.float32(st.temperature)) if st.temperature > 0.0 else 1.0  # the params' float32 values
+            entries, scores = [], []
+            for s, slot in enumerate(slots[r]):
                 if slot is None:
                     continue
-                c, sc = slot
-                prop = [(t, v) for t, v in src.propose(c).items() if 0 <= t < V and math.isfinite(v)]
+                prop = [(tok, v / t) for tok, v in st.sources.propose(slot[0]).items() if 0 <= tok < V
+                        and math.isfinite(v)]
                 if not prop:
                     continue
-                top = max(v for _, v in prop)
-                lse = top + math.log(math.fsum(math.exp(v - top) for _, v in prop))
-                for t, v in prop:
-                    pairs.append((sc + (v - lse), s * V + t))
-            if not pairs:
-                break
-            pairs.sort(key=lambda p: (-p[0], p[1]))
-            for v, i in pairs:
-                cr.append(r), cd.append(d - 1), ci.append(i), cv.append(v)
-            kept = [(i // V, i % V, v) for v, i in pairs[:width]]
-            layers.append(kept)
-            slots = [None if (eos >= 0 and t == eos) else ((slots[s][0] + [t])[-NMAX:], v) for s, t, v in kept]
-            slots += [None] * (W - len(slots))
-        rows.append(layers)
-        depth[r] = len(layers)
+                z = _lse([x for _, x in prop])
+                scores.append(slot[1])
+                entries += [[slot[1] + (x - z), s * V + tok] for tok, x in prop]
+            if not entries:
+                live[r] = False
+                continue
+            if st.temperature <= 0.0:
+                entries.sort(key=lambda e: (-e[0], e[1]))
+                for e in entries:
+                    cr.append(r), cd.append(d - 1), ci.append(e[1]), cv.append(e[0])
+                _keep(jobs, r, W, V, d, slots, layers, [(e[1], e[0]) for e in entries])
+                continue
+            shift = max(scores)
+            entries = _mask_top_k_top_p([[e[0] - shift, e[1], e[0]] for e in entries], st.top_k,
+                                        float(np.float32(st.top_p)))
+            z = _lse([e[0] for e in entries])
+            draws.append((r, [[e[0] - z, e[1], e[2]] for e in entries]))
+        if draws:  # the noise of every sampling request's finite entries at this depth, at once
+            idx = torch.tensor([e[1] for _, es in draws for e in es], dtype=torch.int64)
+            n = torch.tensor([len(es) for _, es in draws])
+            seed = torch.tensor([jobs[r].state.seed for r, _ in draws], dtype=torch.int64)
+            root = torch.tensor([jobs[r].root_pos for r, _ in draws], dtype=torch.int64)
+            key = draft_keys(seed, root, d)
+            noise = rng.gumbel_of_(rng.uniform(key.repeat_interleave(n), idx)).tolist()
+            at = 0
+            for r, es in draws:
+                for e in es:
+                    cr.append(r), cd.append(d - 1), ci.append(e[1]), cv.append(e[0])
+                keys = sorted(((e[0] + noise[at + k], e[1], e[2]) for k, e in enumerate(es)),
+                              key=lambda x: (-x[0], x[1]))
+                at += len(es)
+                _keep(jobs, r, W, V, d, slots, layers, [(i, sc) for _, i, sc in keys])
+    depth = np.array([len(ls) for ls in layers], dtype=np.int64)
     g = int(depth.max()) if R else 0
     valid = np.zeros((R, g, W), dtype=bool)
     parent = np.zeros((R, g, W), dtype=np.int64)
     token = np.zeros((R, g, W), dtype=np.int64)
     score = np.full((R, g, W), -math.inf, dtype=np.float32)
-    for r, layers in enumerate(rows):
-        for d, kept in enumerate(layers):
+    for r, ls in enumerate(layers):
+        for d, kept in enumerate(ls):
             for k, (s, t, v) in enumerate(kept):
                 valid[r, d, k], parent[r, d, k], token[r, d, k], score[r, d, k] = True, s, t, v
     return valid, parent, token, score, depth, (cr, cd, ci, cv)
+
+
+def draft_keys(seed: torch.Tensor, root: torch.Tensor, depth: int) -> torch.Tensor:
+    """The ``DRAFT_DRAW`` keys of the depth-``depth`` draws of forests rooted at ``root`` (int64 [n], with their
+    requests' seeds): ``beam_step``'s, from the word ``rng.forest_position(root, depth)``."""
+    return rng.request_key(seed, rng.forest_position(root, depth), rng.Stream.DRAFT_DRAW)
+
+
+def _keep(jobs, r: int, W: int, V: int, d: int, slots: list, layers: list, ranked: list[tuple[int, float]]) -> None:
+    """Request r's depth-d nodes: the first ``width`` of ``ranked`` (joint index, score), best first; its next slots
+    (an EOS node is not continued)."""
+    j = jobs[r]
+    width, eos = min(W, j.state.width if j.width is None else j.width), j.state.eos
+    kept = [(i // V, i % V, sc) for i, sc in ranked[:width]]
+    layers[r].append(kept)
+    old = slots[r]
+    slots[r] = [None if (eos >= 0 and t == eos) else ((old[s][0] + [t])[-NMAX:], sc) for s, t, sc in kept]
 
 
 def _rows(props: list[list[dict[int, float] | None]], V: int, dev) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:

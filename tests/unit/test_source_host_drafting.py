@@ -1,10 +1,12 @@
-"""Plain forests at temperature 0 from the draft-free sources, drafted on the host (``source_drafter.greedy_layers``:
-no read of the device), are the forests the device path (``core.beam_step`` on the sources' rows, one read per depth)
-draws: the same nodes, parents, depths and scores, the same joint, on random recycle tables and lookup texts with
-several widths, depths, cost-model widths and EOS tokens. A planted host variant that does not renormalise each row (a
-row's log-sum-exp taken as its largest estimate) is told apart by the same comparison."""
+"""Plain forests from the draft-free sources, drafted on the host (``source_drafter.host_layers``: no read of the
+device), are the forests the device path (``core.beam_step`` on the sources' rows, one read per depth) draws: the same
+nodes, parents, depths and scores, the same joint (log Q), on random recycle tables and lookup texts with several
+widths, depths, cost-model widths, EOS tokens, temperatures (0 included), top-k and top-p. Planted host variants are
+told apart by the same comparison: rows not renormalised (a row's log-sum-exp taken as its largest estimate), and
+noise keyed by the node's position instead of the forest's (``rng.forest_position``)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from types import SimpleNamespace
@@ -16,17 +18,20 @@ from vllm_dsbd.config import DSBDConfig
 from vllm_dsbd.core.sources import SourceIndex
 from vllm_dsbd.engine import reads, source_drafter
 from vllm_dsbd.engine.drafter import DraftJob
-from vllm_dsbd.engine.source_drafter import SourceDrafter, host_greedy
+from vllm_dsbd.engine.source_drafter import SourceDrafter, on_host
 from vllm_dsbd.engine.state import RequestState
 
 V = 40
 
 
-def _batch(seed: int, W: int, R: int = 6):
+def _batch(seed: int, W: int, R: int = 6, sampled: bool = False):
     rnd = random.Random(seed)
     jobs = []
     for r in range(R):
-        st = RequestState(req_id=f"r{r}", seed=r, width=rnd.choice([1, W, W]), temperature=0.0, top_k=0, top_p=1.0,
+        t = rnd.choice([0.0, 0.5, 1.0, 1.0, 1.7]) if sampled else 0.0
+        st = RequestState(req_id=f"r{r}", seed=rnd.randrange(2**62), width=rnd.choice([1, W, W]), temperature=t,
+                          top_k=rnd.choice([0, 0, 1, 3, 6]) if sampled else 0,
+                          top_p=rnd.choice([1.0, 1.0, 0.9, 0.5]) if sampled else 1.0,
                           eos=rnd.choice([-1, -1, rnd.randrange(V)]), max_tokens=None)
         src = SourceIndex(recycle=True, lookup=rnd.random() < 0.5)
         for a in range(V):  # most contexts have a row of 1-8 candidates with distinct random log-probabilities
@@ -63,10 +68,10 @@ def _same(host, dev) -> list[str]:
         for name in ("parent", "token", "valid", "depth"):
             x, y = getattr(fa, name), getattr(fb, name)
             if name in ("parent", "token"):
-                x, y = x[fa.valid], y[fb.valid] if fb.valid.shape == fa.valid.shape else y
+                x, y = x[fa.valid], y[fb.valid]
             if x.shape != y.shape or not torch.equal(x, y):
                 diff.append(f"{k}: forest.{name}")
-        if fa.valid.shape == fb.valid.shape and not torch.allclose(fa.score[fa.valid], fb.score[fb.valid], atol=1e-4):
+        if torch.equal(fa.valid, fb.valid) and not torch.allclose(fa.score[fa.valid], fb.score[fb.valid], atol=1e-4):
             diff.append(f"{k}: scores")
         qa, qb = fa.q_joint, fb.q_joint
         if qa.shape != qb.shape or not torch.equal(torch.isfinite(qa), torch.isfinite(qb)) or not torch.allclose(
@@ -77,28 +82,31 @@ def _same(host, dev) -> list[str]:
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("W", [1, 3])
-def test_host_greedy_forests_are_beam_steps_draws(seed: int, W: int):
-    jobs = _batch(seed, W)
-    assert all(host_greedy(j) for j in jobs)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_host_forests_are_beam_steps_draws(seed: int, W: int, sampled: bool):
+    jobs = _batch(seed, W, sampled=sampled)
+    assert all(on_host(j) for j in jobs)
     drafter = _drafter(W)
     host = reads.run(drafter.propose_forests(jobs))
     dev = reads.run(drafter._device_forests(jobs))
     assert _same(host, dev) == []
     assert sum(len(f.tokens) for f in host if f is not None) > len(jobs)  # forests were drafted, some deep
-    assert any(f is not None and f.depth >= 3 for f in host)
+    assert any(f is not None and f.depth >= 2 for f in host)
+    if sampled and W > 1:  # sampling requests drew, some more than one node at a depth
+        assert any(f is not None and j.state.temperature > 0 and len(f.tokens) > f.depth for j, f in zip(jobs, host))
 
 
-def test_propose_forests_reads_nothing_for_greedy_jobs_and_splits_mixed_batches():
-    """Greedy jobs never yield (no read of the device); a sampling job in the batch goes to the device path, one read
-    per depth, and the greedy jobs' forests stay the host's."""
+def test_propose_forests_reads_nothing_without_rows_to_process_and_splits_batches():
+    """Jobs without rows to process never yield (no read of the device); a job with penalties (its ``history``) in the
+    batch goes to the device path, one read per depth, and the other jobs' forests stay the host's."""
     W = 2
-    jobs = _batch(11, W)
+    jobs = _batch(11, W, sampled=True)
     drafter = _drafter(W)
     gen = drafter.propose_forests(jobs)
     with pytest.raises(StopIteration):
         next(gen)
-    jobs[2].state.temperature = 1.0
-    assert not host_greedy(jobs[2])
+    jobs[2] = dataclasses.replace(jobs[2], history=(list(jobs[2].tokens), []))
+    assert not on_host(jobs[2])
     asks = []
 
     def counted(reader):
@@ -117,18 +125,24 @@ def test_propose_forests_reads_nothing_for_greedy_jobs_and_splits_mixed_batches(
     assert mixed[2] is not None
 
 
-def test_a_host_variant_without_renormalised_rows_is_told_apart(monkeypatch):
-    """The planted variant: each row's log-sum-exp taken as its largest estimate (``fsum`` of the shifted exponentials
-    read as 1), so rows with more or flatter candidates keep larger scores. The comparison above rejects it."""
+@pytest.mark.parametrize("variant", ["rows not renormalised", "noise keyed by the node's position"])
+def test_planted_host_variants_are_told_apart(monkeypatch, variant):
+    """The planted variants: each row's log-sum-exp taken as its largest estimate (``fsum`` of the shifted
+    exponentials read as 1), so rows with more or flatter candidates keep larger scores; and the noise keyed by
+    ``root + d`` (the node's position, as draft draws were keyed until D10) instead of the forest's word. The
+    comparison above rejects both."""
     W = 3
     told = 0
     for seed in range(4):
-        jobs = _batch(seed, W)
+        jobs = _batch(seed, W, sampled=True)
         drafter = _drafter(W)
         dev = reads.run(drafter._device_forests(jobs))
         with monkeypatch.context() as m:
-            m.setattr(source_drafter.math, "fsum", lambda xs: 1.0)
+            if variant == "rows not renormalised":
+                m.setattr(source_drafter.math, "fsum", lambda xs: 1.0)
+            else:
+                m.setattr(source_drafter.rng, "forest_position", lambda root, d: root + d)
             host = reads.run(drafter.propose_forests(jobs))
         told += bool(_same(host, dev))
-    assert told >= 1
-    assert math.fsum([0.5, 0.5]) == 1.0  # the patch was undone
+    assert told >= 2
+    assert math.fsum([0.5, 0.5]) == 1.0 and source_drafter.rng.forest_position(1, 1) == (1 << 16) + 1  # undone
