@@ -210,7 +210,9 @@ def main():
     print(f"DSBD made {per_pass:.2f} tokens per target pass against 1.00, and ran at {speed:.2f}x plain vLLM's "
           "tokens/s here" + (": fewer target passes pay on this machine." if speed > 1 else
                              ": on these 2 CPU cores a forest's tokens and the engine's own work per step cost about "
-                             "what the saved passes do (docs/results.md has the numbers)."))
+                             "what the saved passes do, and the requests whose forests pass finish first, leaving the "
+                             "others to run in smaller steps that cost nearly as much (docs/results.md has the "
+                             "numbers)."))
     print(f"The same prompts again on each engine (\"tok/s, again\"; prefix cache warm on both): DSBD at {again:.2f}x "
           "plain vLLM. The first call pays the engine's calibration: the start-up table prices forests from a "
           "dummy forest step (forest_probe.py), and the step clock measures the real ones: after 8 decode steps of "
