@@ -85,40 +85,45 @@ def test_batch_slots_are_each_requests_slots():
 
 
 def test_forest_recompute_equals_attention_over_each_path():
+    """Two layers (two caches) of one pass share the batch and its plan (``ForestBatch.batched_plan``, made once):
+    each layer's forest outputs are attention over each node's path; the requests sit at block-table rows 1 and 2
+    (row 0: another request's), their queries among unrelated tokens, which stay untouched."""
     torch.manual_seed(0)
     nb, kvh, bs, d, h = 8, 2, 16, 64, 4
-    cache = _cpu_cache(nb, kvh, bs, d, seed=1)
-    k_plane, v_plane = kv.cpu_planes(cache)
     # two requests: (block row, context length, parents of the forest nodes)
     reqs = [(torch.tensor([5, 2, 7, 0], dtype=torch.int32), 20, [-1, -1, 0, 1, 0, 3]),
             (torch.tensor([1, 3, 4, 6], dtype=torch.int32), 3, [-1, 0, 1])]
-    block_table = torch.stack([r[0] for r in reqs])
+    block_table = torch.stack([torch.tensor([3, 6, 1, 2], dtype=torch.int32)] + [r[0] for r in reqs])
     entries, t = [], 0
     for i, (_, ctx, parents) in enumerate(reqs):
-        entries.append(attention.ForestEntry(i, list(range(t + 1, t + 1 + len(parents))), ctx, parents,
+        entries.append(attention.ForestEntry(i + 1, list(range(t + 1, t + 1 + len(parents))), ctx, parents,
                                              list(range(len(parents)))))
         t += 1 + len(parents) + 2  # a causal token before and two unrelated tokens after each forest
     batch = attention.ForestBatch.build(entries, max_nodes=64)
-    query = torch.randn(t, h, d)
-    output = torch.full((t, h, d), 7.0)
     scale = d ** -0.5
-    attention.recompute_forest_outputs(batch, query, cache, block_table, scale, output)
-    touched = set(batch.token_index.tolist())
-    for i, (brow, ctx, parents) in enumerate(reqs):
-        for j, tok in enumerate(entries[i][1]):
-            path, n = [], j
-            while n >= 0:
-                path.append(n)
-                n = parents[n]
-            pos = list(range(ctx)) + [ctx + n for n in sorted(path)]
-            slots = torch.tensor(kv.slots_of(brow, pos, bs))
-            kk = k_plane[slots // bs, slots % bs].repeat_interleave(h // kvh, 1)  # [L, h, d]
-            vv = v_plane[slots // bs, slots % bs].repeat_interleave(h // kvh, 1)
-            p = torch.softmax(torch.einsum("hd,lhd->hl", query[tok], kk) * scale, -1)
-            ref = torch.einsum("hl,lhd->hd", p, vv)
-            torch.testing.assert_close(output[tok], ref, atol=1e-5, rtol=1e-5)
-    others = [r for r in range(t) if r not in touched]
-    assert torch.all(output[others] == 7.0), "tokens outside the forest batch must be left alone"
+    for seed in (1, 2):  # two layers
+        cache = _cpu_cache(nb, kvh, bs, d, seed=seed)
+        k_plane, v_plane = kv.cpu_planes(cache)
+        query = torch.randn(t, h, d)
+        output = torch.full((t, h, d), 7.0)
+        attention.recompute_forest_outputs(batch, query, cache, block_table, scale, output)
+        touched = set(batch.token_index.tolist())
+        for i, (brow, ctx, parents) in enumerate(reqs):
+            for j, tok in enumerate(entries[i][1]):
+                path, n = [], j
+                while n >= 0:
+                    path.append(n)
+                    n = parents[n]
+                pos = list(range(ctx)) + [ctx + n for n in sorted(path)]
+                slots = torch.tensor(kv.slots_of(brow, pos, bs))
+                kk = k_plane[slots // bs, slots % bs].repeat_interleave(h // kvh, 1)  # [L, h, d]
+                vv = v_plane[slots // bs, slots % bs].repeat_interleave(h // kvh, 1)
+                p = torch.softmax(torch.einsum("hd,lhd->hl", query[tok], kk) * scale, -1)
+                ref = torch.einsum("hl,lhd->hd", p, vv)
+                torch.testing.assert_close(output[tok], ref, atol=1e-5, rtol=1e-5)
+        others = [r for r in range(t) if r not in touched]
+        assert torch.all(output[others] == 7.0), "tokens outside the forest batch must be left alone"
+    assert len(batch._plans) == 1, "one plan for the pass"
 
 
 @pytest.mark.parametrize("parents,chain", [([-1, 0, 1, 1, 3], 3), ([-1, -1, 0, 1], 1), ([-1, 0, 1], 3), ([-1], 1)])

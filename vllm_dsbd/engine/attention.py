@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_batched, forest_attention_ref
+from dsbd_kernels.forest_attention import ancestor_bitmask, forest_attention_ref
+from dsbd_kernels.forest_attention.batched import BatchedPlan, forest_attention_planned, plan_forest_batched
 
 from vllm_dsbd import envs
 
@@ -102,6 +103,17 @@ class ForestBatch:
                                            "ancestor_mask")))
         return cache[device]
 
+    def batched_plan(self, device: torch.device, block_size: int, num_heads: int) -> BatchedPlan:
+        """The batched torch path's chunks and visibility masks (``plan_forest_batched``, over the pass's query rows),
+        made on the host once per pass and shared by every attention layer (it was most of a layer's operations)."""
+        cache = self.__dict__.setdefault("_plans", {})
+        key = (device, block_size, num_heads)
+        if key not in cache:
+            plan = plan_forest_batched(self.cu_seqlens_q, self.context_lens, self.forest_lens, self.ancestor_mask,
+                                       block_size, num_heads, token_index=self.token_index, req_rows=self.req_rows)
+            cache[key] = plan if device.type == "cpu" else plan.to(device)
+        return cache[key]
+
 
 def drop_chain_queries(entry: ForestEntry) -> ForestEntry:
     """``entry`` without the query tokens causal attention already gets right: nodes 0..q of a chain hanging off the
@@ -158,21 +170,20 @@ def recompute_forest_outputs(batch: ForestBatch, query: torch.Tensor, kv_cache: 
                          b.context_lens, b.forest_lens, b.ancestor_mask, scale, out)
         output[b.token_index] = out.to(output.dtype)
         return
+    if impl != "ref":  # requests batched, from the pass's plan (it gathers the used blocks by block id)
+        plan = batch.batched_plan(query.device, k_plane.shape[1], query.shape[1])
+        forest_attention_planned(plan, query, k_plane, v_plane, block_table, scale, output)
+        return
     batch = batch.to(query.device)
     q = query[batch.token_index]
     bt = block_table[batch.req_rows]
-    if impl == "ref":
-        bs = k_plane.shape[1]
-        need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
-        # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
-        # plane would copy the whole cache
-        uniq, local = torch.unique(bt[:, :need].long(), return_inverse=True)
-        out = forest_attention_ref(q, k_plane[uniq].contiguous(), v_plane[uniq].contiguous(), local.to(torch.int32),
-                                   batch.cu_seqlens_q, batch.context_lens, batch.forest_lens, batch.ancestor_mask,
-                                   scale)
-    else:  # requests batched (it gathers the used blocks by block id: no copy of a strided plane)
-        out = forest_attention_batched(q, k_plane, v_plane, bt, batch.cu_seqlens_q, batch.context_lens,
-                                       batch.forest_lens, batch.ancestor_mask, scale)
+    bs = k_plane.shape[1]
+    need = int(((batch.context_lens + batch.forest_lens + bs - 1) // bs).max())
+    # compact copy of the blocks these requests use: the reference gathers through flatten(), which on a strided
+    # plane would copy the whole cache
+    uniq, local = torch.unique(bt[:, :need].long(), return_inverse=True)
+    out = forest_attention_ref(q, k_plane[uniq].contiguous(), v_plane[uniq].contiguous(), local.to(torch.int32),
+                               batch.cu_seqlens_q, batch.context_lens, batch.forest_lens, batch.ancestor_mask, scale)
     output[batch.token_index] = out.to(output.dtype)
 
 
