@@ -1,6 +1,6 @@
 """The batched torch forest attention (the engine's CPU path) against the per-request reference, on the kernel
 test's awkward cases (ragged requests, GQA, no context, two mask words, draft-step queries, NaN-poisoned slots outside
-every request), with chunking forced, on strided cache planes and with queries that see nothing."""
+every request), with chunking forced, on strided cache planes, with queries that see nothing, and in bf16."""
 
 from __future__ import annotations
 
@@ -51,3 +51,16 @@ def test_requests_without_queries_and_empty_batch() -> None:
     args[0], args[7] = inp.q[:0], inp.ancestor_mask[:0]
     args[4] = torch.zeros(3, dtype=torch.int32)
     assert forest_attention_batched(*args).shape == (0,) + tuple(inp.q.shape[1:])
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=lambda c: c.id)
+def test_bf16_matches_reference(case: Case) -> None:
+    """bf16 queries and cache (the path computes in float32 and writes bf16): within bf16's rounding of the
+    reference's outputs."""
+    inp = _cpu(case.inputs(torch.float32, seed=3))
+    args = list(inp.args())
+    for i in (0, 1, 2):  # q, K, V
+        args[i] = args[i].to(torch.bfloat16)
+    out = forest_attention_batched(*args)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert_verbose_allclose(out.float(), forest_attention_ref(*args).float(), 5e-3, 5e-3, what=case.id)
