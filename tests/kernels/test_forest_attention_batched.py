@@ -64,3 +64,15 @@ def test_bf16_matches_reference(case: Case) -> None:
     out = forest_attention_batched(*args)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert_verbose_allclose(out.float(), forest_attention_ref(*args).float(), 5e-3, 5e-3, what=case.id)
+
+
+def test_planes_whose_blocks_interleave() -> None:
+    """Planes whose blocks are not contiguous spans (stored token-major: a block's slots lie a whole row of blocks
+    apart) take the element-wise gather, with the same outputs."""
+    inp = _cpu(Case((3, 17), ("chain:3", "beam2:8"), gqa=2, head_dim=64).inputs(torch.float32))
+    args = list(inp.args())
+    for i in (1, 2):
+        args[i] = args[i].transpose(0, 1).contiguous().transpose(0, 1)  # [blocks, bs, ...] over [bs, blocks, ...]
+        assert args[i].stride(0) < args[i].stride(1)
+    assert_verbose_allclose(forest_attention_batched(*args), forest_attention_ref(*inp.args()), 1e-5, 1e-5,
+                            what="token-major planes")

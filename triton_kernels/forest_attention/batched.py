@@ -108,7 +108,7 @@ def _plan_chunk(cu, ctx, n, ancestor_mask, bs, reqs, token_index, req_rows) -> _
         seen = bits.gather(2, j.clamp(0, Nm - 1)[:, None, :].expand(R, Qm, L)) & in_forest[:, None, :]
         visible = visible | seen
     blind = ~visible.any(dim=-1)  # [R, Qm]: padding rows, and queries whose mask and context are empty
-    visible = visible.clone()
+    visible = visible.contiguous()  # writable (an expanded view where no request has forest nodes)
     visible[..., 0] |= blind  # they see position 0 (its K/V zeroed or real): no NaN, output dropped or zeroed
     blind_q = blind[qvalid]
     rows = qidx[qvalid]
@@ -125,26 +125,24 @@ def _gather_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
                    blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``blocks`` of both planes, as planes of those blocks (views of fresh copies). Each block's elements of a
     plane lie in one span of its first-dimension stride (every layout of ``kv.py``), so whole spans are gathered with
-    one row copy each (``index_select`` of a strided plane copies element by element: ~4x slower on a CPU_ATTN cache,
-    whose K is transposed in its block); K and V from one span where they interleave in one cache."""
-    out = []
+    one row copy each (``index_select`` of a strided plane copies element by element: slow on a CPU_ATTN cache, whose
+    K is transposed in its block); K and V from one span where they interleave in one cache."""
     spans = [_span(p) for p in (key_cache, value_cache)]
     if None in spans:
         return key_cache.index_select(0, blocks), value_cache.index_select(0, blocks)
-    (k_lo, k_hi), (v_lo, v_hi) = spans
-    step = key_cache.stride(0)
+    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
     if (key_cache.untyped_storage().data_ptr() == value_cache.untyped_storage().data_ptr()
-            and value_cache.stride(0) == step and max(k_hi, v_hi) - min(k_lo, v_lo) <= step):
-        lo, hi = min(k_lo, v_lo), max(k_hi, v_hi)
-        rows = key_cache.as_strided((key_cache.shape[0], hi - lo), (step, 1), lo).index_select(0, blocks)
-        for p, p_lo in ((key_cache, k_lo), (value_cache, v_lo)):
-            out.append(rows.as_strided((rows.shape[0],) + tuple(p.shape[1:]), (hi - lo,) + p.stride()[1:],
-                                       rows.storage_offset() + p_lo - lo))
-        return out[0], out[1]
-    for p, (p_lo, p_hi) in zip((key_cache, value_cache), spans):
-        rows = p.as_strided((p.shape[0], p_hi - p_lo), (p.stride(0), 1), p_lo).index_select(0, blocks)
-        out.append(rows.as_strided((rows.shape[0],) + tuple(p.shape[1:]), (p_hi - p_lo,) + p.stride()[1:],
-                                   rows.storage_offset()))
+            and value_cache.stride(0) == key_cache.stride(0) and hi - lo <= key_cache.stride(0)):
+        groups = [((key_cache, value_cache), lo, hi)]
+    else:
+        groups = [((p,), p_lo, p_hi) for p, (p_lo, p_hi) in zip((key_cache, value_cache), spans)]
+    out = []
+    for planes, g_lo, g_hi in groups:
+        first = planes[0]
+        rows = first.as_strided((first.shape[0], g_hi - g_lo), (first.stride(0), 1), g_lo).index_select(0, blocks)
+        for p in planes:
+            out.append(rows.as_strided((rows.shape[0],) + tuple(p.shape[1:]), (g_hi - g_lo,) + p.stride()[1:],
+                                       rows.storage_offset() + p.storage_offset() - g_lo))
     return out[0], out[1]
 
 
