@@ -332,3 +332,33 @@ def test_a_bare_probe_waits_for_its_gap():
     c.observe(0.03, 0.0, True, True)
     c.regimes[8][1].extend([(c.steps, 0.03, 12)] * step_clock.MIN_REGIME)
     assert c.needs_bare(8)
+
+
+def test_a_bare_probe_runs_among_plain_requests_only():
+    """The clock records only windows of plain requests, so a bare probe neither begins nor spends its steps in a batch
+    with a beam request (``shapes._measured_veto``): there it would take the beams' forests and measure nothing (a
+    probe begun at the end of a plain call once took 3 beam steps of the next, test_engine_cost). Its steps wait for
+    the next plain batch."""
+    from types import SimpleNamespace
+
+    from vllm_dsbd.engine.shapes import ShapePlanMixin
+
+    c = StepClock(warmup=0, forest_warmup=0)
+    for _ in range(step_clock.MIN_REGIME):
+        c.observe(0.03, 0.0, True, True)
+        c.regimes.setdefault(4, (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
+            (c.steps, 0.03, 12))
+    r = ShapePlanMixin()
+    vars(r).update(_dsbd_bare_probe=0, dsbd_stats=SimpleNamespace(vetoed_steps=0))
+    cands = [SimpleNamespace(pinned=False)] * 4
+    shapes = [(2, 3)] * 4
+    assert c.needs_bare(4)
+    assert r._measured_veto(c, cands, shapes, 4, False, False, plain=False) == (shapes, False)
+    assert r._dsbd_bare_probe == 0 and r.dsbd_stats.vetoed_steps == 0 and c.needs_bare(4)
+    assert r._measured_veto(c, cands, shapes, 4, False, False, plain=True) == ([(2, 0)] * 4, False)
+    assert r._dsbd_bare_probe == step_clock.BARE_PROBE - 1 and r.dsbd_stats.vetoed_steps == 1
+    assert r._measured_veto(c, cands, shapes, 4, False, False, plain=False) == (shapes, False)  # a beam batch
+    assert r._dsbd_bare_probe == step_clock.BARE_PROBE - 1 and r.dsbd_stats.vetoed_steps == 1
+    for k in range(step_clock.BARE_PROBE - 1):  # the probe's other steps, in the next plain batches
+        assert r._measured_veto(c, cands, shapes, 4, False, False, plain=True) == ([(2, 0)] * 4, False)
+    assert r._dsbd_bare_probe == 0 and r.dsbd_stats.vetoed_steps == step_clock.BARE_PROBE

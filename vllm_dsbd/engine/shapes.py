@@ -123,7 +123,8 @@ class ShapePlanMixin:
             shapes = cost.choose_shapes(cands, self.dsbd_cost)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
-                shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed)
+                plain = all(states[i].beam is None for i in rows)
+                shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, plain)
         self.dsbd_explore.step(probed)
         if self._dsbd_clock is not None:
             self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_passes),
@@ -139,17 +140,19 @@ class ShapePlanMixin:
         self.dsbd_stats.record_nodes(chosen)
         return out
 
-    def _measured_veto(self, clock, cands, shapes, reqs: int, explore: bool, probed: bool):
+    def _measured_veto(self, clock, cands, shapes, reqs: int, explore: bool, probed: bool, plain: bool = True):
         """The model's ``shapes`` against what the step clock measured at a batch of ``reqs`` requests, on a step the
         early veto in :meth:`_choose_depths` let through: where only forests were measured, a bare probe, a few steps
-        without them (``step_clock.needs_bare``; not from the budget: a short run must reach the verdict too); forests
+        without them (``step_clock.needs_bare``; not from the budget: a short run must reach the verdict too), run
+        only in a batch of plain requests (``plain``: the clock records no other window, so a probe's step among beam
+        requests would cost them their forests and measure nothing); forests
         measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open, and
         run as its probe. Returns (shapes, whether the step probes)."""
         if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
             return shapes, probed
-        if self._dsbd_bare_probe == 0 and clock.needs_bare(reqs):
+        if self._dsbd_bare_probe == 0 and plain and clock.needs_bare(reqs):
             self._dsbd_bare_probe = clock.bare_probe(reqs)
-        if self._dsbd_bare_probe > 0:
+        if self._dsbd_bare_probe > 0 and plain:  # a probe begun among plain requests waits out a beam request's steps
             self._dsbd_bare_probe -= 1
             self.dsbd_stats.vetoed_steps += 1
             return _pinned_only(cands, shapes), probed
