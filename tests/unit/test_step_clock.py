@@ -194,14 +194,14 @@ def test_a_bare_steps_surplus_switches_drafting_on_where_it_pays():
     assert c.summary()["step"] == pytest.approx(0.0121)
 
 
-def _window(c, seconds, tokens, reqs, drafted=False, verified=False, plain=True, monkeypatch=None):
+def _window(c, seconds, tokens, reqs, drafted=False, verified=False, kind=step_clock.PLAIN, monkeypatch=None):
     """One measured window through start / planned / emitted / finish, ``seconds`` long (the clock's time patched)."""
     now = [100.0]
     monkeypatch.setattr(step_clock.time, "perf_counter", lambda: now[0])
     c._next_verified = verified
     c.start(reqs, reqs)
     c.planned(0.0, drafted, 2 if drafted else 0)
-    c.emitted(tokens, plain)
+    c.emitted(tokens, kind)
     now[0] += seconds
     c.finish(TABLE)
 
@@ -209,7 +209,8 @@ def _window(c, seconds, tokens, reqs, drafted=False, verified=False, plain=True,
 def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypatch):
     """At batch 8 forests emit 12 tokens in 30 ms (400/s) against bare steps' 8 in 10 ms (800/s): they lose there,
     and only there (batch 2 unmeasured, batch 9-15 shares batch 8's bucket); with too few windows of either regime it
-    says nothing; faster forests do not lose; beam windows do not count; old windows expire."""
+    says nothing; faster forests do not lose; beam windows and mixed ones do not count for plain requests; old windows
+    expire."""
     c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         _window(c, 0.010, 8, 8, monkeypatch=monkeypatch)
@@ -223,8 +224,9 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     for _ in range(step_clock.MIN_REGIME):
         _window(fast, 0.010, 8, 8, monkeypatch=monkeypatch)
         _window(fast, 0.012, 16, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
-        _window(fast, 0.030, 1, 8, drafted=True, plain=False, monkeypatch=monkeypatch)  # a beam window: not counted
-    assert not fast.forests_lose(8)
+        _window(fast, 0.030, 1, 8, drafted=True, kind=step_clock.BEAM, monkeypatch=monkeypatch)  # beam requests'
+        _window(fast, 0.030, 1, 8, drafted=True, kind=None, monkeypatch=monkeypatch)  # both kinds: not recorded
+    assert not fast.forests_lose(8) and fast.verdict(8, step_clock.BEAM) is None  # no bare beam window
     for _ in range(step_clock.HORIZON):  # bare windows at batch 1 only: batch 8's samples expire
         _window(c, 0.010, 1, 1, monkeypatch=monkeypatch)
     assert not c.forests_lose(8)
@@ -250,12 +252,12 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
     clock = StepClock()
     monkeypatch.setattr(clock, "corrected", lambda table: table)  # the table stays wrong: forests look free
     if no_bare_probe:
-        monkeypatch.setattr(clock, "needs_bare", lambda reqs: False)
+        monkeypatch.setattr(clock, "needs_bare", lambda reqs, kind: False)
     if no_warmup_veto:
         monkeypatch.setattr(clock, "warming", lambda: False)
     r = ShapePlanMixin()  # the runner's state that _choose_depths reads, nothing else
     vars(r).update(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
-                   _dsbd_cost_base=free, _dsbd_cost_passes=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
+                   _dsbd_cost_base=free, _dsbd_cost_passes=free, _dsbd_clock=clock, _dsbd_bare_probe=0, _dsbd_probe_kind="plain",
                    dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
     states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance()) for _ in range(8)]
     shapes = [load.Shape(leaves=1, width=2, depth=3)] * 8
@@ -273,7 +275,7 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
         levels = r._choose_depths([load.Level(2, 3)] * 8, shapes, states, [False] * 8)
         pending = [lv.depth for lv in levels]
         planned.append(sum(lv.width * lv.depth for lv in levels))
-        clock.emitted(emitted, True)
+        clock.emitted(emitted, step_clock.PLAIN)
         now[0] += 0.030 if clock._drafted or clock._verified else 0.010
         r.dsbd_cost = clock.finish(r._dsbd_cost_base)
     return planned, r
@@ -322,7 +324,7 @@ def test_a_bare_probe_waits_for_its_gap():
     c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         c.observe(0.03, 0.0, True, True)
-        c.regimes.setdefault(8, (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
+        c.regimes.setdefault(("plain", 8), (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
             (c.steps, 0.03, 12))
     assert c.needs_bare(8) and c.needs_bare(15) and not c.needs_bare(4)
     assert c.bare_probe(8) == step_clock.BARE_PROBE and not c.needs_bare(8)
@@ -330,35 +332,63 @@ def test_a_bare_probe_waits_for_its_gap():
         c.observe(0.03, 0.0, True, True)
     assert not c.needs_bare(8)
     c.observe(0.03, 0.0, True, True)
-    c.regimes[8][1].extend([(c.steps, 0.03, 12)] * step_clock.MIN_REGIME)
+    c.regimes[("plain", 8)][1].extend([(c.steps, 0.03, 12)] * step_clock.MIN_REGIME)
     assert c.needs_bare(8)
 
 
-def test_a_bare_probe_runs_among_plain_requests_only():
-    """The clock records only windows of plain requests, so a bare probe neither begins nor spends its steps in a batch
-    with a beam request (``shapes._measured_veto``): there it would take the beams' forests and measure nothing (a
-    probe begun at the end of a plain call once took 3 beam steps of the next, test_engine_cost). Its steps wait for
-    the next plain batch."""
+def test_a_bare_probe_runs_in_batches_of_its_kind_only():
+    """The clock keeps plain requests' windows and beam requests' apart and records no mixed one, so a bare probe
+    begins and spends its steps only in batches of the kind it probes (``shapes._measured_veto``): elsewhere it would
+    take forests and measure nothing (a probe begun at the end of a plain call once took 3 beam steps of the next,
+    test_engine_cost). Its steps wait for the next batch of its kind; a mixed batch begins none."""
     from types import SimpleNamespace
 
     from vllm_dsbd.engine.shapes import ShapePlanMixin
 
+    plain, beam = step_clock.PLAIN, step_clock.BEAM
     c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         c.observe(0.03, 0.0, True, True)
-        c.regimes.setdefault(4, (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
+        c.regimes.setdefault((plain, 4), (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
             (c.steps, 0.03, 12))
     r = ShapePlanMixin()
-    vars(r).update(_dsbd_bare_probe=0, dsbd_stats=SimpleNamespace(vetoed_steps=0))
+    vars(r).update(_dsbd_bare_probe=0, _dsbd_probe_kind=plain, dsbd_stats=SimpleNamespace(vetoed_steps=0))
     cands = [SimpleNamespace(pinned=False)] * 4
-    shapes = [(2, 3)] * 4
-    assert c.needs_bare(4)
-    assert r._measured_veto(c, cands, shapes, 4, False, False, plain=False) == (shapes, False)
+    shapes, bare = [(2, 3)] * 4, [(2, 0)] * 4
+    assert c.needs_bare(4) and not c.needs_bare(4, beam)
+    for kind in (beam, None):  # beam requests' windows unmeasured at 4; a mixed batch
+        assert r._measured_veto(c, cands, shapes, 4, False, False, kind) == (shapes, False)
     assert r._dsbd_bare_probe == 0 and r.dsbd_stats.vetoed_steps == 0 and c.needs_bare(4)
-    assert r._measured_veto(c, cands, shapes, 4, False, False, plain=True) == ([(2, 0)] * 4, False)
+    assert r._measured_veto(c, cands, shapes, 4, False, False, plain) == (bare, False)
     assert r._dsbd_bare_probe == step_clock.BARE_PROBE - 1 and r.dsbd_stats.vetoed_steps == 1
-    assert r._measured_veto(c, cands, shapes, 4, False, False, plain=False) == (shapes, False)  # a beam batch
+    for kind in (beam, None):
+        assert r._measured_veto(c, cands, shapes, 4, False, False, kind) == (shapes, False)
     assert r._dsbd_bare_probe == step_clock.BARE_PROBE - 1 and r.dsbd_stats.vetoed_steps == 1
-    for k in range(step_clock.BARE_PROBE - 1):  # the probe's other steps, in the next plain batches
-        assert r._measured_veto(c, cands, shapes, 4, False, False, plain=True) == ([(2, 0)] * 4, False)
+    for _ in range(step_clock.BARE_PROBE - 1):  # the probe's other steps, in the next plain batches
+        assert r._measured_veto(c, cands, shapes, 4, False, False, plain) == (bare, False)
     assert r._dsbd_bare_probe == 0 and r.dsbd_stats.vetoed_steps == step_clock.BARE_PROBE
+    # beam requests' forest windows at 4, no bare one: a beam batch probes, and its steps wait out plain batches
+    c.regimes[(beam, 4)] = (step_clock.deque(maxlen=32), step_clock.deque([(c.steps, 0.03, 6)] * step_clock.MIN_REGIME))
+    assert c.needs_bare(4, beam) and not c.needs_bare(4)  # plain: probed within PROBE_GAP
+    assert r._measured_veto(c, cands, shapes, 4, False, False, beam) == (bare, False)
+    assert r._dsbd_probe_kind == beam and r._measured_veto(c, cands, shapes, 4, False, False, plain) == (shapes, False)
+    assert r._dsbd_bare_probe == step_clock.BARE_PROBE - 1
+
+
+def test_beam_windows_have_their_own_verdict(monkeypatch):
+    """A beam request's window counts its beam steps, apart from plain requests' tokens: at batch 4 beam forests that
+    make 6 beam steps in 30 ms (200/s) lose against bare beam steps' 4 in 10 ms (400/s) while plain forests (16 tokens
+    in 12 ms) pay against plain bare steps; each kind's verdict is its own. Planted: one regime for both kinds (the
+    kind dropped) mixes them, and its verdict says the beam forests pay."""
+    plain, beam = step_clock.PLAIN, step_clock.BEAM
+
+    def run(clock, kind_of):
+        for _ in range(step_clock.MIN_REGIME):
+            _window(clock, 0.010, 4, 4, kind=kind_of(beam), monkeypatch=monkeypatch)
+            _window(clock, 0.030, 6, 4, drafted=True, verified=True, kind=kind_of(beam), monkeypatch=monkeypatch)
+            _window(clock, 0.010, 4, 4, kind=kind_of(plain), monkeypatch=monkeypatch)
+            _window(clock, 0.012, 16, 4, drafted=True, verified=True, kind=kind_of(plain), monkeypatch=monkeypatch)
+        return clock.verdict(4, beam), clock.verdict(4, plain)
+
+    assert run(StepClock(warmup=0, forest_warmup=0), lambda k: k) == (False, True)
+    assert run(StepClock(warmup=0, forest_warmup=0), lambda k: plain) == (None, True)  # planted: one regime

@@ -19,7 +19,7 @@ import torch
 from vllm_dsbd import envs
 from vllm_dsbd.config import AUTO_BUDGET, DSBDConfig
 
-from . import attention, bare, chunks, cost, grammar, memory, penalties, reads, sampler
+from . import attention, bare, chunks, cost, grammar, memory, penalties, reads, sampler, step_clock
 from .beams.step import beam_rows, step_beams
 from .drafter import DSBDDrafter
 from .no_drafter import NoDrafter, vllm_runner_init
@@ -117,6 +117,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         # the table's online correction (step_clock.py); the table, and it without draft_step and node (shapes.py)
         self._dsbd_clock, self._dsbd_cost_base, self._dsbd_cost_passes = None, None, None
         self._dsbd_bare_probe = 0  # steps left of a bare probe (shapes.py: forests measured, bare steps not)
+        self._dsbd_probe_kind = step_clock.PLAIN  # the kind of request whose batches the probe runs in
         self.dsbd_pass_rates = cost.PassRates()  # every source's engine-wide pass rate by N (a try's floor)
         self.dsbd_explore = cost.Exploration()  # the budget of probes: tries and forests at the prior
         if cfg.cost_aware and isinstance(cfg.cost_model, dict):
@@ -418,9 +419,11 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         verified_rows = [(row, res) for row, res, skip in zip(plan, results, discard)
                          if not skip and row.state.beam is None]
         self.dsbd_stats.record_all(verified_rows)
-        if self._dsbd_clock is not None:
-            self._dsbd_clock.emitted(sum(len(res.tokens) for _, res in verified_rows),
-                                     len(verified_rows) == int(len(plan) - discard.sum()))
+        if self._dsbd_clock is not None:  # plain rows' tokens and beam rows' beam steps, each kind's windows apart
+            beams = [row.beam_result for row, skip in zip(plan, discard) if not skip and row.state.beam is not None]
+            self._dsbd_clock.emitted(
+                sum(len(res.tokens) for _, res in verified_rows) + sum(1 + b.layers_passed for b in beams if b.stepped),
+                step_clock.PLAIN if not beams else step_clock.BEAM if not verified_rows else None)
         for row, res in verified_rows:
             if row.forest is not None:  # the cost model's estimates, for the next steps' choices
                 self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
@@ -441,7 +444,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         n = int(len(plan) - discard.sum())
         self.dsbd_stats.record_bare(n)
         if self._dsbd_clock is not None:
-            self._dsbd_clock.emitted(n, True)
+            self._dsbd_clock.emitted(n, step_clock.PLAIN)
         self._dsbd_results = bare.BareTokens(out.sampled_token_ids)
         self._dsbd_last_plan = plan
         return out

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 
 from . import bare, cost, load
-from .step_clock import StepClock
+from .step_clock import BEAM, PLAIN, StepClock
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 
@@ -112,10 +112,13 @@ class ShapePlanMixin:
             cands.append(c)
         out, chosen = list(levels), []
         clock = self._dsbd_clock
-        # the engine's first decode steps (unmeasured), or forests measured to lose at this batch size with no probe
-        # due: the model is not asked (its host work saved on every such step), none drafts but a pinned beam request
+        beams = sum(states[i].beam is not None for i in rows)  # the batch's kind: its windows are measured apart
+        kind = PLAIN if not beams else BEAM if beams == len(rows) else None
+        # the engine's first decode steps (unmeasured), or forests measured to lose at this batch size (a mixed batch:
+        # by its plain requests' windows) with no probe due: the model is not asked (its host work saved on every such
+        # step), none drafts but a pinned beam request
         lose = (clock is not None and not clock.warming() and not explore and self._dsbd_bare_probe == 0
-                and clock.forests_lose(len(rows)))
+                and clock.forests_lose(len(rows), kind or PLAIN))
         if lose or (clock is not None and clock.warming()):
             shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
             self.dsbd_stats.vetoed_steps += lose and any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
@@ -123,8 +126,7 @@ class ShapePlanMixin:
             shapes = cost.choose_shapes(cands, self.dsbd_cost)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
-                plain = all(states[i].beam is None for i in rows)
-                shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, plain)
+                shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, kind)
         self.dsbd_explore.step(probed)
         if self._dsbd_clock is not None:
             self._dsbd_clock.planned(cost.draft_seconds(cands, shapes, self._dsbd_cost_passes),
@@ -140,23 +142,23 @@ class ShapePlanMixin:
         self.dsbd_stats.record_nodes(chosen)
         return out
 
-    def _measured_veto(self, clock, cands, shapes, reqs: int, explore: bool, probed: bool, plain: bool = True):
+    def _measured_veto(self, clock, cands, shapes, reqs: int, explore: bool, probed: bool, kind: str | None = PLAIN):
         """The model's ``shapes`` against what the step clock measured at a batch of ``reqs`` requests, on a step the
         early veto in :meth:`_choose_depths` let through: where only forests were measured, a bare probe, a few steps
         without them (``step_clock.needs_bare``; not from the budget: a short run must reach the verdict too), run
-        only in a batch of plain requests (``plain``: the clock records no other window, so a probe's step among beam
-        requests would cost them their forests and measure nothing); forests
+        only in a batch of one ``kind`` of request, plain or beam (the clock records no mixed window, so a probe's step
+        there would cost forests and measure nothing), and at that kind's windows; forests
         measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open, and
         run as its probe. Returns (shapes, whether the step probes)."""
         if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
             return shapes, probed
-        if self._dsbd_bare_probe == 0 and plain and clock.needs_bare(reqs):
-            self._dsbd_bare_probe = clock.bare_probe(reqs)
-        if self._dsbd_bare_probe > 0 and plain:  # a probe begun among plain requests waits out a beam request's steps
+        if self._dsbd_bare_probe == 0 and kind is not None and clock.needs_bare(reqs, kind):
+            self._dsbd_bare_probe, self._dsbd_probe_kind = clock.bare_probe(reqs, kind), kind
+        if self._dsbd_bare_probe > 0 and kind == self._dsbd_probe_kind:  # else it waits for a batch of its kind
             self._dsbd_bare_probe -= 1
             self.dsbd_stats.vetoed_steps += 1
             return _pinned_only(cands, shapes), probed
-        return shapes, probed or clock.forests_lose(reqs)
+        return shapes, probed or clock.forests_lose(reqs, kind or PLAIN)
 
 
 def _pinned_only(cands, shapes) -> list[tuple[int, int]]:

@@ -27,8 +27,11 @@ same batch size (a power-of-two bucket of its requests) over their last ``WINDOW
 forest at that size but within the engine's probe budget (``shapes.py``), so a batch whose forests lose runs at
 nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7); where only forests were measured
 at a batch size, a bare probe (``BARE_PROBE`` steps without forests, at most once per ``PROBE_GAP`` measured steps and
-batch-size bucket, outside the probe budget: a short run must reach the verdict) measures the other side. Only
-windows of plain requests count (a beam request's step is not one token per request).
+batch-size bucket, outside the probe budget: a short run must reach the verdict) measures the other side. Windows
+of plain requests and of beam requests are kept apart, and a window with both is not kept: a plain request's window
+counts its tokens, a beam request's its beam steps (every live beam one token longer; one beam step of W beams is not
+W tokens of plain requests, and beam forests cost what plain ones do not: a verdict from one kind says nothing of the
+other).
 Imports neither vLLM nor torch.
 """
 from __future__ import annotations
@@ -50,6 +53,7 @@ HORIZON = 256  # measured steps after which a surplus expires
 MIN_REGIME = 4  # windows of each regime measured at a batch size before forests_lose can say they lose
 BARE_PROBE = MIN_REGIME + 1  # steps of a bare probe: its first window still verifies the forests planned before it
 PROBE_GAP = 64  # measured steps before a batch-size bucket is probed again (its bare windows not recorded, or expired)
+PLAIN, BEAM = "plain", "beam"  # the kinds of request whose windows are kept apart (regimes)
 NEITHER, DRAFTED, VERIFIED, BOTH = 0, 1, 2, 3  # a window's kind: (verified forests) * 2 + (drafted forests)
 KINDS = ("neither", "drafted", "verified", "both")
 
@@ -77,12 +81,12 @@ class StepClock:
     _nodes: int = 0  # forest nodes the window drafts (planned in it)
     _verified_nodes: int = 0  # forest nodes the window verifies (planned the step before)
     _next_nodes: int = 0
-    # batch-size bucket -> ([bare windows], [windows with forests]) of (step, seconds, tokens emitted)
+    # (kind of request, batch-size bucket) -> ([bare windows], [windows with forests]) of (step, seconds, emitted)
     regimes: dict = field(default_factory=dict)
     _reqs: int = 0  # requests of the window
-    _emitted: int = 0  # tokens the window emitted
-    _plain: bool = True  # only plain requests in the window (a beam step is not one token per request)
-    _probed: dict = field(default_factory=dict)  # batch-size bucket -> the measured step its last bare probe began
+    _emitted: int = 0  # what the window emitted: tokens of plain requests, beam steps of beam requests
+    _kind: str | None = None  # "plain" or "beam": every request of the window is one (None: mixed, not recorded)
+    _probed: dict = field(default_factory=dict)  # (kind, bucket) -> the measured step its last bare probe began
 
     def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0) -> None:
         """One window's time against the table's prediction; ``nodes``: the forest nodes it drafted and verified
@@ -96,7 +100,7 @@ class StepClock:
         if tokens is not None and self.warmup > 0:
             self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
-        self._reqs, self._emitted, self._plain = reqs, 0, True
+        self._reqs, self._emitted, self._kind = reqs, 0, ""
         self._tokens, self._draft, self._drafted, self._nodes = tokens or 0, 0.0, False, 0
         self._verified, self._next_verified = self._next_verified, False
         self._verified_nodes, self._next_nodes = self._next_nodes, 0
@@ -107,10 +111,11 @@ class StepClock:
         self._draft, self._drafted, self._next_verified = draft_seconds, drafted, drafted
         self._nodes = self._next_nodes = nodes if drafted else 0
 
-    def emitted(self, tokens: int, plain: bool) -> None:
-        """The window's step emitted ``tokens``; ``plain``: every request of it is a plain request."""
+    def emitted(self, tokens: int, kind: str | None = PLAIN) -> None:
+        """The window's step emitted ``tokens``: tokens of plain requests where ``kind`` is ``PLAIN``, beam steps (every
+        live beam one token longer) where ``BEAM``; None: the step held both kinds (its window is not recorded)."""
         self._emitted += tokens
-        self._plain = self._plain and plain
+        self._kind = kind if self._kind in ("", kind) else None
 
     def finish(self, table: CostTable) -> CostTable:
         if (self._drafted or self._verified) and self.forest_warmup > 0:  # the engine's first windows with forests
@@ -119,25 +124,26 @@ class StepClock:
             seconds = time.perf_counter() - self._t0
             predicted = table.step + table.target_time(self._tokens) + self._draft
             self.observe(seconds, predicted, self._drafted, self._verified, self._nodes + self._verified_nodes)
-            if self._plain and self._reqs > 0 and self._emitted > 0:
-                pair = self.regimes.setdefault(_bucket(self._reqs), (deque(maxlen=WINDOW), deque(maxlen=WINDOW)))
+            if self._kind and self._reqs > 0 and self._emitted > 0:
+                pair = self.regimes.setdefault((self._kind, _bucket(self._reqs)),
+                                               (deque(maxlen=WINDOW), deque(maxlen=WINDOW)))
                 pair[self._drafted or self._verified].append((self.steps, seconds, self._emitted))
             self._t0 = None
         return self.corrected(table)
 
-    def needs_bare(self, reqs: int) -> bool:
-        """Whether, at a batch of ``reqs`` requests, windows with forests are measured and bare ones are not, and the
-        bucket was not probed in the last ``PROBE_GAP`` measured steps (a bare probe, :meth:`bare_probe`, then measures
-        what the batch does without forests)."""
-        bucket = _bucket(reqs)
+    def needs_bare(self, reqs: int, kind: str = PLAIN) -> bool:
+        """Whether, at a batch of ``reqs`` requests of ``kind``, windows with forests are measured and bare ones are
+        not, and the bucket was not probed in the last ``PROBE_GAP`` measured steps (a bare probe, :meth:`bare_probe`,
+        then measures what the batch does without forests)."""
+        bucket = (kind, _bucket(reqs))
         pair = self.regimes.get(bucket)
         if pair is None or self.steps - self._probed.get(bucket, -PROBE_GAP) < PROBE_GAP:
             return False
         return len(self._live(pair[1])) >= MIN_REGIME and len(self._live(pair[0])) < MIN_REGIME
 
-    def bare_probe(self, reqs: int) -> int:
-        """A bare probe begins at a batch of ``reqs`` requests: the steps it lasts (``BARE_PROBE``)."""
-        self._probed[_bucket(reqs)] = self.steps
+    def bare_probe(self, reqs: int, kind: str = PLAIN) -> int:
+        """A bare probe begins at a batch of ``reqs`` requests of ``kind``: the steps it lasts (``BARE_PROBE``)."""
+        self._probed[(kind, _bucket(reqs))] = self.steps
         return BARE_PROBE
 
     def _live(self, q: deque) -> deque:
@@ -146,20 +152,21 @@ class StepClock:
             q.popleft()
         return q
 
-    def forests_lose(self, reqs: int) -> bool:
-        """Whether, at a batch of ``reqs`` requests, the windows with forests emitted fewer tokens per second than
-        the bare windows (each over its last samples not expired, ``MIN_REGIME`` of each at least; else False)."""
-        return self.verdict(reqs) is False
+    def forests_lose(self, reqs: int, kind: str = PLAIN) -> bool:
+        """Whether, at a batch of ``reqs`` requests of ``kind``, the windows with forests emitted fewer tokens (beam
+        steps) per second than the bare windows (each over its last samples not expired, ``MIN_REGIME`` of each at
+        least; else False)."""
+        return self.verdict(reqs, kind) is False
 
-    def forests_pay(self, reqs: int) -> bool:
-        """Whether, at a batch of ``reqs`` requests, forests are measured not to lose (see :meth:`forests_lose`;
-        False while either side is unmeasured)."""
-        return self.verdict(reqs) is True
+    def forests_pay(self, reqs: int, kind: str = PLAIN) -> bool:
+        """Whether, at a batch of ``reqs`` requests of ``kind``, forests are measured not to lose (see
+        :meth:`forests_lose`; False while either side is unmeasured)."""
+        return self.verdict(reqs, kind) is True
 
-    def verdict(self, reqs: int) -> bool | None:
-        """At a batch of ``reqs`` requests: True where the windows with forests emitted at least the bare windows'
-        tokens per second, False where fewer, None until ``MIN_REGIME`` of each are live."""
-        pair = self.regimes.get(_bucket(reqs))
+    def verdict(self, reqs: int, kind: str = PLAIN) -> bool | None:
+        """At a batch of ``reqs`` requests of ``kind``: True where the windows with forests emitted at least the bare
+        windows' tokens (beam steps) per second, False where fewer, None until ``MIN_REGIME`` of each are live."""
+        pair = self.regimes.get((kind, _bucket(reqs)))
         if pair is None:
             return None
         rates = []
