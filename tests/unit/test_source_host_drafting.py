@@ -146,3 +146,23 @@ def test_planted_host_variants_are_told_apart(monkeypatch, variant):
         told += bool(_same(host, dev))
     assert told >= 2
     assert math.fsum([0.5, 0.5]) == 1.0 and source_drafter.rng.forest_position(1, 1) == (1 << 16) + 1  # undone
+
+
+def test_prompt_rows_of_the_requests_kept_only():
+    """``prompt_rows`` lists every prompt row before the last of each request in prefill (its row in the pass and its
+    last two tokens), and with ``keep`` only those of the requests it keeps (the runner keeps a request where forests
+    of its kind pay, ``StepClock.recycles_prompt``): here the second request, a beam request, is left out."""
+    import numpy as np
+
+    cfg = DSBDConfig(draft=False, width=2, depth=4, verify_budget=None, sources=("recycle", "lookup"))
+    states = [RequestState(f"r{i}", 0, 2, 0.0, 0, 1.0, -1, 8) for i in range(2)]
+    states[1].beam = object()  # a beam request (only its presence is read)
+    plan = [SimpleNamespace(state=st) for st in states]
+    batch = SimpleNamespace(token_ids_cpu=np.array([[5, 6, 7, 8, 0], [9, 10, 11, 0, 0]]),
+                            num_prompt_tokens=np.array([4, 3]))
+    qsl, computed, scheduled = [0, 4], [0, 0], [4, 3]
+    rows = source_drafter.prompt_rows(plan, batch, qsl, computed, scheduled, cfg)
+    assert [(st.req_id, r, ctx) for st, r, ctx in rows] == [
+        ("r0", 0, [5]), ("r0", 1, [5, 6]), ("r0", 2, [6, 7]), ("r1", 4, [9]), ("r1", 5, [9, 10])]
+    kept = source_drafter.prompt_rows(plan, batch, qsl, computed, scheduled, cfg, lambda st: st.beam is None)
+    assert [(st.req_id, r) for st, r, _ in kept] == [("r0", 0), ("r0", 1), ("r0", 2)]

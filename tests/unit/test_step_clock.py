@@ -392,3 +392,20 @@ def test_beam_windows_have_their_own_verdict(monkeypatch):
 
     assert run(StepClock(warmup=0, forest_warmup=0), lambda k: k) == (False, True)
     assert run(StepClock(warmup=0, forest_warmup=0), lambda k: plain) == (None, True)  # planted: one regime
+
+
+def test_prompt_rows_are_recycled_where_forests_of_the_requests_kind_pay(monkeypatch):
+    """A request's prompt rows are recycled (``StepClock.recycles_prompt``) where forests of its own kind are measured
+    to pay at the batch size: at batch 4 plain forests pay and beam forests lose, so a plain request's are taken and a
+    beam request's are not; unmeasured (batch 2), neither. Planted: the plain verdict for every request (the rule
+    until 2026-12-07) takes the beam request's too."""
+    plain, beam = step_clock.PLAIN, step_clock.BEAM
+    c = StepClock(warmup=0, forest_warmup=0)
+    for _ in range(step_clock.MIN_REGIME):
+        _window(c, 0.010, 4, 4, kind=beam, monkeypatch=monkeypatch)
+        _window(c, 0.030, 6, 4, drafted=True, verified=True, kind=beam, monkeypatch=monkeypatch)
+        _window(c, 0.010, 4, 4, kind=plain, monkeypatch=monkeypatch)
+        _window(c, 0.012, 16, 4, drafted=True, verified=True, kind=plain, monkeypatch=monkeypatch)
+    assert [c.recycles_prompt(4, b) for b in (False, True)] == [True, False]
+    assert [c.recycles_prompt(2, b) for b in (False, True)] == [False, False]
+    assert [c.forests_pay(4) for _ in (False, True)] == [True, True]  # planted: the plain verdict for both

@@ -242,9 +242,12 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             first += (n + 1) if has_spec_rows else 1
         clock = self._dsbd_clock
         # draft-free sources: the prompt rows to recycle after the pass (an LM head over up to PROMPT_ROWS rows per
-        # request), with the step clock only where forests are measured to pay at this batch size (forests_pay)
-        if self._dsbd_recycle and (clock is None or clock.forests_pay(len(plan))):
-            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg)
+        # request), with the step clock only where its kind's forests (plain or beam) are measured to pay at this
+        # batch size (StepClock.recycles_prompt)
+        pay = None if clock is None else [clock.recycles_prompt(len(plan), beam) for beam in (False, True)]
+        if self._dsbd_recycle and (pay is None or any(pay)):
+            keep = None if pay is None else (lambda st: pay[st.beam is not None])
+            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg, keep)
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(

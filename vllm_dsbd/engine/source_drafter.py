@@ -463,15 +463,16 @@ PROMPT_ROWS = 1024  # the most prompt rows of a request recycled (its last ones)
 PROMPT_CHUNK = 256  # prompt rows per LM-head call (bounds the [rows, V] logits block)
 
 
-def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig) -> list[tuple[RequestState, int,
-                                                                                          list[int]]]:
+def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig, keep=None) -> list[
+        tuple[RequestState, int, list[int]]]:
     """The prefill rows of this pass worth recycling: (state, row in the pass, the row's last two tokens) for each
     prompt token before the last (whose row vLLM computes anyway: the root's), within the prompt's last
-    ``PROMPT_ROWS`` (``batch``: vLLM's input batch, row i = plan entry i)."""
+    ``PROMPT_ROWS`` (``batch``: vLLM's input batch, row i = plan entry i), of the requests ``keep(state)`` keeps
+    (default all)."""
     out, token_ids = [], batch.token_ids_cpu
     for i, row in enumerate(plan):
         st, c, P = sources_of(row.state, cfg), int(computed[i]), int(batch.num_prompt_tokens[i])
-        if c >= P - 1:
+        if c >= P - 1 or (keep is not None and not keep(row.state)):
             continue
         lo, hi = max(c, P - 1 - PROMPT_ROWS), min(c + int(scheduled[i]), P - 1)
         toks = token_ids[i, max(0, lo - 1):hi].tolist()

@@ -163,6 +163,13 @@ class StepClock:
         :meth:`forests_lose`; False while either side is unmeasured)."""
         return self.verdict(reqs, kind) is True
 
+    def recycles_prompt(self, reqs: int, beam: bool) -> bool:
+        """Whether a request's prompt rows are recycled (an LM head over them, ``source_drafter.prompt_rows``) in a
+        batch of ``reqs`` requests: where forests of its kind (a beam request's: beam forests) are measured to pay
+        there. A beam request's prompt rows cost ~10% of a short beam call on a CPU, and beam forests may lose where
+        plain ones pay."""
+        return self.forests_pay(reqs, BEAM if beam else PLAIN)
+
     def verdict(self, reqs: int, kind: str = PLAIN) -> bool | None:
         """At a batch of ``reqs`` requests of ``kind``: True where the windows with forests emitted at least the bare
         windows' tokens (beam steps) per second, False where fewer, None until ``MIN_REGIME`` of each are live."""
