@@ -91,8 +91,9 @@ class _DecisionsMixin:
         (with the cost model: chosen) so far {depth: count}, the nodes per depth the cost model chose for beam forests
         {N: count}, the exploration budget's steps and steps with a probe (``explore``, ``cost.Exploration``), the
         steps vLLM's sampler ran (``bare_steps``, ``bare.py``) and the steps whose forests the clock vetoed because
-        they lose at that batch size (``vetoed_steps``, ``step_clock.StepClock.forests_lose``), and the prompt rows the
-        recycle source took (``prompt_rows``: only where forests are measured to pay)."""
+        they lose at that batch size for that kind of request (``vetoed_steps``, ``step_clock.StepClock.forests_lose``),
+        and the prompt rows the recycle source took (``prompt_rows``: only where forests of the request's kind are
+        measured to pay)."""
         runner = self.model_runner
         table = runner.dsbd_cost
         return {"budget": runner.dsbd_budget, "times": getattr(runner, "dsbd_load_times", None),
