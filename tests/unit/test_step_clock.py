@@ -201,7 +201,8 @@ def _window(c, seconds, tokens, reqs, drafted=False, verified=False, kind=step_c
     c._next_verified = verified
     c.start(reqs, reqs)
     c.planned(0.0, drafted, 2 if drafted else 0)
-    c.emitted(tokens, kind)
+    for k in kind if isinstance(kind, tuple) else (kind,):  # a tuple: a window of both kinds
+        c.emitted(tokens, k)
     now[0] += seconds
     c.finish(TABLE)
 
@@ -225,7 +226,8 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
         _window(fast, 0.010, 8, 8, monkeypatch=monkeypatch)
         _window(fast, 0.012, 16, 8, drafted=True, verified=True, monkeypatch=monkeypatch)
         _window(fast, 0.030, 1, 8, drafted=True, kind=step_clock.BEAM, monkeypatch=monkeypatch)  # beam requests'
-        _window(fast, 0.030, 1, 8, drafted=True, kind=None, monkeypatch=monkeypatch)  # both kinds: not recorded
+        _window(fast, 0.030, 1, 8, drafted=True, kind=(step_clock.PLAIN, step_clock.BEAM),
+                monkeypatch=monkeypatch)  # both kinds: not recorded
     assert not fast.forests_lose(8) and fast.verdict(8, step_clock.BEAM) is None  # no bare beam window
     for _ in range(step_clock.HORIZON):  # bare windows at batch 1 only: batch 8's samples expire
         _window(c, 0.010, 1, 1, monkeypatch=monkeypatch)
@@ -409,4 +411,4 @@ def test_prompt_rows_are_recycled_where_forests_of_the_requests_kind_pay(monkeyp
         _window(c, 0.012, 16, 4, drafted=True, verified=True, kind=plain, monkeypatch=monkeypatch)
     assert [c.recycles_prompt(4, b) for b in (False, True)] == [True, False]
     assert [c.recycles_prompt(2, b) for b in (False, True)] == [False, False]
-    assert [c.forests_pay(4) for _ in (False, True)] == [True, True]  # planted: the plain verdict for both
+    assert c.forests_pay(4)  # planted: the plain verdict for both kinds takes the beam request's rows too

@@ -423,10 +423,11 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                          if not skip and row.state.beam is None]
         self.dsbd_stats.record_all(verified_rows)
         if self._dsbd_clock is not None:  # plain rows' tokens and beam rows' beam steps, each kind's windows apart
+            if verified_rows:
+                self._dsbd_clock.emitted(sum(len(res.tokens) for _, res in verified_rows), step_clock.PLAIN)
             beams = [row.beam_result for row, skip in zip(plan, discard) if not skip and row.state.beam is not None]
-            self._dsbd_clock.emitted(
-                sum(len(res.tokens) for _, res in verified_rows) + sum(1 + b.layers_passed for b in beams if b.stepped),
-                step_clock.PLAIN if not beams else step_clock.BEAM if not verified_rows else None)
+            if beams:
+                self._dsbd_clock.emitted(sum(1 + b.layers_passed for b in beams if b.stepped), step_clock.BEAM)
         for row, res in verified_rows:
             if row.forest is not None:  # the cost model's estimates, for the next steps' choices
                 self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)

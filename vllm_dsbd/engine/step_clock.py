@@ -85,7 +85,7 @@ class StepClock:
     regimes: dict = field(default_factory=dict)
     _reqs: int = 0  # requests of the window
     _emitted: int = 0  # what the window emitted: tokens of plain requests, beam steps of beam requests
-    _kind: str | None = None  # "plain" or "beam": every request of the window is one (None: mixed, not recorded)
+    _kinds: set = field(default_factory=set)  # the kinds of request the window emitted for (one: it is recorded)
     _probed: dict = field(default_factory=dict)  # (kind, bucket) -> the measured step its last bare probe began
 
     def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0) -> None:
@@ -100,7 +100,7 @@ class StepClock:
         if tokens is not None and self.warmup > 0:
             self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
-        self._reqs, self._emitted, self._kind = reqs, 0, ""
+        self._reqs, self._emitted, self._kinds = reqs, 0, set()
         self._tokens, self._draft, self._drafted, self._nodes = tokens or 0, 0.0, False, 0
         self._verified, self._next_verified = self._next_verified, False
         self._verified_nodes, self._next_nodes = self._next_nodes, 0
@@ -111,11 +111,12 @@ class StepClock:
         self._draft, self._drafted, self._next_verified = draft_seconds, drafted, drafted
         self._nodes = self._next_nodes = nodes if drafted else 0
 
-    def emitted(self, tokens: int, kind: str | None = PLAIN) -> None:
-        """The window's step emitted ``tokens``: tokens of plain requests where ``kind`` is ``PLAIN``, beam steps (every
-        live beam one token longer) where ``BEAM``; None: the step held both kinds (its window is not recorded)."""
+    def emitted(self, tokens: int, kind: str = PLAIN) -> None:
+        """The window's requests of ``kind`` emitted ``tokens``: tokens of plain requests (``PLAIN``), beam steps of
+        beam requests (``BEAM``, every live beam one token longer). A window that emitted for both kinds is not
+        recorded in the regimes."""
         self._emitted += tokens
-        self._kind = kind if self._kind in ("", kind) else None
+        self._kinds.add(kind)
 
     def finish(self, table: CostTable) -> CostTable:
         if (self._drafted or self._verified) and self.forest_warmup > 0:  # the engine's first windows with forests
@@ -124,8 +125,8 @@ class StepClock:
             seconds = time.perf_counter() - self._t0
             predicted = table.step + table.target_time(self._tokens) + self._draft
             self.observe(seconds, predicted, self._drafted, self._verified, self._nodes + self._verified_nodes)
-            if self._kind and self._reqs > 0 and self._emitted > 0:
-                pair = self.regimes.setdefault((self._kind, _bucket(self._reqs)),
+            if len(self._kinds) == 1 and self._reqs > 0 and self._emitted > 0:
+                pair = self.regimes.setdefault((*self._kinds, _bucket(self._reqs)),
                                                (deque(maxlen=WINDOW), deque(maxlen=WINDOW)))
                 pair[self._drafted or self._verified].append((self.steps, seconds, self._emitted))
             self._t0 = None
@@ -166,8 +167,8 @@ class StepClock:
     def recycles_prompt(self, reqs: int, beam: bool) -> bool:
         """Whether a request's prompt rows are recycled (an LM head over them, ``source_drafter.prompt_rows``) in a
         batch of ``reqs`` requests: where forests of its kind (a beam request's: beam forests) are measured to pay
-        there. A beam request's prompt rows cost ~10% of a short beam call on a CPU, and beam forests may lose where
-        plain ones pay."""
+        there: beam forests may lose where plain ones pay, and a request's prompt rows are then an LM head for
+        nothing."""
         return self.forests_pay(reqs, BEAM if beam else PLAIN)
 
     def verdict(self, reqs: int, kind: str = PLAIN) -> bool | None:
