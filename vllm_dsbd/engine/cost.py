@@ -16,12 +16,14 @@ The rule: docs/design/cost-model.md §3.6; settings: docs/usage/configuration.md
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest", "choose", "choose_shapes",
-           "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width", "upper_rate", "width_grid"]
+__all__ = ["FLOOR", "Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest", "choose",
+           "choose_shapes", "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width", "upper_rate",
+           "width_grid"]
 
 PRIOR_RATE = 0.6  # a new request's per-layer pass rate, before it has verified any forest
 PRIOR_WEIGHT = 2.0  # how many layers' worth of evidence the prior counts for
@@ -30,6 +32,7 @@ MAX_WAIT = 32  # the most steps a switched-off request waits before it may try d
 AGING = 1.0 - 1.0 / MEMORY  # a try trusts a request's evidence less by this factor per step it went without a forest
 POOL_MEMORY = 256.0  # the most layers of engine-wide evidence kept per (source, N) (PassRates)
 DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
+FLOOR = 0.95  # the engine's shapes keep every request at this share of its tokens per second without forests at least
 MAX_SWEEPS = 4  # the most rounds of the per-request refinement of nodes per depth (choose_shapes)
 PROBE_SHARE = 0.03  # the share of steps the exploration budget lets hold a probe (a try or a forest at the prior)
 PROBE_BURST = 1.0  # the most probes it saves up (a fresh engine may probe at once)
@@ -394,20 +397,42 @@ class Candidate:
     probe: bool = False  # a try or a forest at the prior: spends the engine's exploration budget (Exploration)
 
 
-def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
-    """The depths at each candidate's ``width`` (see :func:`choose_shapes`)."""
+def _greedy(cands: Sequence[Candidate], table: CostTable, floor: float | None = None) -> list[int]:
+    """The depths at each candidate's ``width`` (see :func:`choose_shapes`); with ``floor``, the best of the prefixes
+    that keep every request at ``floor`` of its rate in the minimal step (:func:`_keeps_floor`), over two orders of
+    the increments: by value, and with every request's first layer first (a floor binds where a request without a
+    forest would be slowed by the others')."""
     items = [(float("inf") if c.pinned else c.rate ** k / c.width, k, i)
              for i, c in enumerate(cands) if c.width > 0 for k in range(1, c.depth + 1)]
     items.sort(key=lambda it: (-it[0], it[1], it[2]))
+    best, ratio, free = _best_prefix(cands, table, items, floor)
+    if best != free:  # the floor binds: also the first layers first (pinned ones stay in front)
+        firsts = sorted(items, key=lambda it: (it[0] != float("inf"), it[1] > 1))
+        alt, alt_ratio, _ = _best_prefix(cands, table, firsts, floor)
+        if alt_ratio > ratio * (1 + 1e-9):
+            items, best = firsts, alt
+    out = [0] * len(cands)
+    for _, k, i in items[:best]:
+        out[i] = max(out[i], k)
+    return out
+
+
+def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
+                 floor: float | None) -> tuple[int, float, int]:
+    """The length of the prefix of ``items`` ((value, depth k, candidate) increments; a candidate's in depth order)
+    with the most expected tokens per second, and that rate; the pinned prefix at least; with ``floor``, only
+    prefixes that keep every request at ``floor`` of its rate in that pinned prefix's step. Third: the best length
+    without the floor."""
     forced = sum(1 for it in items if it[0] == float("inf"))
     tokens = base = sum(c.leaves for c in cands)
     expect = float(len(cands))
     passes: dict[int, int] = {}  # draft pass -> tokens
     draft = 0.0
-    best, best_ratio, out = 0, -1.0, [0] * len(cands)
-    ratio = expect / (table.step + table.target_time(tokens))
-    if forced == 0:
-        best_ratio = ratio
+    seconds = table.step + table.target_time(tokens)
+    best, best_ratio = 0, (expect / seconds if forced == 0 else -1.0)
+    free, free_ratio = best, best_ratio
+    least = _Least(len(cands)) if floor is not None else None  # every candidate's expected tokens, their minimum
+    ref = seconds  # the pinned prefix's step (the bare one without pinned requests)
     for m, (_, k, i) in enumerate(items, start=1):
         c = cands[i]
         expect += c.rate ** k
@@ -416,13 +441,54 @@ def _greedy(cands: Sequence[Candidate], table: CostTable) -> list[int]:
         old = passes.get(p, 0)
         draft += table.draft_time(old + x) - table.draft_time(old)
         passes[p] = old + x
-        ratio = expect / (table.step + table.draft_step + table.target_time(tokens) + draft
-                          + table.node * (tokens - base))
-        if m >= forced and ratio > best_ratio * (1 + 1e-9):
+        seconds = (table.step + table.draft_step + table.target_time(tokens) + draft + table.node * (tokens - base))
+        ratio = expect / seconds
+        if least is not None and not c.pinned:  # a pinned request keeps its minimal step's tokens
+            least.add(i, c.rate ** k)
+        if m < forced:
+            continue
+        if ratio > free_ratio * (1 + 1e-9):
+            free, free_ratio = m, ratio
+        if m == forced:
+            ref = seconds
+        elif least is not None and not _keeps_floor(least.min(), ref, seconds, floor):
+            continue
+        if ratio > best_ratio * (1 + 1e-9):
             best, best_ratio = m, ratio
-    for _, k, i in items[:best]:
-        out[i] = max(out[i], k)
-    return out
+    return best, best_ratio, free
+
+
+def _keeps_floor(least: float, ref: float, seconds: float, floor: float) -> bool:
+    """Whether a step of ``seconds`` whose requests expect ``least`` tokens at the fewest keeps each at ``floor`` of
+    its rate in a step of ``ref`` seconds that expects 1 token of each (a request's tokens per second against the
+    minimal step's: plain vLLM's where no request is pinned)."""
+    return least * ref >= floor * seconds * (1 - 1e-12)
+
+
+def _two_least(vals: list[float]) -> tuple[float, int, float, int]:
+    """The least of ``vals`` and its index, the least of the others and its index (inf, -1 for one value)."""
+    i = min(range(len(vals)), key=vals.__getitem__)
+    j = min((k for k in range(len(vals)) if k != i), key=vals.__getitem__, default=-1)
+    return vals[i], i, vals[j] if j >= 0 else float("inf"), j
+
+
+class _Least:
+    """Each candidate's expected tokens (1 + the ``rate^k`` of its layers so far) and their minimum, in O(log n) an
+    update (a heap with stale entries popped: the values only grow)."""
+
+    def __init__(self, n: int):
+        self.vals = [1.0] * n
+        self.heap = [(1.0, i) for i in range(n)]
+
+    def add(self, i: int, gain: float) -> None:
+        self.vals[i] += gain
+        heapq.heappush(self.heap, (self.vals[i], i))
+
+    def min(self) -> float:
+        heap, vals = self.heap, self.vals
+        while heap[0][0] != vals[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][0]
 
 
 _EXP = 1074  # every finite float is an integer multiple of 2^-1074
@@ -491,11 +557,14 @@ class _Step:
         draft = sum(memo[n] for n in self.passes) + t.node * (self.tokens - self.leaves)
         return draft + (t.draft_step if self._drafting else 0.0)
 
-    def ratio(self) -> float:
+    def seconds(self) -> float:
         n = self.tokens
         if (target := self._target_t.get(n)) is None:
             target = self._target_t[n] = self.table.target_time(n)
-        return (self._sum / _DEN) / (self.table.step + target + self.draft_seconds())
+        return self.table.step + target + self.draft_seconds()
+
+    def ratio(self) -> float:
+        return (self._sum / _DEN) / self.seconds()
 
 
 def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
@@ -533,7 +602,7 @@ def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
     return True
 
 
-def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[int, int]]:
+def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | None = None) -> list[tuple[int, int]]:
     """The (nodes per depth, depth) of every candidate (order of ``cands``) maximising the step's expected tokens per
     second (depth 0: no forest, reported at the candidate's ``width``).
 
@@ -546,12 +615,17 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
     are shared: a lone request may not pay for one where all together do); then, while any changes (at most
     ``MAX_SWEEPS`` rounds), each candidate with ``options`` in turn takes the (N', depth) of all its own that makes
     the step fastest with the others' shapes fixed, only where strictly faster (ties keep the shape; among new ones
-    the shallower, then the wider): at batch 1 the argmax over every (N', depth)."""
+    the shallower, then the wider): at batch 1 the argmax over every (N', depth).
+
+    ``floor`` (the engine's :data:`FLOOR`): only shapes under which every request expects at least ``floor`` of its
+    tokens per second in the minimal step (no forest but the pinned ones: plain vLLM's step where none is pinned),
+    ``E_i / T >= floor / T_min``: no request is slowed by the others' forests, so an offline batch's slowest request,
+    whose time is the batch's, keeps plain vLLM's pace (docs/design/cost-model.md §3.6)."""
     if not cands:
         return []
-    if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`)
+    if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
         return [(c.width, 0) for c in cands]
-    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table))]
+    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, floor))]
     movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
     if not movable:
         return shapes
@@ -562,9 +636,13 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
         for i in movable:
             w, r = sorted(cands[i].options, reverse=True)[min(j, len(cands[i].options)) - 1]
             alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up)
-        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table))], table)
+        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table, floor))], table)
         if (r := trial.ratio()) > best_ratio * (1 + 1e-9):
             step, best_ratio = trial, r
+    if floor is not None:  # the minimal step, and each request's tokens against its own there (a pinned one's: 1)
+        ref = _Step(cands, [(c.width, c.depth if c.pinned else 0) for c in cands], table).seconds()
+        gains = [1.0 if c.pinned else e for c, e in zip(cands, step.expect)]
+        low = _two_least(gains)
     for _ in range(MAX_SWEEPS):
         changed = False
         for i in movable:
@@ -572,15 +650,24 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable) -> list[tuple[in
             cur = step.shapes[i]
             best, best_ratio = cur, step.ratio()
             widths = sorted(step.rates[i], reverse=True)
+            if floor is not None:
+                others = low[2] if i == low[1] else low[0]  # the least over the other requests
             for d in range(c.depth + 1):
                 for w in widths if d else [c.width]:
                     if (w, d) == cur:
                         continue
                     step.set(i, (w, d))
+                    if (floor is not None
+                            and not _keeps_floor(min(others, step.expect[i]), ref, step.seconds(), floor)):
+                        continue
                     if (r := step.ratio()) > best_ratio * (1 + 1e-9):
                         best, best_ratio = (w, d), r
             step.set(i, best)
             changed |= best != cur
+            if floor is not None and best != cur:
+                gains[i] = step.expect[i]
+                if i in (low[1], low[3]) or gains[i] < low[2]:  # the two least may have moved: found again, O(requests)
+                    low = _two_least(gains)
         if not changed:
             break
     return step.shapes

@@ -27,8 +27,9 @@ class ShapePlanMixin:
         logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
-                    "layers; T = 0 beam requests: per N, from W up); depth 0 where drafting does not pay", origin,
-                    table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT)
+                    "layers; T = 0 beam requests: per N, from W up), keeping every request at %.2f of its tokens per "
+                    "second without forests; depth 0 where drafting does not pay", origin, table.describe(),
+                    self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
 
     def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
         """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
@@ -92,8 +93,9 @@ class ShapePlanMixin:
         """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
         request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
-        engine-wide rates (a try's floor and a new request's rate); tries and forests at the prior only within the
-        engine's exploration budget (``cost.Exploration``)."""
+        engine-wide rates (a try's floor and a new request's rate), no request slowed below ``cost.FLOOR`` of its pace
+        without forests; tries and forests at the prior only within the engine's exploration budget
+        (``cost.Exploration``)."""
         rows, cands, lows, tries = [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
@@ -123,7 +125,7 @@ class ShapePlanMixin:
             shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
             self.dsbd_stats.vetoed_steps += lose and any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
         else:
-            shapes = cost.choose_shapes(cands, self.dsbd_cost)
+            shapes = cost.choose_shapes(cands, self.dsbd_cost, floor=cost.FLOOR)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
                 shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, kind)

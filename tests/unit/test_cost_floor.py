@@ -1,0 +1,98 @@
+"""The cost model's floor (``cost.choose_shapes(..., floor)``, the engine's ``cost.FLOOR``): no request of a step is
+slowed by the others' forests below ``floor`` of its tokens per second in the minimal step (no forest but the pinned
+ones). An offline batch's time is its slowest request's: where a code request's deep forests made a chat request's
+step dearer than its own forest gained, the batch ended later than plain vLLM's
+(results/forest-attention-cpu-2026-12-06, "the tail").
+
+Checked on batches of every combination of rates, with and without N' options and a pinned request: the choice keeps
+the floor (the step written out pass by pass, ``test_cost.step_time``), is at least as fast as every uniform depth
+that keeps it, and equals the floorless choice wherever that one keeps the floor. Planted: the floorless choice
+breaks the floor on some of these batches (so the check can fail).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from test_cost import CPU, FLAT, step_time
+from vllm_dsbd.engine.cost import FLOOR, Candidate, choose_shapes, expected_tokens
+
+RATES = (0.0, 0.3, 0.6, 0.9)
+
+
+def _expect(c: Candidate, shape) -> float:
+    return expected_tokens(dict(((c.width, c.rate),) + c.options)[shape[0]], shape[1])
+
+
+def _seconds(table, cands, shapes) -> float:
+    return step_time(table, cands, [d for _, d in shapes], [w for w, _ in shapes])
+
+
+def _minimal(cands):
+    return [(c.width, c.depth if c.pinned else 0) for c in cands]
+
+
+def keeps_floor(table, cands, shapes, floor=FLOOR) -> bool:
+    """Every request's expected tokens per second under ``shapes`` at least ``floor`` of its rate in the minimal
+    step (a pinned request's own forest counted there)."""
+    t, ref = _seconds(table, cands, shapes), _seconds(table, cands, _minimal(cands))
+    base = [_expect(c, s) for c, s in zip(cands, _minimal(cands))]
+    return all(_expect(c, s) / t >= floor * b / ref * (1 - 1e-9) for c, s, b in zip(cands, shapes, base))
+
+
+def _rate(table, cands, shapes) -> float:
+    return sum(_expect(c, s) for c, s in zip(cands, shapes)) / _seconds(table, cands, shapes)
+
+
+def _batches():
+    """Batches of 1-3 plain requests (width 2, depth 3) at every combination of RATES, the same with N' options
+    (width 4, options N' = 1, 2 at lower rates), and a pinned beam request beside two plain ones."""
+    out = []
+    for n in (1, 2, 3):
+        for combo in itertools.combinations_with_replacement(RATES, n):
+            out.append([Candidate(leaves=1, width=2, depth=3, rate=a) for a in combo])
+            out.append([Candidate(leaves=1, width=4, depth=3, rate=a, options=((1, a * 0.9), (2, a * 0.95)))
+                        for a in combo])
+    for a, b in itertools.combinations_with_replacement(RATES, 2):
+        out.append([Candidate(leaves=4, width=4, depth=2, rate=0.5, catch_up=4, pinned=True),
+                    Candidate(leaves=1, width=2, depth=3, rate=a), Candidate(leaves=1, width=2, depth=3, rate=b)])
+    return out
+
+
+@pytest.mark.parametrize("table", [FLAT, CPU], ids=["flat", "cpu"])
+def test_a_floor_keeps_every_request_at_its_pace(table):
+    broken = 0
+    for cands in _batches():
+        got = choose_shapes(cands, table, floor=FLOOR)
+        assert keeps_floor(table, cands, got), (cands, got)
+        free = choose_shapes(cands, table)
+        binds = not keeps_floor(table, cands, free)
+        if not binds:
+            assert got == free, (cands, got, free)  # the floor changes only choices that break it
+        broken += binds
+        # at least as fast as the minimal step and every full forest that keeps the floor, and where the floor binds
+        # every first layer that keeps it (the ends of the two orders of increments the rule scans)
+        for d in (0, 1, 3) if binds else (0, 3):
+            uni = [(c.width, c.depth if c.pinned else min(d, c.depth)) for c in cands]
+            if keeps_floor(table, cands, uni):
+                assert _rate(table, cands, got) >= _rate(table, cands, uni) * (1 - 1e-9), (cands, got, uni)
+    # planted: without the floor some of these batches' choices slow a request below it (the check can fail)
+    assert broken > 0 if table is CPU else broken >= 0
+
+
+def test_a_code_request_does_not_slow_a_chat_request_beside_it():
+    """The README job's tail in two requests: a code request that passes most layers beside a chat request that
+    passes none (CPU table: a node costs). Without the floor the code request drafts while the chat request, which
+    gains nothing, pays its step; with it, the chat request keeps its pace."""
+    cands = [Candidate(leaves=1, width=1, depth=3, rate=0.95), Candidate(leaves=1, width=1, depth=3, rate=0.0)]
+    free = choose_shapes(cands, CPU)
+    assert free[0][1] > 0 and not keeps_floor(CPU, cands, free)
+    got = choose_shapes(cands, CPU, floor=FLOOR)
+    assert keeps_floor(CPU, cands, got)
+    assert _expect(cands[1], got[1]) / _seconds(CPU, cands, got) >= FLOOR / _seconds(CPU, cands, _minimal(cands))
+
+
+def test_a_floor_of_zero_is_the_floorless_choice():
+    for cands in _batches():
+        assert choose_shapes(cands, CPU, floor=0.0) == choose_shapes(cands, CPU)
