@@ -81,7 +81,7 @@ def test_the_start_and_planned_calls_class_each_window():
         c.start(4)
         c.planned(0.0, drafted)
         c.finish(TABLE)
-    assert [len(q) for q in c.surplus] == [2, 1, 1, 1]  # neither, drafted only, verified only, both
+    assert [len(q) for q in c.surplus_of(step_clock.PLAIN)] == [2, 1, 1, 1]  # neither, drafted only, verified only, both
 
 
 def test_medians_ignore_a_slow_first_window_and_old_ones_expire():
@@ -317,7 +317,8 @@ def test_the_warm_up_drafts_no_forest_and_the_first_forests_are_not_measured(mon
             c.start(4)
             c.planned(0.0, drafted)
             c.finish(TABLE)
-        assert [len(q) for q in c.surplus] == measured, (forest_warmup, c.surplus)
+        got = [len(q) for q in c.surplus_of(step_clock.PLAIN)]
+        assert got == measured, (forest_warmup, got)
 
 
 def test_a_bare_probe_waits_for_its_gap():
@@ -412,3 +413,35 @@ def test_prompt_rows_are_recycled_where_forests_of_the_requests_kind_pay(monkeyp
     assert [c.recycles_prompt(4, b) for b in (False, True)] == [True, False]
     assert [c.recycles_prompt(2, b) for b in (False, True)] == [False, False]
     assert c.forests_pay(4)  # planted: the plain verdict for both kinds takes the beam request's rows too
+
+
+def test_beam_windows_have_their_own_correction(monkeypatch):
+    """Beam requests' windows correct the table for beam batches alone: after plain windows whose forests cost
+    nothing over the table (host drafting, cheap nodes) and beam windows whose forests cost 20 ms more than bare beam
+    windows, a beam batch's table charges a drafting step that 20 ms while the plain one charges nothing, and a beam
+    kind with no windows of its own keeps the table's start-up prices. Planted: the windows kept together (the rule
+    until 2026-12-07), the beam table takes the mixture's price, well under the beam forests' cost."""
+    plain, beam = step_clock.PLAIN, step_clock.BEAM
+
+    def run(kind_of):
+        c = StepClock(warmup=0, forest_warmup=0)
+        probe = dataclasses.replace(TABLE, draft_step=0.005, node=0.0005)  # the start-up probe's prices
+        assert c.corrected(probe, beam) is probe
+        for _ in range(3 * step_clock.MIN_STEPS):
+            _window(c, TABLE.target_time(4), 4, 4, kind=kind_of(plain), monkeypatch=monkeypatch)
+            _window(c, TABLE.target_time(4), 8, 4, drafted=True, verified=True, kind=kind_of(plain),
+                    monkeypatch=monkeypatch)
+        for _ in range(step_clock.MIN_STEPS):
+            _window(c, TABLE.target_time(4), 4, 4, kind=kind_of(beam), monkeypatch=monkeypatch)
+            _window(c, TABLE.target_time(4) + 0.020, 6, 4, drafted=True, verified=True, kind=kind_of(beam),
+                    monkeypatch=monkeypatch)
+        return c.corrected(probe, plain), c.corrected(probe, beam)
+
+    def price(t):  # what the model charges a forest of the windows' 2 nodes
+        return t.draft_step + 2 * t.node
+
+    p, b = run(lambda k: k)
+    assert price(p) == pytest.approx(0.0, abs=1e-9)  # a plain forest: nothing over the table
+    assert price(b) == pytest.approx(0.020)  # a beam forest: the 20 ms its windows measured
+    _, mixed = run(lambda k: plain)  # planted: one correction for both kinds
+    assert price(mixed) < 0.5 * price(b)

@@ -125,7 +125,10 @@ class ShapePlanMixin:
             shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
             self.dsbd_stats.vetoed_steps += lose and any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
         else:
-            shapes = cost.choose_shapes(cands, self.dsbd_cost, floor=cost.FLOOR)
+            # a batch of beam requests priced by its own windows' correction (beam forests cost what plain ones do not)
+            table = (clock.corrected(self._dsbd_cost_base, BEAM) if clock is not None and kind == BEAM
+                     else self.dsbd_cost)
+            shapes = cost.choose_shapes(cands, table, floor=cost.FLOOR)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
                 shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, kind)

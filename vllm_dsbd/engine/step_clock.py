@@ -31,7 +31,10 @@ batch-size bucket, outside the probe budget: a short run must reach the verdict)
 of plain requests and of beam requests are kept apart, and a window with both is not kept: a plain request's window
 counts its tokens, a beam request's its beam steps (every live beam one token longer; one beam step of W beams is not
 W tokens of plain requests, and beam forests cost what plain ones do not: a verdict from one kind says nothing of the
-other).
+other). The surpluses are kept apart the same way (a mixed window counts as plain): a batch of beam requests takes
+the table corrected by beam windows alone (``corrected(table, BEAM)``), where its forests' measured cost, or the
+start-up probe's until they are measured, never plain forests' (after plain traffic whose host-drafted forests cost
+nothing over the table, beam forests were priced at nothing: results/beam-verdict-2026-12-07).
 Imports neither vLLM nor torch.
 """
 from __future__ import annotations
@@ -70,11 +73,12 @@ class StepClock:
     warmup: int = WARMUP
     forest_warmup: int = FOREST_WARMUP
     steps: int = 0  # windows measured
-    surplus: tuple = field(default_factory=lambda: tuple(deque(maxlen=WINDOW) for _ in KINDS))  # (step, seconds)
+    # kind of request (PLAIN: plain or mixed windows; BEAM: beam requests' alone) -> by kind of window, (step, seconds)
+    surpluses: dict = field(default_factory=dict)
     _t0: float | None = None
     _tokens: int = 0
     _draft: float = 0.0
-    forest: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (step, forest nodes, seconds) of windows
+    forests: dict = field(default_factory=dict)  # kind of request -> (step, forest nodes, seconds) of windows
     _drafted: bool = False
     _verified: bool = False
     _next_verified: bool = False  # the last plan drafted: the next window verifies its forests
@@ -88,13 +92,27 @@ class StepClock:
     _kinds: set = field(default_factory=set)  # the kinds of request the window emitted for (one: it is recorded)
     _probed: dict = field(default_factory=dict)  # (kind, bucket) -> the measured step its last bare probe began
 
-    def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0) -> None:
+    def surplus_of(self, kind: str) -> tuple:
+        """``kind``'s surpluses by kind of window: (step, seconds) each."""
+        if (got := self.surpluses.get(kind)) is None:
+            got = self.surpluses[kind] = tuple(deque(maxlen=WINDOW) for _ in KINDS)
+        return got
+
+    def _forest(self, kind: str) -> deque:
+        """``kind``'s windows with forests: (step, forest nodes, seconds) each."""
+        if (got := self.forests.get(kind)) is None:
+            got = self.forests[kind] = deque(maxlen=WINDOW)
+        return got
+
+    def observe(self, seconds: float, predicted: float, drafted: bool, verified: bool, nodes: int = 0,
+                kind: str = PLAIN) -> None:
         """One window's time against the table's prediction; ``nodes``: the forest nodes it drafted and verified
-        (0: not counted; the per-node cost is then not measured)."""
+        (0: not counted; the per-node cost is then not measured); ``kind``: the requests' (a beam forest costs what a
+        plain one does not: its corrections are its own)."""
         self.steps += 1
-        self.surplus[2 * verified + drafted].append((self.steps, seconds - predicted))
+        self.surplus_of(kind)[2 * verified + drafted].append((self.steps, seconds - predicted))
         if nodes > 0:
-            self.forest.append((self.steps, nodes, seconds - predicted))
+            self._forest(kind).append((self.steps, nodes, seconds - predicted))
 
     def start(self, tokens: int | None, reqs: int = 0) -> None:
         if tokens is not None and self.warmup > 0:
@@ -124,7 +142,8 @@ class StepClock:
         if self._t0 is not None:
             seconds = time.perf_counter() - self._t0
             predicted = table.step + table.target_time(self._tokens) + self._draft
-            self.observe(seconds, predicted, self._drafted, self._verified, self._nodes + self._verified_nodes)
+            self.observe(seconds, predicted, self._drafted, self._verified, self._nodes + self._verified_nodes,
+                         BEAM if self._kinds == {BEAM} else PLAIN)
             if len(self._kinds) == 1 and self._reqs > 0 and self._emitted > 0:
                 pair = self.regimes.setdefault((*self._kinds, _bucket(self._reqs)),
                                                (deque(maxlen=WINDOW), deque(maxlen=WINDOW)))
@@ -190,25 +209,28 @@ class StepClock:
         ``FOREST_WARMUP`` windows later)."""
         return self.warmup > 0
 
-    def median(self, kind: int) -> tuple[float, int]:
-        """(the median surplus of a kind of window over its samples not expired, their count)."""
-        q = self.surplus[kind]
+    def median(self, kind: int, req: str = PLAIN) -> tuple[float, int]:
+        """(the median surplus of a kind of window of ``req`` requests over its samples not expired, their count)."""
+        q = self.surplus_of(req)[kind]
         while q and q[0][0] <= self.steps - HORIZON:
             q.popleft()
         return (statistics.median(s for _, s in q), len(q)) if q else (0.0, 0)
 
-    def extra(self) -> float:
+    def _medians(self, req: str = PLAIN) -> list[tuple[float, int]]:
+        return [self.median(k, req) for k in range(len(KINDS))]
+
+    def extra(self, req: str = PLAIN) -> float:
         """See :meth:`_extra` (0 until measured)."""
-        got = self._extra()
+        got = self._extra(req)
         return 0.0 if got is None else got
 
-    def _extra(self) -> float | None:
+    def _extra(self, req: str = PLAIN) -> float | None:
         """What a step that drafts costs beyond its passes (None until measured; never below 0): over the windows that
         drafted and verified, or the sum of those that did one of them; each minus the windows that did neither;
         both estimates weighed by their windows where both exist. Without ``MIN_STEPS`` windows that did neither,
         their surplus is the additive model's ``drafted + verified - both`` where those are measured, else 0 (which
         only makes drafting look dearer)."""
-        _, (d, nd), (v, nv), (b, nb) = medians = [self.median(k) for k in range(len(KINDS))]
+        _, (d, nd), (v, nv), (b, nb) = medians = self._medians(req)
         base = self._bare(medians)
         est = []
         if nb >= MIN_STEPS:
@@ -219,11 +241,11 @@ class StepClock:
             return None
         return max(0.0, sum(w * x for w, x in est) / sum(w for w, _ in est))
 
-    def base(self) -> float:
+    def base(self, req: str = PLAIN) -> float:
         """What every step costs beyond the table (never below 0): the median surplus of the windows that neither
         drafted nor verified, or the additive model's ``drafted + verified - both`` where those are measured and bare
         windows are not; 0 until measured (which only makes drafting look dearer)."""
-        return max(0.0, self._bare([self.median(k) for k in range(len(KINDS))]))
+        return max(0.0, self._bare(self._medians(req)))
 
     @staticmethod
     def _bare(medians) -> float:
@@ -233,7 +255,7 @@ class StepClock:
             base = d + v - b if min(nd, nv, nb) >= MIN_STEPS else 0.0
         return base
 
-    def node_cost(self) -> tuple[float, float] | None:
+    def node_cost(self, req: str = PLAIN) -> tuple[float, float] | None:
         """(a drafting step's fixed extra, each forest node's extra) from the windows that drafted or verified forests
         (``nodes`` each: those it drafted plus those it verified), their surplus over the bare windows' fitted as
         ``fixed + per_node * nodes`` by medians (Theil-Sen: the median slope over pairs of windows with different
@@ -241,12 +263,13 @@ class StepClock:
         count, all of it per node (a larger forest then costs more, never less, than measured); both never below 0.
         A node is counted in two windows (drafted, then verified), so a planned node costs twice the fitted slope.
         None until ``MIN_STEPS`` such windows are measured."""
-        while self.forest and self.forest[0][0] <= self.steps - HORIZON:
-            self.forest.popleft()
-        if len(self.forest) < MIN_STEPS:
+        forest = self._forest(req)
+        while forest and forest[0][0] <= self.steps - HORIZON:
+            forest.popleft()
+        if len(forest) < MIN_STEPS:
             return None
-        base = self._bare([self.median(k) for k in range(len(KINDS))])
-        pts = [(x, y - base) for _, x, y in self.forest]
+        base = self._bare(self._medians(req))
+        pts = [(x, y - base) for _, x, y in forest]
         slopes = [(y1 - y0) / (x1 - x0) for i, (x0, y0) in enumerate(pts) for x1, y1 in pts[i + 1:] if x1 != x0]
         if slopes:
             per = max(0.0, statistics.median(slopes))
@@ -255,15 +278,17 @@ class StepClock:
                 return fixed, 2.0 * per
         return 0.0, 2.0 * max(0.0, statistics.median(y / x for x, y in pts))
 
-    def corrected(self, table: CostTable) -> CostTable:
+    def corrected(self, table: CostTable, req: str = PLAIN) -> CostTable:
         """``table`` with a drafting step's measured extra as ``draft_step`` and ``node`` (:meth:`node_cost`, else
         :meth:`extra` and no per-node part; the table's own, the start-up probe's, until forests are measured: the
         measurement replaces them, upwards or downwards) and every step's measured surplus added to ``step``
         (:meth:`base`): a bare step is then predicted at what it measured and a drafting step at what its windows
         measured, so the choice weighs both steps' measured costs (with the surplus charged nowhere, a bare step on an
         H100 looked 9x cheaper than it was: results/gpu/2026-11-27, run 3). The surpluses are measured over the table's
-        passes and ``step`` alone (the runner's :meth:`planned` seconds leave ``draft_step`` and ``node`` out)."""
-        base, fit, measured = self.base(), self.node_cost(), self._extra()
+        passes and ``step`` alone (the runner's :meth:`planned` seconds leave ``draft_step`` and ``node`` out).
+        ``req``: from the windows of that kind of request alone (plain: plain and mixed windows; beam: beam requests'
+        alone), so that beam forests are priced at what beam windows measured, never at plain forests' cost."""
+        base, fit, measured = self.base(req), self.node_cost(req), self._extra(req)
         if fit is not None:  # forests' node counts measured: a fixed part and a part per node (node_cost)
             extra, node = fit
         elif measured is not None:
@@ -275,13 +300,19 @@ class StepClock:
         return dataclasses.replace(table, step=table.step + base, draft_step=extra, node=node)
 
     def summary(self) -> dict:
-        """The medians and counts by kind of window (``dsbd_load``'s ``clock``), and the extra they give."""
-        fit = self.node_cost()
-        out = {"steps": self.steps, "draft_step": self.extra() if fit is None else fit[0], "step": self.base(),
+        """The medians and counts by kind of window (``dsbd_load``'s ``clock``), and the extra they give: plain
+        requests' (plain and mixed windows) at the top, beam requests' under ``"beam"``."""
+        out = self._summary(PLAIN)
+        out["steps"], out["beam"] = self.steps, self._summary(BEAM)
+        return out
+
+    def _summary(self, req: str) -> dict:
+        fit, forest = self.node_cost(req), self._forest(req)
+        out = {"draft_step": self.extra(req) if fit is None else fit[0], "step": self.base(req),
                "node": 0.0 if fit is None else fit[1],
-               "forest_nodes": statistics.median(x for _, x, _ in self.forest) if self.forest else 0}
+               "forest_nodes": statistics.median(x for _, x, _ in forest) if forest else 0}
         for k, name in enumerate(KINDS):
-            out[name], out[f"n_{name}"] = self.median(k)
+            out[name], out[f"n_{name}"] = self.median(k, req)
         return out
 
 
