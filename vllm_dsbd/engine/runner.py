@@ -118,6 +118,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self._dsbd_clock, self._dsbd_cost_base, self._dsbd_cost_passes = None, None, None
         self._dsbd_bare_probe = 0  # steps left of a bare probe (shapes.py: forests measured, bare steps not)
         self._dsbd_probe_kind = step_clock.PLAIN  # the kind of request whose batches the probe runs in
+        self._dsbd_waiting = 0  # requests the scheduler left waiting this step (patch scheduler_queue; cost.FLOOR)
         self.dsbd_pass_rates = cost.PassRates()  # every source's engine-wide pass rate by N (a try's floor)
         self.dsbd_explore = cost.Exploration()  # the budget of probes: tries and forests at the prior
         if cfg.cost_aware and isinstance(cfg.cost_model, dict):
@@ -312,8 +313,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         return out
 
     def execute_model(self, *args, **kwargs):
+        so = args[0] if args else kwargs["scheduler_output"]
+        self._dsbd_waiting = getattr(so, "dsbd_waiting", 0)
         if self._dsbd_clock is not None:  # a step with a prefill is not measured
-            so = args[0] if args else kwargs["scheduler_output"]
             self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens,
                                    len(so.num_scheduled_tokens))
         try:

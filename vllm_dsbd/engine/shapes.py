@@ -28,7 +28,7 @@ class ShapePlanMixin:
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
                     "layers; T = 0 beam requests: per N, from W up), keeping every request at %.2f of its tokens per "
-                    "second without forests; depth 0 where drafting does not pay", origin, table.describe(),
+                    "second without forests while none waits; depth 0 where drafting does not pay", origin, table.describe(),
                     self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
 
     def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
@@ -94,7 +94,7 @@ class ShapePlanMixin:
         request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
         engine-wide rates (a try's floor and a new request's rate), no request slowed below ``cost.FLOOR`` of its pace
-        without forests; tries and forests at the prior only within the engine's exploration budget
+        without forests while no request waits (patch ``scheduler_queue``); tries and forests at the prior only within the engine's exploration budget
         (``cost.Exploration``)."""
         rows, cands, lows, tries = [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
@@ -128,7 +128,8 @@ class ShapePlanMixin:
             # a batch of beam requests priced by its own windows' correction (beam forests cost what plain ones do not)
             table = (clock.corrected(self._dsbd_cost_base, BEAM) if clock is not None and kind == BEAM
                      else self.dsbd_cost)
-            shapes = cost.choose_shapes(cands, table, floor=cost.FLOOR)
+            # no request slowed by the others' forests while none waits (under a queue, the batch's tokens per second)
+            shapes = cost.choose_shapes(cands, table, floor=None if self._dsbd_waiting else cost.FLOOR)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
                 shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, kind)

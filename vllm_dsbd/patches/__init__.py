@@ -307,6 +307,14 @@ to add a speculative method with its own config keys and proposer; no such regis
    and the DSBD worker, which masks every forest row itself, sees neither value (``NewRequestData`` has no field for
    them). How: wrap ``schedule``; set the attribute after the original. When it can go: with 20.
 
+24. ``scheduler_queue`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule``.
+   What: on a DSBD engine each ``SchedulerOutput`` carries ``dsbd_waiting``, the requests left waiting after the
+   step was scheduled. Why: the cost model's floor per request (``cost.FLOOR``: no request slowed by the others'
+   forests) holds only while none waits (under a queue a freed slot is refilled at once, so the batch's tokens per
+   second is what counts), and the worker sees only the scheduler output, which has no field for the queue.
+   How: wrap ``_update_after_schedule`` (the last call of ``schedule``, scheduler.py:1190); set the attribute after
+   the original. When it can go: vLLM's scheduler output carries its queue length.
+
 Also for heads, 2 (``spec_post_init``) recognises one by the architecture in its ``config.json`` and builds it as vLLM
 builds an "eagle3" draft; the DSBD runner sets vLLM's own ``use_aux_hidden_state_outputs`` (no patch: an attribute
 vLLM's runner reads after ``__init__``).
@@ -346,6 +354,7 @@ PATCHES = (
     "beam_outputs",
     "spec_hash_head",
     "reasoning_gate",
+    "scheduler_queue",
 )
 
 

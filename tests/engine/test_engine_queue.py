@@ -1,0 +1,68 @@
+"""Patch ``scheduler_queue`` on the real vLLM 0.26.0: a DSBD engine's scheduler output carries the requests left
+waiting (``dsbd_waiting``), and the cost model keeps its floor per request (``cost.FLOOR``: no request slowed by the
+others' forests) exactly on the steps where none waits; a plain engine's output carries nothing.
+
+Tiny random Llama target, no draft model (the default sources), a pinned cost table (the model chooses every decode
+step), ``max_num_seqs`` 2 and 5 requests: the first steps leave 3 waiting, the last ones none. Checked against vLLM's
+own queue: each step's value equals ``len(waiting) + len(skipped_waiting)`` read from the scheduler after it ran.
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine_utils import dsbd_llm, runner_of, tiny_pair  # sets the CPU engine environment before vllm is imported
+import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
+
+from vllm_dsbd.engine import cost  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8], [10, 20, 30], [100, 101, 102], [7, 8, 9, 10], [200, 201]]
+TABLE = {"target_ms": {"1": 10, "256": 10}, "draft_ms": {"1": 1, "256": 1}}
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _run(llm, monkeypatch, record_floor: bool):
+    """Generates PROMPTS; (every step's (dsbd_waiting or None, vLLM's queue after scheduling), every cost-model call's
+    (floor, the runner's waiting))."""
+    sched, steps, calls = _scheduler(llm), [], []
+    cls = type(sched)
+    orig = cls._update_after_schedule
+
+    def update(self, out):
+        orig(self, out)
+        steps.append((getattr(out, "dsbd_waiting", None), len(self.waiting) + len(self.skipped_waiting)))
+
+    monkeypatch.setattr(cls, "_update_after_schedule", update)
+    if record_floor:
+        choose, runner = cost.choose_shapes, runner_of(llm)
+
+        def traced(cands, table, floor=None):
+            calls.append((floor, runner._dsbd_waiting))
+            return choose(cands, table, floor)
+
+        monkeypatch.setattr(cost, "choose_shapes", traced)
+    params = vllm.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    monkeypatch.undo()
+    return steps, calls
+
+
+def test_the_floor_holds_while_no_request_waits(monkeypatch):
+    target, _ = tiny_pair()
+    with dsbd_llm(target, max_num_seqs=2, speculative_config={"method": "dsbd", "cost_model": TABLE}) as llm:
+        steps, calls = _run(llm, monkeypatch, True)
+    print("steps (dsbd_waiting, vLLM's queue):", steps, "cost model calls (floor, waiting):", calls)
+    assert all(got == queue for got, queue in steps), steps  # vLLM's own queue, every step
+    assert steps[0][0] == len(PROMPTS) - 2 and steps[-1][0] == 0
+    assert {w > 0 for _, w in calls} == {True, False}, calls  # the model chose both under a queue and without one
+    for floor, waiting in calls:
+        assert floor == (None if waiting else cost.FLOOR), calls
+
+
+def test_a_plain_engine_carries_no_queue(monkeypatch):
+    target, _ = tiny_pair()
+    with dsbd_llm(target, max_num_seqs=2) as llm:
+        steps, _ = _run(llm, monkeypatch, False)
+    assert steps and all(got is None for got, _ in steps), steps
