@@ -27,7 +27,7 @@ class ShapePlanMixin:
         logger.info("DSBD cost model (%s table): %s; each step every request drafts the depth d <= %d maximising the "
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
-                    "layers; T = 0 beam requests: per N, from W up), keeping every request at %.2f of its tokens per "
+                    "layers; T = 0 beam requests: per N, from W up), keeping every request at %s of its tokens per "
                     "second without forests while none waits; depth 0 where drafting does not pay", origin, table.describe(),
                     self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
 
