@@ -8,8 +8,6 @@ own queue: each step's value equals ``len(waiting) + len(skipped_waiting)`` read
 """
 from __future__ import annotations
 
-import pytest
-
 from engine_utils import dsbd_llm, runner_of, tiny_pair  # sets the CPU engine environment before vllm is imported
 import vllm  # noqa: E402  (a broken vLLM must fail the suite, never skip it)
 

@@ -81,7 +81,8 @@ def test_the_start_and_planned_calls_class_each_window():
         c.start(4)
         c.planned(0.0, drafted)
         c.finish(TABLE)
-    assert [len(q) for q in c.surplus_of(step_clock.PLAIN)] == [2, 1, 1, 1]  # neither, drafted only, verified only, both
+    # neither, drafted only, verified only, both
+    assert [len(q) for q in c.surplus_of(step_clock.PLAIN)] == [2, 1, 1, 1]
 
 
 def test_medians_ignore_a_slow_first_window_and_old_ones_expire():

@@ -28,8 +28,8 @@ class ShapePlanMixin:
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
                     "layers; T = 0 beam requests: per N, from W up), keeping every request at %s of its tokens per "
-                    "second without forests while none waits; depth 0 where drafting does not pay", origin, table.describe(),
-                    self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
+                    "second without forests while none waits; depth 0 where drafting does not pay", origin,
+                    table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
 
     def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
         """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
@@ -94,8 +94,8 @@ class ShapePlanMixin:
         request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
         engine-wide rates (a try's floor and a new request's rate), no request slowed below ``cost.FLOOR`` of its pace
-        without forests while no request waits (patch ``scheduler_queue``); tries and forests at the prior only within the engine's exploration budget
-        (``cost.Exploration``)."""
+        without forests while no request waits (patch ``scheduler_queue``); tries and forests at the prior only within
+        the engine's exploration budget (``cost.Exploration``)."""
         rows, cands, lows, tries = [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
