@@ -325,20 +325,24 @@ def dsbd_rows(bench: Bench, target: Path, draft: Path | None, kw: dict, tag: str
             set_acceptance.set_rate(rate)
             for w in args.widths:
                 for b in args.batches:  # the user's engine: the cost model picks each request's depth (recorded)
+                    set_acceptance.reseed()  # each row's draws its own (earlier rows' forests depend on timings)
                     bench.run(llm, f"DSBD {tag}plain requests, cost model (set rate)", b, plain_requests(w),
                               counter="vllm:dsbd_target_passes", width=w, rate=rate, depth="cost model")
                 if args.pinned:
                     with cost_model_off(llm):
                         for b in args.batches:
+                            set_acceptance.reseed()
                             bench.run(llm, f"DSBD {tag}plain requests, depth {args.depth} pinned (set rate)", b,
                                       plain_requests(w), counter="vllm:dsbd_target_passes", width=w, rate=rate,
                                       depth=args.depth)
             for b in args.beam_batches:
                 for temperature, kind in ((0.0, "beam search"), (1.0, "beam sampling T=1")):
+                    set_acceptance.reseed()
                     bench.run(llm, f"DSBD {tag}{kind}, cost model (set rate)", b,
                               lambda g, t=temperature: beams(g, None, t), counter="vllm:dsbd_beam_target_passes",
                               width=args.beam_width, rate=rate, depth="cost model")
                     if args.pinned:  # the request pins its depth: the cost model leaves it alone
+                        set_acceptance.reseed()
                         bench.run(llm, f"DSBD {tag}{kind}, depth {args.depth} pinned (set rate)", b,
                                   lambda g, t=temperature: beams(g, args.depth, t),
                                   counter="vllm:dsbd_beam_target_passes", width=args.beam_width, rate=rate,

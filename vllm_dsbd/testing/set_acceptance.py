@@ -63,6 +63,12 @@ def install(rate: float, seed: int = 0) -> None:
             setattr(owner, name, replacement)
 
 
+def reseed(seed: int = 0) -> None:
+    """Restarts the acceptance draws at ``seed``: a benchmark row that calls it first draws the same numbers whatever
+    earlier rows drew (their forests, chosen by a cost model from measured timings, vary from run to run)."""
+    _STATE["rng"] = random.Random(seed)
+
+
 def uninstall() -> None:
     for key, owner, name, _ in _targets():
         if _STATE[key] is not None:
