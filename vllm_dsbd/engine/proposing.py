@@ -82,6 +82,7 @@ class ProposeMixin:
         for job, pf in zip(jobs, forests or []):
             job.state.pending = pf
             job.state.forest_nodes = job.width or job.state.width
+            job.state.asked_depth = job.depth  # what the estimates count as tried where the drafter built less
             out[job.row] = list(pf.tokens) if pf is not None else []
         for job in beam_jobs:
             job.state.forest_nodes = job.width

@@ -79,6 +79,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self._dsbd_beam_feature_rows: list = []  # beam requests': (batch row, state, rows, slots)
         self._dsbd_beam_moves: list = []  # this step's K/V moves of beam requests (the features move with them)
         self._dsbd_feature_rows: list = []  # this pass's plain requests' (batch row, state, first row, position, linear rows)
+        self._dsbd_unbuilt: list[int] = []  # this pass's plan rows whose asked forest was not built (shapes._observe)
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
         # a draft model mixed with the draft-free sources (mixing.py): the model drafts, the sources are kept
         self._dsbd_mixed = self.dsbd_cfg.draft and bool(self.dsbd_cfg.free_sources)
@@ -203,6 +204,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         computed = batch.num_computed_tokens_cpu[:num_reqs]
         plan, entries, first = [], [], 0
         self._dsbd_feature_rows, self._dsbd_beam_feature_rows = [], []
+        self._dsbd_unbuilt = []  # plan rows asked for a forest that the drafter did not build (a bare step's too)
         node_rows, node_pos = [], []  # forest nodes' rows in the pass and their positions, written once below
         for i, req_id in enumerate(batch.req_ids):
             st = self.dsbd_requests.get(req_id)
@@ -221,6 +223,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                 first += (len(sched) + 1) if has_spec_rows else 1
                 continue
             pf, st.pending = st.pending, None
+            asked, st.asked_depth = st.asked_depth, 0
             n = len(sched)
             if self._dsbd_head:  # the linear rows (prompt chunk or root), then the forest nodes after them
                 self._dsbd_feature_rows.append((i, st, int(qsl[i]), int(computed[i]), ns - n))
@@ -231,6 +234,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                                            depths=pf.depths[:n], root_pos=pf.root_pos, depth=max(pf.depths[:n]))
                 row.num_nodes = n
                 row.drafted_depth = pf.depth if pf.depth is not None else int(pf.forest.depth[0])
+                if n >= len(pf.tokens) and asked > row.forest.depth:  # the drafter, not the scheduler, built less
+                    row.asked_depth = asked
                 base = int(qsl[i]) + ns - n
                 node_rows.extend(range(base, base + n))
                 node_pos.extend([pf.root_pos + d for d in pf.depths[:n]])
@@ -239,6 +244,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                     query_nodes=list(range(n)))))
             elif n:
                 self.dsbd_stats.foreign_drafts += 1
+            elif pf is None and asked > 0:  # asked for a forest, the drafter built none: its first layer failed
+                row.asked_depth = asked
+                self._dsbd_unbuilt.append(len(plan))
             plan.append(row)
             first += (n + 1) if has_spec_rows else 1
         clock = self._dsbd_clock
@@ -430,9 +438,10 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
             beams = [row.beam_result for row, skip in zip(plan, discard) if not skip and row.state.beam is not None]
             if beams:
                 self._dsbd_clock.emitted(sum(1 + b.layers_passed for b in beams if b.stepped), step_clock.BEAM)
-        for row, res in verified_rows:
-            if row.forest is not None:  # the cost model's estimates, for the next steps' choices
-                self._observe(row.state, "plain", res.passed, row.forest.depth, row.state.forest_nodes)
+        for row, res in verified_rows:  # the cost model's estimates, for the next steps' choices
+            if row.forest is not None or row.asked_depth:  # a layer asked but not built counts as failed
+                self._observe(row.state, "plain", res.passed, row.forest.depth if row.forest is not None else 0,
+                              row.state.forest_nodes, asked=row.asked_depth)
         self._dsbd_results = results
         self._dsbd_last_plan = plan
         ids = sampler.sampled_token_ids(results, len(plan))
@@ -448,6 +457,9 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
                 logits, bare.recycle_roots(plan, self.input_batch.token_ids_cpu, discard)):
             self._dsbd_late_rows.drain()
         n = int(len(plan) - discard.sum())
+        for k in self._dsbd_unbuilt:  # asked for forests the drafter did not build: failed layers to the estimates
+            if not discard[k]:
+                self._observe(plan[k].state, "plain", 0, 0, plan[k].state.forest_nodes, asked=plan[k].asked_depth)
         self.dsbd_stats.record_bare(n)
         if self._dsbd_clock is not None:
             self._dsbd_clock.emitted(n, step_clock.PLAIN)

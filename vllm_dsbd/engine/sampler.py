@@ -58,6 +58,9 @@ class RowPlan:
     forest: PendingForest | None = None  # the verified forest, truncated to the n scheduled nodes
     num_nodes: int = 0  # n: its nodes scheduled in this pass (their logits rows follow the root's)
     drafted_depth: int = 0  # depth the drafter built (before any truncation)
+    # the depth the cost model asked of the draft-free sources where they built less (none, or a shallower forest,
+    # the scheduler cutting nothing): its estimates count the layer they could not draft as failed (0: as drafted)
+    asked_depth: int = 0
     # beam requests: the trie leaves and the forest after them (``runner._plan_beam``), then the step's outcome
     leaves: int = 0  # leaves whose logits rows this pass has (first_row, first_row + 1, ...)
     forest_nodes: int = 0  # forest nodes whose logits rows follow the leaves'

@@ -31,12 +31,18 @@ class ShapePlanMixin:
                     "second without forests while none waits; depth 0 where drafting does not pay", origin,
                     table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
 
-    def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None) -> None:
+    def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None, asked: int = 0) -> None:
         """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
-        a T = 0 beam forest's subforests), the engine-wide rates and the metrics, under the draft's source."""
-        st.acceptance.observe(passed, depth, sub, None if sub is not None else nodes)
-        self.dsbd_pass_rates.observe((cost.DRAFT, kind), nodes, passed, depth)
-        self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
+        a T = 0 beam forest's subforests), the engine-wide rates and the metrics, under the draft's source. ``asked``:
+        the depth the model asked where the drafter built less (draft-free sources find no candidate for every
+        layer): the estimates then count the first layer not built as tried and failed, so a rate says what a layer
+        the model asks for yields (the cost model plans layers, and pays a step's forest work whether they come or
+        not); the metrics count the built layers only."""
+        at = max(depth, asked)
+        st.acceptance.observe(passed, at, sub, None if sub is not None else nodes)
+        self.dsbd_pass_rates.observe((cost.DRAFT, kind), nodes, passed, at)
+        if depth > 0:
+            self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
 
     def _catch_ups(self, results) -> list[int] | None:
         """With the cost model and a draft model, each batch row's catch-up if it drafts this step: the tokens its

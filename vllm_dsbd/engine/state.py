@@ -74,6 +74,7 @@ class RequestState:
     # the cost model's estimate of its per-layer pass rate, from the forests it verified (engine/cost.py)
     acceptance: Acceptance = field(default_factory=Acceptance)
     forest_nodes: int = 0  # nodes per depth of its pending forest (the cost model's choice, or its width)
+    asked_depth: int = 0  # the depth its last drafting job asked (the cost model's, capped); read at verification
     # an engine with draft-free sources: the request's recycle table and lookup index (engine/source_drafter.py)
     sources: SourceIndex | None = None
     # an engine whose draft is an EAGLE-3 head: the target's features its next catch-up pass reads (engine/head.py)
@@ -108,6 +109,7 @@ class Requests:
         old = self._states.get(req_id)
         if old is not None:  # resumed: keep the seed, forget the forest and the draft cache
             old.pending = None
+            old.asked_depth = 0
             old.draft_len = 0
             old.head_features = None
             if old.beam is not None:
