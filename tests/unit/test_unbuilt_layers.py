@@ -5,9 +5,10 @@ yields, not what a built one does.
 
 The claim is statistical: a drafter that builds each next layer with probability ``c`` and whose built layers pass
 with probability ``q`` yields ``1 + a + ... + a^D`` tokens per asked depth-D forest with ``a = c q``. Simulated
-forests go through the real ``_observe`` into the engine-wide ``PassRates`` (evidence kept whole for the test) and a
-request's ``Acceptance`` (its counts checked exactly on a few forests); the estimate's expected tokens must equal the simulated mean, and the planted variant (only
-the built layers counted, the rule until 2026-12-07) must miss it. The metrics keep counting the built layers.
+forests go through the real ``_observe`` into the engine-wide ``PassRates`` (evidence kept whole for the test); the
+estimate's expected tokens must equal the simulated mean, and the planted variant (only the built layers counted, the
+rule until 2026-12-07) must miss it. A request's ``Acceptance`` counts are checked exactly on a few forests. The
+metrics keep counting the built layers.
 """
 from __future__ import annotations
 

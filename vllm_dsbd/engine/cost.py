@@ -26,12 +26,15 @@ from .acceptance import (AGING, MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, PRIOR
                          upper_rate, width_grid)
 
 __all__ = ["FLOOR", "Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest", "choose",
-           "choose_shapes", "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width", "upper_rate",
-           "width_grid"]
+           "choose_shapes", "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width", "prompt_row_limit",
+           "upper_rate", "width_grid"]
 
 DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
 FLOOR = 0.95  # the engine's shapes keep every request at this share of its tokens per second without forests at least
 MAX_SWEEPS = 4  # the most rounds of the per-request refinement of nodes per depth (choose_shapes)
+# a request's prompt rows (the recycle source's LM head over its prompt) cost at most this share of its time without
+# forests (prompt_row_limit)
+PROMPT_SHARE = 0.05
 
 
 def _interp(points: tuple[tuple[int, float], ...], n: int) -> float:
@@ -289,6 +292,21 @@ class _Step:
 
     def ratio(self) -> float:
         return (self._sum / _DEN) / self.seconds()
+
+
+def prompt_row_limit(table: CostTable, reqs: int, remaining: int, head_share: float) -> int | None:
+    """The most prompt rows of a request the recycle source takes (an LM head over each, source_drafter.prompt_rows)
+    in a step of ``reqs`` requests: as many as cost at most ``PROMPT_SHARE`` of the request's share of its
+    ``remaining`` tokens' steps without forests (``table.step + target(reqs)`` over ``reqs``, each token), a row
+    priced at ``head_share`` (the LM head's share of the target's parameters) of the table's marginal target token
+    (its last two points). Whatever the rows give back, they slow the request by at most that share; None (no limit)
+    where the table's marginal token is free."""
+    (n0, t0), (n1, t1) = table.target[-2:] if len(table.target) > 1 else ((0, 0.0), table.target[-1])
+    row = head_share * (t1 - t0) / max(n1 - n0, 1)
+    if row <= 0.0:
+        return None
+    bare = (table.step + table.target_time(max(reqs, 1))) / max(reqs, 1)
+    return max(0, int(PROMPT_SHARE * remaining * bare / row))
 
 
 def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:

@@ -79,6 +79,7 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         self._dsbd_beam_feature_rows: list = []  # beam requests': (batch row, state, rows, slots)
         self._dsbd_beam_moves: list = []  # this step's K/V moves of beam requests (the features move with them)
         self._dsbd_feature_rows: list = []  # this pass's plain requests' (batch row, state, first row, position, linear rows)
+        self._dsbd_head_share: float | None = None  # the LM head's share of the target's parameters (prompt rows)
         self._dsbd_unbuilt: list[int] = []  # this pass's plan rows whose asked forest was not built (shapes._observe)
         self._dsbd_sources = isinstance(self.drafter, SourceDrafter)  # draft-free sources (source_drafter.py)
         # a draft model mixed with the draft-free sources (mixing.py): the model drafts, the sources are kept
@@ -256,7 +257,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
         pay = None if clock is None else [clock.recycles_prompt(len(plan), beam) for beam in (False, True)]
         if self._dsbd_recycle and (pay is None or any(pay)):
             keep = None if pay is None else (lambda st: pay[st.beam is not None])
-            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg, keep)
+            self._dsbd_prompt_rows = prompt_rows(plan, batch, qsl, computed, num_scheduled_tokens, self.dsbd_cfg, keep,
+                                                 self._dsbd_row_limit(len(plan)))
         if node_rows:  # one indexed write (on a GPU runner one copy each) instead of one per request
             dev = self.positions.device
             self.positions[torch.tensor(node_rows, dtype=torch.int64).to(dev)] = torch.tensor(

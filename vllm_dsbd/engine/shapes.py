@@ -44,6 +44,25 @@ class ShapePlanMixin:
         if depth > 0:
             self.dsbd_stats.record_pass_rate(cost.DRAFT, kind, nodes, passed, min(passed + 1, depth))
 
+    def _dsbd_row_limit(self, reqs: int):
+        """With the cost model: each request's most prompt rows in a step of ``reqs`` requests, (state, prompt length)
+        -> rows (``cost.prompt_row_limit``: at most ``cost.PROMPT_SHARE`` of its remaining tokens' time without
+        forests, a row priced at the LM head's share of the table's marginal token); None without it."""
+        table = self.dsbd_cost
+        if table is None:
+            return None
+        if self._dsbd_head_share is None:  # the LM head's share of the target's parameters, once
+            head = getattr(getattr(self.model, "lm_head", None), "weight", None)
+            total = sum(p.numel() for p in self.model.parameters())
+            self._dsbd_head_share = head.numel() / total if head is not None and total else 1.0
+        share, room = self._dsbd_head_share, self.dsbd_context_len
+
+        def limit(st, prompt: int) -> int | None:
+            left = st.max_tokens if st.max_tokens is not None else room - prompt
+            return cost.prompt_row_limit(table, reqs, max(left, 0), share)
+
+        return limit
+
     def _catch_ups(self, results) -> list[int] | None:
         """With the cost model and a draft model, each batch row's catch-up if it drafts this step: the tokens its
         draft's first pass runs besides the prompt's, i.e. those since its draft last ran (a plain request's emitted

@@ -463,18 +463,20 @@ PROMPT_ROWS = 1024  # the most prompt rows of a request recycled (its last ones)
 PROMPT_CHUNK = 256  # prompt rows per LM-head call (bounds the [rows, V] logits block)
 
 
-def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig, keep=None) -> list[
+def prompt_rows(plan: list, batch, qsl, computed, scheduled, cfg: DSBDConfig, keep=None, limit=None) -> list[
         tuple[RequestState, int, list[int]]]:
     """The prefill rows of this pass worth recycling: (state, row in the pass, the row's last two tokens) for each
     prompt token before the last (whose row vLLM computes anyway: the root's), within the prompt's last
     ``PROMPT_ROWS`` (``batch``: vLLM's input batch, row i = plan entry i), of the requests ``keep(state)`` keeps
-    (default all)."""
+    (default all); with ``limit(state, prompt length)`` (an int, or None: no limit) within the prompt's last that
+    many (the cost model's price of rows, ``cost.prompt_row_limit``)."""
     out, token_ids = [], batch.token_ids_cpu
     for i, row in enumerate(plan):
         st, c, P = sources_of(row.state, cfg), int(computed[i]), int(batch.num_prompt_tokens[i])
         if c >= P - 1 or (keep is not None and not keep(row.state)):
             continue
-        lo, hi = max(c, P - 1 - PROMPT_ROWS), min(c + int(scheduled[i]), P - 1)
+        cap = PROMPT_ROWS if limit is None or (n := limit(row.state, P)) is None else min(PROMPT_ROWS, n)
+        lo, hi = max(c, P - 1 - cap), min(c + int(scheduled[i]), P - 1)
         toks = token_ids[i, max(0, lo - 1):hi].tolist()
         for pos in range(lo, hi):
             j = pos - max(0, lo - 1)
