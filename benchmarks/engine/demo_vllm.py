@@ -86,6 +86,28 @@ def code_edits(n: int) -> list[str]:
             f"{p['prompt']}{p['canonical_solution']}" for p in probs]
 
 
+def chat(tok, texts: list[str]) -> list[str]:
+    """Each text as a user turn in the target's chat template, ready for the assistant's reply."""
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in texts]
+
+
+def job_prompts(tok) -> list[str]:
+    """The main job's prompts: ``CODE_EDITS`` code edits, then the chat ``PROMPTS``, in the chat template."""
+    return chat(tok, code_edits(CODE_EDITS) + PROMPTS)
+
+
+def readme_job():
+    """The main job's greedy part as other scripts rerun it: (the target's folder, ``job_prompts``, greedy sampling of
+    48 tokens, the demo's defaults)."""
+    import vllm
+
+    from vllm_dsbd.testing import models
+
+    target = models.smollm2_dir()
+    return target, job_prompts(models.load_tokenizer(target)), vllm.SamplingParams(max_tokens=48, temperature=0)
+
+
 def run(target: Path, prompts, params, speculative_config=None, verbose: bool = False, beam=None):
     """Sampling on one engine; then, with ``beam`` = (token prompts, BeamSearchParams), ``LLM.beam_search`` on it
     (a plain engine: vLLM's front-end loop; a DSBD engine: one engine request per prompt, beams in the engine)."""
@@ -164,8 +186,7 @@ def main():
         return
     tok = models.load_tokenizer(target)
     texts = code_edits(CODE_EDITS) + PROMPTS
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-               for p in texts]
+    prompts = chat(tok, texts)
     params = [vllm.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i)
               for i in range(len(prompts))]
     source = f"draft model ({draft_kind})" if args.draft else "draft-free sources (recycle + lookup), no draft model"

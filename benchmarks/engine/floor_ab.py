@@ -35,13 +35,8 @@ def main() -> None:
     import vllm
 
     from vllm_dsbd.engine import cost
-    from vllm_dsbd.testing import models
 
-    target = models.smollm2_dir()
-    tok = models.load_tokenizer(target)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-               for p in demo.code_edits(demo.CODE_EDITS) + demo.PROMPTS]
-    params = vllm.SamplingParams(max_tokens=48, temperature=0)
+    target, prompts, params = demo.readme_job()
     floor, rates = cost.FLOOR, {}
     for rnd in range(args.rounds):
         for name in ENGINES:
