@@ -3,8 +3,9 @@ a request takes at most as many prompt rows as cost ``cost.PROMPT_SHARE`` of its
 forests, so that whatever the rows give back, they slow it by at most that share.
 
 Checked on the CPU's start-up table of the README job (SmolLM2-135M: a row is the LM head's 21% of a marginal target
-token) and on a GPU-shaped flat one: the limit is the largest row count within the share (one more row is over it),
-its requests' rows are the prompt's last ones, and where the table's marginal token is free there is no limit.
+token) and on flat and nearly flat hypothetical tables (a GPU's shape, not measured here): the limit is the largest
+row count within the share (one more row is over it), its requests' rows are the prompt's last ones, and where the
+table's marginal token is free there is no limit.
 Planted: the rows before the limit (every prompt row) spend several times the share at 8 requests on the CPU table.
 """
 from __future__ import annotations
@@ -53,7 +54,7 @@ def test_readme_job_numbers_and_the_planted_unpriced_rows():
 def test_a_free_marginal_token_sets_no_limit():
     assert prompt_row_limit(GPU, 32, 256, 0.06) is None
     flat = CostTable(target=((1, 0.0064), (256, 0.0065)), draft=((1, 0.0),))
-    assert prompt_row_limit(flat, 32, 256, 0.06) > source_drafter.PROMPT_ROWS  # an 8B-shaped GPU: every row
+    assert prompt_row_limit(flat, 32, 256, 0.06) > source_drafter.PROMPT_ROWS  # a nearly flat (hypothetical) table
 
 
 def test_prompt_rows_takes_the_prompts_last_rows_within_the_limit():
