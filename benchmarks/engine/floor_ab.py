@@ -1,16 +1,20 @@
-"""The README main job's 8 prompts (greedy, 48 tokens) on plain vLLM and on the user's DSBD engine with and without
-the cost model's floor per request (``cost.FLOOR``; off: ``None``, the rule until 2026-12-07), three calls per engine,
-the three engines in turn for ``--rounds`` rounds in one process (the engine core in process, so the floor is
-switched in this process). Prints every call and, per call index, each round's ratio to that round's plain vLLM and
-the median over rounds. On a shared CPU (this project's: calls of one engine vary by 10-30%) only many rounds say
-anything.
+"""The README main job's 8 prompts (greedy, 48 tokens) on plain vLLM and on DSBD engines under the cost model's
+floor rules, every engine alive at once in one process and their calls interleaved: each cycle runs one call on
+every engine, in an order rotated cycle by cycle, so that this machine's drift (calls of one engine vary by 10-30%
+over minutes) falls on every engine alike. Prints every call, then per engine each cycle's ratio to plain vLLM's call
+of the same cycle and the median.
 
-    VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python benchmarks/engine/floor_ab.py [--rounds 3] [--calls 3]
+Engines (``--engines``): ``plain`` (plain vLLM), ``dsbd`` (the user's engine: floors by tokens left,
+``cost.request_floors``), ``uniform`` (every request at ``cost.FLOOR`` while none waits, the rule before 2026-12-07's
+evening), ``nofloor`` (no floor, the rule before 2026-12-07), ``none`` (``"sources": []``). The rule is module state
+of the in-process engine core, so it is set before each call.
+
+    VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python benchmarks/engine/floor_ab.py [--cycles 8] \\
+        [--engines plain,dsbd,uniform,none]
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import sys
@@ -24,43 +28,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import demo_vllm as demo  # noqa: E402
 
-ENGINES = ("plain", "floor", "no floor")
+
+def _rules(cost) -> dict:
+    """Each engine's (speculative config, floors rule)."""
+    by_left, dsbd = cost.request_floors, {"method": "dsbd"}
+    return {"plain": (None, by_left), "dsbd": (dsbd, by_left),
+            "uniform": (dsbd, lambda left: [cost.FLOOR] * len(left)), "nofloor": (dsbd, lambda left: None),
+            "none": ({"method": "dsbd", "sources": []}, by_left)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--cycles", type=int, default=8)
+    ap.add_argument("--engines", default="plain,dsbd,uniform,none", help="comma-separated; plain first")
     args = ap.parse_args()
     import vllm
 
     from vllm_dsbd.engine import cost
+    from vllm_dsbd.testing.engines import shutdown
 
+    names = args.engines.split(",")
+    assert names[0] == "plain", "the ratios are to plain vLLM: name it first"
+    rules, rule = _rules(cost), cost.request_floors
     target, prompts, params = demo.readme_job()
-    floor, rates = cost.FLOOR, {}
-    for rnd in range(args.rounds):
-        for name in ENGINES:
-            cost.FLOOR = None if name == "no floor" else floor
-            llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
-                           speculative_config=None if name == "plain" else {"method": "dsbd"})
-            llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, as the demo's
-            for c in range(args.calls):
+    llms = {}
+    for name in names:
+        cost.request_floors = rules[name][1]
+        llms[name] = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
+                              speculative_config=rules[name][0])
+        llms[name].generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, as the demo's
+    rates: dict = {}
+    try:
+        for cyc in range(args.cycles):
+            k = cyc % len(names)
+            for name in names[k:] + names[:k]:
+                cost.request_floors = rules[name][1]
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = llms[name].generate(prompts, params, use_tqdm=False)
                 secs = time.perf_counter() - t0
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
-                rates[name, rnd, c] = n / secs
-                print(f"round {rnd + 1} {name} call {c + 1}: {n} tokens in {secs:.2f} s, {n / secs:.1f} tok/s",
-                      flush=True)
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
-    cost.FLOOR = floor
-    print("\n| call | engine | ratio to plain vLLM, each round | median |\n|---|---|---|---|")
-    for c in range(args.calls):
-        for name in ENGINES[1:]:
-            r = [rates[name, k, c] / rates["plain", k, c] for k in range(args.rounds)]
-            print(f"| {c + 1} | {name} | {' / '.join(f'{x:.2f}x' for x in r)} | {statistics.median(r):.2f}x |")
+                rates[name, cyc] = n / secs
+                print(f"cycle {cyc + 1} {name}: {n} tokens in {secs:.2f} s, {n / secs:.1f} tok/s", flush=True)
+    finally:
+        cost.request_floors = rule
+        for llm in llms.values():
+            shutdown(llm)
+    print("\n| engine | ratio to plain vLLM, each cycle | median | least |\n|---|---|---|---|")
+    for name in names[1:]:
+        r = [rates[name, c] / rates["plain", c] for c in range(args.cycles)]
+        print(f"| {name} | {' / '.join(f'{x:.2f}' for x in r)} | {statistics.median(r):.2f}x | {min(r):.2f}x |")
 
 
 if __name__ == "__main__":

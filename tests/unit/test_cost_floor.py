@@ -1,13 +1,14 @@
-"""The cost model's floor (``cost.choose_shapes(..., floor)``, the engine's ``cost.FLOOR``): no request of a step is
-slowed by the others' forests below ``floor`` of its tokens per second in the minimal step (no forest but the pinned
-ones). An offline batch's time is its slowest request's: where a code request's deep forests made a chat request's
-step dearer than its own forest gained, the batch ended later than plain vLLM's
-(results/forest-attention-cpu-2026-12-06, "the tail").
+"""The cost model's floor (``cost.choose_shapes(..., floor)``, the engine's ``cost.request_floors``: ``cost.FLOOR``,
+the request with the most tokens left ``cost.LAST_FLOOR``): no request of a step is slowed by the others' forests
+below its floor of its tokens per second in the minimal step (no forest but the pinned ones). An offline batch's time
+is its slowest request's: where a code request's deep forests made a chat request's step dearer than its own forest
+gained, the batch ended later than plain vLLM's (results/forest-attention-cpu-2026-12-06, "the tail").
 
 Checked on batches of every combination of rates, with and without N' options and a pinned request: the choice keeps
 the floor (the step written out pass by pass, ``test_cost.step_time``), is at least as fast as every uniform depth
 that keeps it, and equals the floorless choice wherever that one keeps the floor. Planted: the floorless choice
-breaks the floor on some of these batches (so the check can fail).
+breaks the floor on some of these batches (so the check can fail). With floors by the tokens left, the batch's
+projected end stays within 1 / LAST_FLOOR of plain vLLM's; planted: the uniform floor's does not on some batches.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import itertools
 import pytest
 
 from test_cost import CPU, FLAT, step_time
-from vllm_dsbd.engine.cost import FLOOR, Candidate, choose_shapes, expected_tokens
+from vllm_dsbd.engine.cost import (FLOOR, LAST_FLOOR, Candidate, CostTable, choose_shapes, expected_tokens,
+                                   request_floors)
 
 RATES = (0.0, 0.3, 0.6, 0.9)
 
@@ -34,11 +36,12 @@ def _minimal(cands):
 
 
 def keeps_floor(table, cands, shapes, floor=FLOOR) -> bool:
-    """Every request's expected tokens per second under ``shapes`` at least ``floor`` of its rate in the minimal
-    step (a pinned request's own forest counted there)."""
+    """Every request's expected tokens per second under ``shapes`` at least ``floor`` (one per request, or one for
+    all) of its rate in the minimal step (a pinned request's own forest counted there)."""
     t, ref = _seconds(table, cands, shapes), _seconds(table, cands, _minimal(cands))
     base = [_expect(c, s) for c, s in zip(cands, _minimal(cands))]
-    return all(_expect(c, s) / t >= floor * b / ref * (1 - 1e-9) for c, s, b in zip(cands, shapes, base))
+    floors = floor if isinstance(floor, list) else [floor] * len(cands)
+    return all(_expect(c, s) / t >= f * b / ref * (1 - 1e-9) for c, s, b, f in zip(cands, shapes, base, floors))
 
 
 def _rate(table, cands, shapes) -> float:
@@ -96,3 +99,58 @@ def test_a_code_request_does_not_slow_a_chat_request_beside_it():
 def test_a_floor_of_zero_is_the_floorless_choice():
     for cands in _batches():
         assert choose_shapes(cands, CPU, floor=0.0) == choose_shapes(cands, CPU)
+
+
+# --- floors by the tokens left (cost.request_floors): the request with the most left keeps LAST_FLOOR of its pace
+
+def test_request_floors():
+    assert request_floors([48, 48, 48]) == [LAST_FLOOR] * 3
+    assert request_floors([10, 48]) == [FLOOR, LAST_FLOOR]
+    assert request_floors([97, 100]) == [pytest.approx(LAST_FLOOR * 0.97), LAST_FLOOR]
+    assert request_floors([0, -3]) == [FLOOR, FLOOR] and request_floors([]) == []
+
+
+def _end(table, cands, shapes, left) -> float:
+    """The batch's projected end if every later step were this one: the most ``R_i T / E_i``."""
+    t = _seconds(table, cands, shapes)
+    return max(r * t / _expect(c, s) for c, s, r in zip(cands, shapes, left))
+
+
+def _lefts(n):
+    """Tokens left for a batch of ``n``: all alike, the first with the most, the last with the most, spread."""
+    return [[48] * n, [48] + [12] * (n - 1), [12] * (n - 1) + [48], [48 - 15 * k for k in range(n)]]
+
+
+# the README job's shape on a CPU: a step of 8 requests ~40 ms, a forest node ~2-4% of it, a cheap draft
+JOB = CostTable.from_times({1: 0.040, 2: 0.0415, 4: 0.044, 16: 0.060}, {1: 0.0005, 16: 0.001})
+
+
+@pytest.mark.parametrize("table", [FLAT, CPU, JOB], ids=["flat", "cpu", "job"])
+def test_floors_by_tokens_left_keep_the_batch_end(table):
+    """Every request keeps its floor, and where no request is pinned (plain vLLM's step is the minimal one) the
+    batch's projected end is within 1 / LAST_FLOOR of the minimal step's. Planted: the uniform FLOOR's choices end
+    later than that on some batches where a node costs less than 5% of the step (JOB)."""
+    late = 0
+    for cands in _batches():
+        for left in _lefts(len(cands)):
+            floors = request_floors(left)
+            got = choose_shapes(cands, table, floor=floors)
+            assert keeps_floor(table, cands, got, floors), (cands, left, got)
+            uniform = choose_shapes(cands, table, floor=FLOOR)
+            if any(c.pinned for c in cands):
+                continue
+            end = _end(table, cands, _minimal(cands), left) / LAST_FLOOR
+            assert _end(table, cands, got, left) <= end * (1 + 1e-9), (cands, left, got)
+            late += _end(table, cands, uniform, left) > end * (1 + 1e-9)
+    assert late > 0 if table is JOB else late >= 0
+
+
+def test_the_readme_jobs_code_request_waits_for_the_chat_request_with_as_much_left():
+    """A code request that passes most layers beside a chat request that passes none, with as many tokens left: a
+    forest that costs the chat request more than 1% of its pace is not drafted (the uniform floor drafts it); with
+    the chat request nearly done, the code request drafts."""
+    cands = [Candidate(leaves=1, width=1, depth=3, rate=0.95), Candidate(leaves=1, width=1, depth=3, rate=0.0)]
+    uniform = choose_shapes(cands, JOB, floor=FLOOR)
+    assert uniform[0][1] > 0  # the old rule: the chat request slowed by up to 5%
+    assert choose_shapes(cands, JOB, floor=request_floors([48, 48])) == [(1, 0), (1, 0)]
+    assert choose_shapes(cands, JOB, floor=request_floors([48, 4]))[0][1] > 0

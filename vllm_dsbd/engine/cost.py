@@ -25,12 +25,14 @@ from .acceptance import (AGING, MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, PRIOR
                          PROBE_SHARE, Acceptance, Candidate, Exploration, PassRates, Subforest, passed_by_width,
                          upper_rate, width_grid)
 
-__all__ = ["FLOOR", "Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest", "choose",
-           "choose_shapes", "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width", "prompt_row_limit",
-           "upper_rate", "width_grid"]
+__all__ = ["FLOOR", "LAST_FLOOR", "Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest",
+           "choose", "choose_shapes", "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width",
+           "prompt_row_limit", "request_floors", "upper_rate", "width_grid"]
 
 DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
 FLOOR = 0.95  # the engine's shapes keep every request at this share of its tokens per second without forests at least
+# ... and the request with the most tokens left (an offline batch's last to finish) at this share (request_floors)
+LAST_FLOOR = 0.99
 MAX_SWEEPS = 4  # the most rounds of the per-request refinement of nodes per depth (choose_shapes)
 # a request's prompt rows (the recycle source's LM head over its prompt) cost at most this share of its time without
 # forests (prompt_row_limit)
@@ -124,18 +126,18 @@ def expected_tokens(rate: float, depth: int) -> float:
     return sum(rate ** k for k in range(depth + 1))
 
 
-def _greedy(cands: Sequence[Candidate], table: CostTable, floor: float | None = None) -> list[int]:
-    """The depths at each candidate's ``width`` (see :func:`choose_shapes`); with ``floor``, the best of the prefixes
-    that keep every request at ``floor`` of its rate in the minimal step (:func:`_keeps_floor`), over two orders of
-    the increments: by value, and with every request's first layer first (a floor binds where a request without a
-    forest would be slowed by the others')."""
+def _greedy(cands: Sequence[Candidate], table: CostTable, scale: Sequence[float] | None = None) -> list[int]:
+    """The depths at each candidate's ``width`` (see :func:`choose_shapes`); with ``scale`` (1 / each request's
+    floor), the best of the prefixes that keep every request at its floor of its rate in the minimal step
+    (:func:`_keeps_floor`), over two orders of the increments: by value, and with every request's first layer first
+    (a floor binds where a request without a forest would be slowed by the others')."""
     items = [(float("inf") if c.pinned else c.rate ** k / c.width, k, i)
              for i, c in enumerate(cands) if c.width > 0 for k in range(1, c.depth + 1)]
     items.sort(key=lambda it: (-it[0], it[1], it[2]))
-    best, ratio, free = _best_prefix(cands, table, items, floor)
+    best, ratio, free = _best_prefix(cands, table, items, scale)
     if best != free:  # the floor binds: also the first layers first (pinned ones stay in front)
         firsts = sorted(items, key=lambda it: (it[0] != float("inf"), it[1] > 1))
-        alt, alt_ratio, _ = _best_prefix(cands, table, firsts, floor)
+        alt, alt_ratio, _ = _best_prefix(cands, table, firsts, scale)
         if alt_ratio > ratio * (1 + 1e-9):
             items, best = firsts, alt
     out = [0] * len(cands)
@@ -145,11 +147,11 @@ def _greedy(cands: Sequence[Candidate], table: CostTable, floor: float | None = 
 
 
 def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
-                 floor: float | None) -> tuple[int, float, int]:
+                 scale: Sequence[float] | None) -> tuple[int, float, int]:
     """The length of the prefix of ``items`` ((value, depth k, candidate) increments; a candidate's in depth order)
-    with the most expected tokens per second, and that rate; the pinned prefix at least; with ``floor``, only
-    prefixes that keep every request at ``floor`` of its rate in that pinned prefix's step. Third: the best length
-    without the floor."""
+    with the most expected tokens per second, and that rate; the pinned prefix at least; with ``scale`` (1 / each
+    request's floor), only prefixes that keep every request at its floor of its rate in that pinned prefix's step.
+    Third: the best length without the floor."""
     forced = sum(1 for it in items if it[0] == float("inf"))
     tokens = base = sum(c.leaves for c in cands)
     expect = float(len(cands))
@@ -158,7 +160,7 @@ def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
     seconds = table.step + table.target_time(tokens)
     best, best_ratio = 0, (expect / seconds if forced == 0 else -1.0)
     free, free_ratio = best, best_ratio
-    least = _Least(len(cands)) if floor is not None else None  # every candidate's expected tokens, their minimum
+    least = _Least(scale) if scale is not None else None  # every candidate's expected tokens over its floor, the least
     ref = seconds  # the pinned prefix's step (the bare one without pinned requests)
     for m, (_, k, i) in enumerate(items, start=1):
         c = cands[i]
@@ -178,18 +180,18 @@ def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
             free, free_ratio = m, ratio
         if m == forced:
             ref = seconds
-        elif least is not None and not _keeps_floor(least.min(), ref, seconds, floor):
+        elif least is not None and not _keeps_floor(least.min(), ref, seconds):
             continue
         if ratio > best_ratio * (1 + 1e-9):
             best, best_ratio = m, ratio
     return best, best_ratio, free
 
 
-def _keeps_floor(least: float, ref: float, seconds: float, floor: float) -> bool:
-    """Whether a step of ``seconds`` whose requests expect ``least`` tokens at the fewest keeps each at ``floor`` of
-    its rate in a step of ``ref`` seconds that expects 1 token of each (a request's tokens per second against the
-    minimal step's: plain vLLM's where no request is pinned)."""
-    return least * ref >= floor * seconds * (1 - 1e-12)
+def _keeps_floor(least: float, ref: float, seconds: float) -> bool:
+    """Whether a step of ``seconds`` keeps every request at its floor of its rate in a step of ``ref`` seconds that
+    expects 1 token of each (a request's tokens per second against the minimal step's: plain vLLM's where no request
+    is pinned); ``least``: the least over the requests of expected tokens over floor."""
+    return least * ref >= seconds * (1 - 1e-12)
 
 
 def _two_least(vals: list[float]) -> tuple[float, int, float, int]:
@@ -200,16 +202,18 @@ def _two_least(vals: list[float]) -> tuple[float, int, float, int]:
 
 
 class _Least:
-    """Each candidate's expected tokens (1 + the ``rate^k`` of its layers so far) and their minimum, in O(log n) an
-    update (a heap with stale entries popped: the values only grow)."""
+    """Each candidate's expected tokens (1 + the ``rate^k`` of its layers so far) over its floor and their minimum, in
+    O(log n) an update (a heap with stale entries popped: the values only grow)."""
 
-    def __init__(self, n: int):
-        self.vals = [1.0] * n
-        self.heap = [(1.0, i) for i in range(n)]
+    def __init__(self, scale: Sequence[float]):
+        self.scale = scale
+        self.vals = list(scale)
+        self.heap = sorted((v, i) for i, v in enumerate(self.vals))
 
     def add(self, i: int, gain: float) -> None:
-        self.vals[i] += gain
-        heapq.heappush(self.heap, (self.vals[i], i))
+        if gain > 0.0:  # (a floor of 0: an infinite scale)
+            self.vals[i] += gain * self.scale[i]
+            heapq.heappush(self.heap, (self.vals[i], i))
 
     def min(self) -> float:
         heap, vals = self.heap, self.vals
@@ -309,6 +313,19 @@ def prompt_row_limit(table: CostTable, reqs: int, remaining: int, head_share: fl
     return max(0, int(PROMPT_SHARE * remaining * bare / row))
 
 
+def request_floors(remaining: Sequence[int]) -> list[float]:
+    """Each request's floor while none waits (:func:`choose_shapes`), from the tokens it has left (``max_tokens``
+    less its output, or the context left): ``max(FLOOR, LAST_FLOOR * R_i / R_max)``. With no request waiting an
+    offline batch ends with its last request, at about ``R_i T / E_i`` for the one with the most left; so that one
+    keeps ``LAST_FLOOR`` of its pace (``R_i T / E_i <= R_max T_min / LAST_FLOOR`` for every i: the batch's projected
+    end stays within 1% of plain vLLM's), and one with less left may be slowed down to that bound, never below
+    ``FLOOR``. Forests that pay for every request still pass: the floor is each one's own tokens per second."""
+    most = max(remaining, default=0)
+    if most <= 0:
+        return [FLOOR] * len(remaining)
+    return [max(FLOOR, LAST_FLOOR * (max(r, 0) / most)) for r in remaining]
+
+
 def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
     """Whether no forest of any shape the candidates allow can make the step faster than none (then
     :func:`choose_shapes` chooses depth 0 for every candidate, which it returns at once). A bound, cheap where the
@@ -344,7 +361,8 @@ def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
     return True
 
 
-def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | None = None) -> list[tuple[int, int]]:
+def choose_shapes(cands: Sequence[Candidate], table: CostTable,
+                  floor: float | Sequence[float] | None = None) -> list[tuple[int, int]]:
     """The (nodes per depth, depth) of every candidate (order of ``cands``) maximising the step's expected tokens per
     second (depth 0: no forest, reported at the candidate's ``width``).
 
@@ -359,15 +377,19 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | N
     the step fastest with the others' shapes fixed, only where strictly faster (ties keep the shape; among new ones
     the shallower, then the wider): at batch 1 the argmax over every (N', depth).
 
-    ``floor`` (the engine's :data:`FLOOR`): only shapes under which every request expects at least ``floor`` of its
-    tokens per second in the minimal step (no forest but the pinned ones: plain vLLM's step where none is pinned),
-    ``E_i / T >= floor / T_min``: no request is slowed by the others' forests, so an offline batch's slowest request,
-    whose time is the batch's, keeps plain vLLM's pace (docs/design/cost-model.md §3.6)."""
+    ``floor`` (one for all, or one per candidate: the engine's :func:`request_floors`): only shapes under which every
+    request i expects at least ``floor[i]`` of its tokens per second in the minimal step (no forest but the pinned
+    ones: plain vLLM's step where none is pinned), ``E_i / T >= floor_i / T_min``: no request is slowed by the others'
+    forests, and an offline batch's last request, whose time is the batch's, keeps plain vLLM's pace
+    (docs/design/cost-model.md §3.6)."""
     if not cands:
         return []
+    if floor is not None and not isinstance(floor, Sequence):
+        floor = [floor] * len(cands)
+    scale = None if floor is None else [1.0 / f if f > 0 else float("inf") for f in floor]  # expected tokens per floor
     if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
         return [(c.width, 0) for c in cands]
-    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, floor))]
+    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, scale))]
     movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
     if not movable:
         return shapes
@@ -378,12 +400,12 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | N
         for i in movable:
             w, r = sorted(cands[i].options, reverse=True)[min(j, len(cands[i].options)) - 1]
             alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up)
-        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table, floor))], table)
+        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table, scale))], table)
         if (r := trial.ratio()) > best_ratio * (1 + 1e-9):
             step, best_ratio = trial, r
     if floor is not None:  # the minimal step, and each request's tokens against its own there (a pinned one's: 1)
         ref = _Step(cands, [(c.width, c.depth if c.pinned else 0) for c in cands], table).seconds()
-        gains = [1.0 if c.pinned else e for c, e in zip(cands, step.expect)]
+        gains = [(1.0 if c.pinned else e) * x for c, e, x in zip(cands, step.expect, scale)]
         low = _two_least(gains)
     for _ in range(MAX_SWEEPS):
         changed = False
@@ -400,14 +422,14 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | N
                         continue
                     step.set(i, (w, d))
                     if (floor is not None
-                            and not _keeps_floor(min(others, step.expect[i]), ref, step.seconds(), floor)):
+                            and not _keeps_floor(min(others, step.expect[i] * scale[i]), ref, step.seconds())):
                         continue
                     if (r := step.ratio()) > best_ratio * (1 + 1e-9):
                         best, best_ratio = (w, d), r
             step.set(i, best)
             changed |= best != cur
             if floor is not None and best != cur:
-                gains[i] = step.expect[i]
+                gains[i] = step.expect[i] * scale[i]
                 if i in (low[1], low[3]) or gains[i] < low[2]:  # the two least may have moved: found again, O(requests)
                     low = _two_least(gains)
         if not changed:

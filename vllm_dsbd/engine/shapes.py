@@ -28,8 +28,9 @@ class ShapePlanMixin:
                     "step's expected tokens per second, sum of E(d) = 1 + a + ... + a^d over step + target(tokens) + "
                     "draft passes, a = its layers passed per layer tried in earlier steps (prior %.2f over %.0f "
                     "layers; T = 0 beam requests: per N, from W up), keeping every request at %s of its tokens per "
-                    "second without forests while none waits; depth 0 where drafting does not pay", origin,
-                    table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE, cost.PRIOR_WEIGHT, cost.FLOOR)
+                    "second without forests while none waits (the one with the most tokens left at %s); depth 0 "
+                    "where drafting does not pay", origin, table.describe(), self.dsbd_cfg.depth, cost.PRIOR_RATE,
+                    cost.PRIOR_WEIGHT, cost.FLOOR, cost.LAST_FLOOR)
 
     def _observe(self, st, kind: str, passed: int, depth: int, nodes: int, sub=None, asked: int = 0) -> None:
         """A verified forest (``nodes`` per depth, ``passed`` of ``depth`` layers) into the request's estimate (``sub``:
@@ -62,6 +63,16 @@ class ShapePlanMixin:
             return cost.prompt_row_limit(table, reqs, max(left, 0), share)
 
         return limit
+
+    def _dsbd_left(self, row: int, st) -> int:
+        """The tokens (a beam request: beam steps) the request in batch ``row`` has left at most: ``max_tokens`` less
+        its output, within the context left (``cost.request_floors``)."""
+        if st.beam is not None:
+            return st.beam.params.max_tokens - st.beam.steps
+        batch = self.input_batch
+        done, prompt = int(batch.num_tokens_no_spec[row]), int(batch.num_prompt_tokens[row])
+        room = self.dsbd_context_len - done
+        return room if st.max_tokens is None else min(room, st.max_tokens - (done - prompt))
 
     def _catch_ups(self, results) -> list[int] | None:
         """With the cost model and a draft model, each batch row's catch-up if it drafts this step: the tokens its
@@ -118,9 +129,10 @@ class ShapePlanMixin:
         """The cost model's depth for every decoding request within its level, and its nodes per depth N: a plain
         request's from 1 up, a beam request's from W up (``cost.choose_shapes``; beam requests' to
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
-        engine-wide rates (a try's floor and a new request's rate), no request slowed below ``cost.FLOOR`` of its pace
-        without forests while no request waits (patch ``scheduler_queue``); tries and forests at the prior only within
-        the engine's exploration budget (``cost.Exploration``)."""
+        engine-wide rates (a try's floor and a new request's rate), no request slowed below its floor of its pace
+        without forests while no request waits (patch ``scheduler_queue``; ``cost.request_floors``: ``cost.FLOOR``,
+        the one with the most tokens left ``cost.LAST_FLOOR``); tries and forests at the prior only within the
+        engine's exploration budget (``cost.Exploration``)."""
         rows, cands, lows, tries = [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
@@ -154,7 +166,8 @@ class ShapePlanMixin:
             table = (clock.corrected(self._dsbd_cost_base, BEAM) if clock is not None and kind == BEAM
                      else self.dsbd_cost)
             # no request slowed by the others' forests while none waits (under a queue, the batch's tokens per second)
-            shapes = cost.choose_shapes(cands, table, floor=None if self._dsbd_waiting else cost.FLOOR)
+            shapes = cost.choose_shapes(cands, table, floor=None if self._dsbd_waiting
+                                        else cost.request_floors([self._dsbd_left(i, states[i]) for i in rows]))
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
                 shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, kind)
