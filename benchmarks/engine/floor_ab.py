@@ -6,8 +6,9 @@ of the same cycle and the median.
 
 Engines (``--engines``): ``plain`` (plain vLLM), ``dsbd`` (the user's engine: floors by tokens left,
 ``cost.request_floors``), ``uniform`` (every request at ``cost.FLOOR`` while none waits, the rule before 2026-12-07's
-evening), ``nofloor`` (no floor, the rule before 2026-12-07), ``none`` (``"sources": []``). The rule is module state
-of the in-process engine core, so it is set before each call.
+evening), ``nofloor`` (no floor, the rule before 2026-12-07), ``rows1`` / ``norows`` (the user's engine with the
+recycle source's prompt rows at 1% / 0% of a request's time, ``cost.PROMPT_SHARE``), ``none`` (``"sources": []``).
+The rules are module state of the in-process engine core, so they are set before each call.
 
     VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python benchmarks/engine/floor_ab.py [--cycles 8] \\
         [--engines plain,dsbd,uniform,none]
@@ -30,11 +31,16 @@ import demo_vllm as demo  # noqa: E402
 
 
 def _rules(cost) -> dict:
-    """Each engine's (speculative config, floors rule)."""
-    by_left, dsbd = cost.request_floors, {"method": "dsbd"}
-    return {"plain": (None, by_left), "dsbd": (dsbd, by_left),
-            "uniform": (dsbd, lambda left: [cost.FLOOR] * len(left)), "nofloor": (dsbd, lambda left: None),
-            "none": ({"method": "dsbd", "sources": []}, by_left)}
+    """Each engine's (speculative config, floors rule, prompt rows' share)."""
+    by_left, dsbd, share = cost.request_floors, {"method": "dsbd"}, cost.PROMPT_SHARE
+    return {"plain": (None, by_left, share), "dsbd": (dsbd, by_left, share),
+            "uniform": (dsbd, lambda left: [cost.FLOOR] * len(left), share),
+            "nofloor": (dsbd, lambda left: None, share), "rows1": (dsbd, by_left, 0.01), "norows": (dsbd, by_left, 0.0),
+            "none": ({"method": "dsbd", "sources": []}, by_left, share)}
+
+
+def _set(cost, rule) -> None:
+    cost.request_floors, cost.PROMPT_SHARE = rule[1], rule[2]
 
 
 def main() -> None:
@@ -49,11 +55,12 @@ def main() -> None:
 
     names = args.engines.split(",")
     assert names[0] == "plain", "the ratios are to plain vLLM: name it first"
-    rules, rule = _rules(cost), cost.request_floors
+    rules = _rules(cost)
+    rule = (None, cost.request_floors, cost.PROMPT_SHARE)
     target, prompts, params = demo.readme_job()
     llms = {}
     for name in names:
-        cost.request_floors = rules[name][1]
+        _set(cost, rules[name])
         llms[name] = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
                               speculative_config=rules[name][0])
         llms[name].generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, as the demo's
@@ -62,7 +69,7 @@ def main() -> None:
         for cyc in range(args.cycles):
             k = cyc % len(names)
             for name in names[k:] + names[:k]:
-                cost.request_floors = rules[name][1]
+                _set(cost, rules[name])
                 t0 = time.perf_counter()
                 outs = llms[name].generate(prompts, params, use_tqdm=False)
                 secs = time.perf_counter() - t0
@@ -70,7 +77,7 @@ def main() -> None:
                 rates[name, cyc] = n / secs
                 print(f"cycle {cyc + 1} {name}: {n} tokens in {secs:.2f} s, {n / secs:.1f} tok/s", flush=True)
     finally:
-        cost.request_floors = rule
+        _set(cost, rule)
         for llm in llms.values():
             shutdown(llm)
     print("\n| engine | ratio to plain vLLM, each cycle | median | least |\n|---|---|---|---|")

@@ -17,6 +17,7 @@ import itertools
 import pytest
 
 from test_cost import CPU, FLAT, step_time
+from vllm_dsbd.engine import cost
 from vllm_dsbd.engine.cost import (FLOOR, LAST_FLOOR, Candidate, CostTable, choose_shapes, expected_tokens,
                                    request_floors)
 
@@ -154,3 +155,43 @@ def test_the_readme_jobs_code_request_waits_for_the_chat_request_with_as_much_le
     assert uniform[0][1] > 0  # the old rule: the chat request slowed by up to 5%
     assert choose_shapes(cands, JOB, floor=request_floors([48, 48])) == [(1, 0), (1, 0)]
     assert choose_shapes(cands, JOB, floor=request_floors([48, 4]))[0][1] > 0
+
+
+def _lefts_and_floors(n):
+    for left in _lefts(n):
+        yield request_floors(left)
+    yield [FLOOR] * n
+
+
+@pytest.mark.parametrize("table", [FLAT, CPU, JOB], ids=["flat", "cpu", "job"])
+def test_the_floors_bound_only_skips_steps_without_a_forest(monkeypatch, table):
+    """``floors_exclude`` (the O(R) bound ``choose_shapes`` returns the minimal step on): wherever it holds, the full
+    search, run with the bound off, finds no forest that keeps every floor either. It fires on some batches. Planted:
+    a bound that asks only that the cheapest forest breaks one request's floor (not that every request must draft and
+    one cannot pay) would skip forests the full search takes."""
+    fired = wrong = 0
+    for cands in _batches():
+        for floors in _lefts_and_floors(len(cands)):
+            scale = [1.0 / f for f in floors]
+            full = _full_search(monkeypatch, cands, table, floors)
+            if cost.floors_exclude(cands, table, scale):
+                fired += 1
+                assert full == _minimal(cands), (cands, floors, full)
+            wrong += _planted_bound(cands, table, scale) and full != _minimal(cands)
+    assert (fired > 0 and wrong > 0) if table is not FLAT else fired == wrong == 0  # (cpu: 250, 25; job: 36, 164)
+
+
+def _full_search(monkeypatch, cands, table, floors):
+    with monkeypatch.context() as m:
+        m.setattr(cost, "floors_exclude", lambda *a: False)
+        return choose_shapes(cands, table, floor=floors)
+
+
+def _planted_bound(cands, table, scale) -> bool:
+    """Wrong: the cheapest forest breaks the floor of the request with the highest floor, so none drafts."""
+    if any(c.pinned for c in cands):
+        return False
+    leaves = sum(c.leaves for c in cands)
+    ref = table.step + table.target_time(leaves)
+    one = table.step + table.target_time(leaves + 1) + table.draft_step + table.node
+    return min(scale) * ref < one

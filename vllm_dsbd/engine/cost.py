@@ -26,8 +26,8 @@ from .acceptance import (AGING, MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, PRIOR
                          upper_rate, width_grid)
 
 __all__ = ["FLOOR", "LAST_FLOOR", "Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest",
-           "choose", "choose_shapes", "draft_seconds", "expected_tokens", "none_can_pay", "passed_by_width",
-           "prompt_row_limit", "request_floors", "upper_rate", "width_grid"]
+           "choose", "choose_shapes", "draft_seconds", "expected_tokens", "floors_exclude", "none_can_pay",
+           "passed_by_width", "prompt_row_limit", "request_floors", "upper_rate", "width_grid"]
 
 DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
 FLOOR = 0.95  # the engine's shapes keep every request at this share of its tokens per second without forests at least
@@ -361,6 +361,36 @@ def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
     return True
 
 
+def floors_exclude(cands: Sequence[Candidate], table: CostTable, scale: Sequence[float]) -> bool:
+    """Whether no forest keeps every request at its floor (``scale``: 1 / each floor; :func:`choose_shapes` then returns
+    the minimal step at once). A bound in O(R), for the steps where floors bind (an offline batch's requests at
+    LAST_FLOOR, none of which gains much): any forest costs at least the bare step, the drafting step, a node and the
+    target's next token, ``T1``; a request without a forest keeps its floor only while ``T <= ref / f_i``, so where
+    ``T1`` breaks that for every request, every request must draft, and the step then costs at least the drafting
+    step, its smallest forest's nodes for every request, the target pass over them and the draft's pass over their
+    catch-ups, ``Tall``; a request whose best forest (its highest rate over N', its full depth) expects fewer than
+    ``f_i Tall / ref`` tokens then rules out every shape. Never with a pinned candidate; False where the table's
+    target times ever fall."""
+    if not cands or any(c.pinned for c in cands):
+        return False
+    pts = table.target
+    if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+        return False
+    leaves = sum(c.leaves for c in cands)
+    ref = table.step + table.target_time(leaves)
+    one = table.step + table.target_time(leaves + 1) + table.draft_step + table.node
+    if any(_keeps_floor(x, ref, one) for x in scale):  # a request may go without a forest: no bound
+        return False
+    if any(c.width <= 0 or c.depth <= 0 for c in cands):  # one cannot draft, and every one must
+        return True
+    least = [min([c.width] + [w for w, _ in c.options]) for c in cands]
+    nodes = sum(least)
+    every = (table.step + table.target_time(leaves + nodes) + table.draft_step + table.node * nodes
+             + table.draft_time(sum(c.catch_up for c in cands)))
+    return any(not _keeps_floor(expected_tokens(max([c.rate] + [r for _, r in c.options]), c.depth) * x, ref, every)
+               for c, x in zip(cands, scale))
+
+
 def choose_shapes(cands: Sequence[Candidate], table: CostTable,
                   floor: float | Sequence[float] | None = None) -> list[tuple[int, int]]:
     """The (nodes per depth, depth) of every candidate (order of ``cands``) maximising the step's expected tokens per
@@ -388,6 +418,8 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
         floor = [floor] * len(cands)
     scale = None if floor is None else [1.0 / f if f > 0 else float("inf") for f in floor]  # expected tokens per floor
     if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
+        return [(c.width, 0) for c in cands]
+    if scale is not None and floors_exclude(cands, table, scale):  # no forest keeps every floor (the bound)
         return [(c.width, 0) for c in cands]
     shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, scale))]
     movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
