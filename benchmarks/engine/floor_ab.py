@@ -2,7 +2,8 @@
 floor rules, every engine alive at once in one process and their calls interleaved: each cycle runs one call on
 every engine, in an order rotated cycle by cycle, so that this machine's drift (calls of one engine vary by 10-30%
 over minutes) falls on every engine alike. Prints every call, then per engine each cycle's ratio to plain vLLM's call
-of the same cycle and the median.
+of the same cycle, their median and least, and the ratio of all calls' time together, wall and this process's CPU
+time (the engine core runs in it).
 
 Engines (``--engines``): ``plain`` (plain vLLM), ``dsbd`` (the user's engine: floors by tokens left,
 ``cost.request_floors``), ``uniform`` (every request at ``cost.FLOOR`` while none waits, the rule before 2026-12-07's
@@ -65,25 +66,31 @@ def main() -> None:
                               speculative_config=rules[name][0])
         llms[name].generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, as the demo's
     rates: dict = {}
+    cpus: dict = {}
     try:
         for cyc in range(args.cycles):
             k = cyc % len(names)
             for name in names[k:] + names[:k]:
                 _set(cost, rules[name])
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 outs = llms[name].generate(prompts, params, use_tqdm=False)
-                secs = time.perf_counter() - t0
+                secs, cpu = time.perf_counter() - t0, time.process_time() - c0
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
-                rates[name, cyc] = n / secs
-                print(f"cycle {cyc + 1} {name}: {n} tokens in {secs:.2f} s, {n / secs:.1f} tok/s", flush=True)
+                rates[name, cyc], cpus[name, cyc] = n / secs, n / cpu
+                print(f"cycle {cyc + 1} {name}: {n} tokens in {secs:.2f} s ({cpu:.2f} CPU-s), {n / secs:.1f} tok/s",
+                      flush=True)
     finally:
         _set(cost, rule)
         for llm in llms.values():
             shutdown(llm)
-    print("\n| engine | ratio to plain vLLM, each cycle | median | least |\n|---|---|---|---|")
+    print("\n| engine | ratio to plain vLLM, each cycle | median | least | all calls' tokens/s | per CPU-second |\n"
+          "|---|---|---|---|---|---|")
     for name in names[1:]:
         r = [rates[name, c] / rates["plain", c] for c in range(args.cycles)]
-        print(f"| {name} | {' / '.join(f'{x:.2f}' for x in r)} | {statistics.median(r):.2f}x | {min(r):.2f}x |")
+        total = [sum(1 / d[name, c] for c in range(args.cycles)) for d in (rates, cpus)]  # seconds per token, summed
+        plain = [sum(1 / d["plain", c] for c in range(args.cycles)) for d in (rates, cpus)]
+        print(f"| {name} | {' / '.join(f'{x:.2f}' for x in r)} | {statistics.median(r):.2f}x | {min(r):.2f}x "
+              f"| {plain[0] / total[0]:.2f}x | {plain[1] / total[1]:.2f}x |")
 
 
 if __name__ == "__main__":

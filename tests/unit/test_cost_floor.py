@@ -143,7 +143,7 @@ def test_floors_by_tokens_left_keep_the_batch_end(table):
             end = _end(table, cands, _minimal(cands), left) / LAST_FLOOR
             assert _end(table, cands, got, left) <= end * (1 + 1e-9), (cands, left, got)
             late += _end(table, cands, uniform, left) > end * (1 + 1e-9)
-    assert late > 0 if table is JOB else late >= 0
+    assert late > 0 if table is JOB else late >= 0  # (job: 51 of 272)
 
 
 def test_the_readme_jobs_code_request_waits_for_the_chat_request_with_as_much_left():
