@@ -261,9 +261,10 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
     r = ShapePlanMixin()  # the runner's state that _choose_depths reads, nothing else
     vars(r).update(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
                    _dsbd_cost_base=free, _dsbd_cost_passes=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
-                   _dsbd_probe_kind="plain", _dsbd_waiting=0,
+                   _dsbd_probe_kind="plain", _dsbd_waiting=0, dsbd_context_len=1024,
+                   input_batch=SimpleNamespace(num_tokens_no_spec=[16] * 8, num_prompt_tokens=[8] * 8),
                    dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
-    states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance()) for _ in range(8)]
+    states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance(), max_tokens=48) for _ in range(8)]
     shapes = [load.Shape(leaves=1, width=2, depth=3)] * 8
     rng, planned, pending = random.Random(0), [], [0] * 8
     for _ in range(steps):
