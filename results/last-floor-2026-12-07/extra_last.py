@@ -1,5 +1,6 @@
-"""results/unbuilt-layers-2026-12-07/job_ab.py's extra variants (exec'd into it; AB_EXTRA=this file): "uniform", the rule before this page (every request's floor
-``cost.FLOOR`` while none waits, ``cost.request_floors`` replaced), and "none" (``"sources": []``)."""
+"""results/unbuilt-layers-2026-12-07/job_ab.py's extra variants (exec'd into it; AB_EXTRA=this file): "uniform", the
+rule before this page (every request's floor ``cost.FLOOR`` while none waits, ``cost.request_floors`` replaced), and
+"none" (``"sources": []``)."""
 # ruff: noqa: F821  (VARIANTS and set_rows are job_ab.py's)
 import vllm_dsbd.engine.cost as C
 _floors = C.request_floors
