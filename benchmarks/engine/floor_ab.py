@@ -8,7 +8,8 @@ time (the engine core runs in it).
 Engines (``--engines``): ``plain`` (plain vLLM), ``dsbd`` (the user's engine: floors by tokens left,
 ``cost.request_floors``), ``uniform`` (every request at ``cost.FLOOR`` while none waits, the rule before 2026-12-07's
 evening), ``nofloor`` (no floor, the rule before 2026-12-07), ``rows1`` / ``norows`` (the user's engine with the
-recycle source's prompt rows at 1% / 0% of a request's time, ``cost.PROMPT_SHARE``), ``none`` (``"sources": []``).
+recycle source's prompt rows at 1% / 0% of a request's time, ``cost.PROMPT_SHARE``), ``lookup`` (``"sources":
+["lookup"]``: no recycle harvest, no prompt rows), ``none`` (``"sources": []``).
 The rules are module state of the in-process engine core, so they are set before each call.
 
     VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python benchmarks/engine/floor_ab.py [--cycles 8] \\
@@ -37,6 +38,7 @@ def _rules(cost) -> dict:
     return {"plain": (None, by_left, share), "dsbd": (dsbd, by_left, share),
             "uniform": (dsbd, lambda left: [cost.FLOOR] * len(left), share),
             "nofloor": (dsbd, lambda left: None, share), "rows1": (dsbd, by_left, 0.01), "norows": (dsbd, by_left, 0.0),
+            "lookup": ({"method": "dsbd", "sources": ["lookup"]}, by_left, share),
             "none": ({"method": "dsbd", "sources": []}, by_left, share)}
 
 
