@@ -208,7 +208,8 @@ class _Least:
     def __init__(self, scale: Sequence[float]):
         self.scale = scale
         self.vals = list(scale)
-        self.heap = sorted((v, i) for i, v in enumerate(self.vals))
+        self.heap = [(v, i) for i, v in enumerate(self.vals)]
+        heapq.heapify(self.heap)
 
     def add(self, i: int, gain: float) -> None:
         if gain > 0.0:  # (a floor of 0: an infinite scale)
@@ -326,6 +327,13 @@ def request_floors(remaining: Sequence[int]) -> list[float]:
     return [max(FLOOR, LAST_FLOOR * (max(r, 0) / most)) for r in remaining]
 
 
+def _target_falls(table: CostTable) -> bool:
+    """Whether the table's target times ever fall with more tokens (a pinned table may): the bounds
+    (:func:`none_can_pay`, :func:`floors_exclude`) then do not hold."""
+    pts = table.target
+    return any(b[1] < a[1] for a, b in zip(pts, pts[1:]))
+
+
 def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
     """Whether no forest of any shape the candidates allow can make the step faster than none (then
     :func:`choose_shapes` chooses depth 0 for every candidate, which it returns at once). A bound, cheap where the
@@ -338,8 +346,7 @@ def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
     table's target times ever fall (a pinned table may)."""
     if not cands or any(c.pinned for c in cands):
         return not cands
-    pts = table.target
-    if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+    if _target_falls(table):
         return False
     leaves = sum(c.leaves for c in cands)
     bare = table.step + table.target_time(leaves)
@@ -371,10 +378,7 @@ def floors_exclude(cands: Sequence[Candidate], table: CostTable, scale: Sequence
     catch-ups, ``Tall``; a request whose best forest (its highest rate over N', its full depth) expects fewer than
     ``f_i Tall / ref`` tokens then rules out every shape. Never with a pinned candidate; False where the table's
     target times ever fall."""
-    if not cands or any(c.pinned for c in cands):
-        return False
-    pts = table.target
-    if any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+    if not cands or any(c.pinned for c in cands) or _target_falls(table):
         return False
     leaves = sum(c.leaves for c in cands)
     ref = table.step + table.target_time(leaves)
@@ -414,11 +418,11 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
     (docs/design/cost-model.md §3.6)."""
     if not cands:
         return []
+    if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
+        return [(c.width, 0) for c in cands]
     if floor is not None and not isinstance(floor, Sequence):
         floor = [floor] * len(cands)
     scale = None if floor is None else [1.0 / f if f > 0 else float("inf") for f in floor]  # expected tokens per floor
-    if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
-        return [(c.width, 0) for c in cands]
     if scale is not None and floors_exclude(cands, table, scale):  # no forest keeps every floor (the bound)
         return [(c.width, 0) for c in cands]
     shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, scale))]

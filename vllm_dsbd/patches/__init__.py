@@ -310,8 +310,9 @@ to add a speculative method with its own config keys and proposer; no such regis
 24. ``scheduler_queue`` - target ``vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule``.
    What: on a DSBD engine each ``SchedulerOutput`` carries ``dsbd_waiting``, the requests left waiting after the
    step was scheduled. Why: the cost model's floor per request (``cost.request_floors``: no request slowed by the
-   others' forests) holds only while none waits (under a queue a freed slot is refilled at once, so the batch's tokens per
-   second is what counts), and the worker sees only the scheduler output, which has no field for the queue.
+   others' forests) holds only while none waits (under a queue a freed slot is refilled at once, so the batch's
+   tokens per second is what counts), and the worker sees only the scheduler output, which has no field for the
+   queue.
    How: wrap ``_update_after_schedule`` (the last call of ``schedule``, scheduler.py:1190); set the attribute after
    the original. When it can go: vLLM's scheduler output carries its queue length.
 

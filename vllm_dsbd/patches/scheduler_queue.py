@@ -1,10 +1,10 @@
 """Patch: a DSBD worker learns, with each step's scheduler output, how many requests still wait to be scheduled.
 
 The cost model keeps every request at its floor of its pace without forests (``cost.request_floors``: no request is
-slowed by the others' forests) only while no request waits: then the batch's time is its slowest request's (an offline batch's end, a
-server's latency), while under a queue a slot freed early is refilled at once and the batch's tokens per second is
-what counts (``shapes._choose_depths``). vLLM's ``SchedulerOutput`` has no field for the queue, and the worker sees
-only that output.
+slowed by the others' forests) only while no request waits: then the batch's time is its slowest request's (an
+offline batch's end, a server's latency), while under a queue a slot freed early is refilled at once and the batch's
+tokens per second is what counts (``shapes._choose_depths``). vLLM's ``SchedulerOutput`` has no field for the queue,
+and the worker sees only that output.
 
 How: wrap ``Scheduler._update_after_schedule`` (the last call of ``schedule``, scheduler.py:1190); on a DSBD engine
 set ``scheduler_output.dsbd_waiting = len(waiting) + len(skipped_waiting)`` after the original (an attribute of the
