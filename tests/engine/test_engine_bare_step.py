@@ -6,7 +6,7 @@
   the steps that verify nothing and propose nothing of three DSBD engines, ``"sources": []``, the user's engine
   (draft-free sources) and the draft model's, the last two with a pinned cost table under which no forest ever pays
   (so every step's drafting machinery runs and decides depth 0), dispatch at most plain vLLM's operations + 5
-  (``MAX_EXTRA_OPS``: the recycle source's ``topk`` and ``logsumexp`` of the roots' rows, which it keeps on the
+  (``MAX_EXTRA_OPS``: the recycle source's ``log_softmax`` and ``topk`` of the roots' rows, which it keeps on the
   device) and read exactly as often as plain vLLM's; the tokens equal plain vLLM's. Power: the same engines with the
   fast path off (``runner.dsbd_vllm_sampler = False``: DSBD's verification of a depth-0 step, what every step ran
   before) exceed the bound, so the count tells the two apart.

@@ -12,6 +12,7 @@ projected end stays within 1 / LAST_FLOOR of plain vLLM's; planted: the uniform 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -178,7 +179,7 @@ def test_the_floors_bound_only_skips_steps_without_a_forest(monkeypatch, table):
                 fired += 1
                 assert full == _minimal(cands), (cands, floors, full)
             wrong += _planted_bound(cands, table, scale) and full != _minimal(cands)
-    assert (fired > 0 and wrong > 0) if table is not FLAT else fired == wrong == 0  # (cpu: 250, 25; job: 36, 164)
+    assert (fired > 0 and wrong > 0) if table is not FLAT else fired == wrong == 0  # (cpu: 304, 25; job: 36, 164)
 
 
 def _full_search(monkeypatch, cands, table, floors):
@@ -195,3 +196,45 @@ def _planted_bound(cands, table, scale) -> bool:
     ref = table.step + table.target_time(leaves)
     one = table.step + table.target_time(leaves + 1) + table.draft_step + table.node
     return min(scale) * ref < one
+
+
+def _one_round_bound(cands, table, scale) -> bool:
+    """``floors_exclude`` before its fixed point (2026-12-07): every request at its smallest forest, each held to its
+    best forest's tokens alone."""
+    leaves = sum(c.leaves for c in cands)
+    ref = table.step + table.target_time(leaves)
+    if any(cost._keeps_floor(x, ref, table.step + table.target_time(leaves + 1) + table.draft_step + table.node)
+           for x in scale):
+        return False
+    nodes = sum(min([c.width] + [w for w, _ in c.options]) for c in cands)
+    every = (table.step + table.target_time(leaves + nodes) + table.draft_step + table.node * nodes
+             + table.draft_time(sum(c.catch_up for c in cands)))
+    return any(not cost._keeps_floor(expected_tokens(max([c.rate] + [r for _, r in c.options]), c.depth) * x, ref,
+                                     every) for c, x in zip(cands, scale))
+
+
+# two steps of the README job (8 requests: 4 code edits, 4 chats; width 2, depth 3, N' = 1 beside it), as the engine
+# saw them on 2026-12-07: its corrected table (ms) and each request's (rate at N = 2, rate at N' = 1) and floor
+JOB_TARGET_MS = {1: 27.11, 2: 27.11, 4: 27.11, 8: 32.29, 16: 41.98, 32: 64.47, 64: 104.81, 128: 192.65, 256: 374.55}
+JOB_STEPS = [
+    (5.07, 0.616,
+     [(1.0, .927), (1.0, .911), (.8186, .65), (.8186, .65), (.4, .24), (.4, .24), (.44, .44), (.7333, .24)],
+     [0.95, 0.95, 0.95, 0.95, 0.99, 0.99, 0.966, 0.966]),
+    (5.07, 1.278, [(1.0, .8)] * 4 + [(.6828, .4)] * 4, [0.95] * 4 + [0.99] * 4),
+]
+
+
+@pytest.mark.parametrize("step", range(len(JOB_STEPS)))
+def test_the_floors_bound_rules_out_the_readme_jobs_steps(monkeypatch, step):
+    """The fixed point of ``floors_exclude`` returns the README job's steps at once where the full search (bound off)
+    finds no forest either (without floors it drafts the code requests); the bound's first round alone (as it was
+    before) does not fire on them."""
+    draft_step, node, rates, floors = JOB_STEPS[step]
+    table = dataclasses.replace(CostTable.from_times({n: t / 1e3 for n, t in JOB_TARGET_MS.items()}, {1: 0.0},
+                                                     9.88e-3), draft_step=draft_step / 1e3, node=node / 1e3)
+    cands = [Candidate(1, 2, 3, a, options=((1, b),)) for a, b in rates]
+    scale = [1.0 / f for f in floors]
+    assert cost.floors_exclude(cands, table, scale)
+    assert _full_search(monkeypatch, cands, table, floors) == _minimal(cands)
+    assert any(d for _, d in choose_shapes(cands, table))  # without floors forests pay: the floors rule them out
+    assert not _one_round_bound(cands, table, scale)

@@ -7,11 +7,11 @@ such a step waits on the device until it is needed, so the step reads nothing vL
 
 * the emitted tokens (:class:`BareTokens`): the next drafting hook reads them from vLLM's host lists (drafters that run
   after vLLM's bookkeeping) or, for a draft model, from the sampler's tensor once, only if some request drafts;
-* the recycle source's rows (:class:`LateRows`): each root row's best tokens and log-normaliser are computed on the
-  device now (a ``topk`` and a ``logsumexp``) and enter the request's table when the drafter next reads the tables,
-  or every ``LATE_STEPS`` steps. A row harvested here is keyed by the context before this step's token, which the
-  drafter's next root never looks up, so the late intake drafts what the immediate one would; exactness does not
-  depend on it (the table is a function of the past whenever it is read).
+* the recycle source's rows (:class:`LateRows`): each root row's best tokens and their log-probabilities are computed
+  on the device now (a ``log_softmax`` and its ``topk``) and enter the request's table when the drafter next reads
+  the tables, or every ``LATE_STEPS`` steps. A row harvested here is keyed by the context before this step's token,
+  which the drafter's next root never looks up, so the late intake drafts what the immediate one would; exactness does
+  not depend on it (the table is a function of the past whenever it is read).
 
 Why vLLM's sampler is the same law: a request of this kind is one draw from the target's row (DSBD's depth-0
 iteration), with vLLM's own top-k / top-p / temperature; greedy is vLLM's argmax of the raw row. Seeded requests at
@@ -103,12 +103,13 @@ class LateRows:
         self._parts: list[tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, logits: torch.Tensor, rows: list[tuple["RequestState", int, list[int]]]) -> bool:
-        """Queues ``rows`` ((state, logits row, last tokens)): the ``RECYCLE_K`` best tokens of every row of ``logits`` (a
-        bare step's: one per request) and its log-normaliser; True when ``LATE_STEPS`` steps wait (drain then)."""
-        if rows:
-            vals, ids = torch.topk(logits, RECYCLE_K, dim=-1)
-            x = logits if logits.dtype == torch.float32 else logits.float()
-            self._parts.append((rows, vals, ids, torch.logsumexp(x, dim=-1)))
+        """Queues ``rows`` ((state, logits row, last tokens)): the ``RECYCLE_K`` best tokens of every row of ``logits``
+        (a bare step's: one per request) and their log-probabilities; True when ``LATE_STEPS`` steps wait (drain
+        then)."""
+        if rows:  # log_softmax, then its top-k (a CPU's log_softmax costs half of logsumexp)
+            logp = torch.log_softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)
+            vals, ids = torch.topk(logp, RECYCLE_K, dim=-1)
+            self._parts.append((rows, vals, ids))
         return len(self._parts) >= LATE_STEPS
 
     def __len__(self) -> int:
@@ -118,9 +119,9 @@ class LateRows:
         """Every waiting row into its request's table, oldest step first (the newest row of a key wins); one host copy
         for all of them (``reads.fetch``)."""
         parts, self._parts = self._parts, []
-        host = reads.fetch([x for _, vals, ids, lse in parts for x in (vals.double(), ids, lse.double())])  # one copy
-        for k, (rows, _, _, _) in enumerate(parts):
-            v, t, z = (x.tolist() for x in host[3 * k : 3 * k + 3])
+        host = reads.fetch([x for _, vals, ids in parts for x in (vals.double(), ids)])  # one copy
+        for k, (rows, _, _) in enumerate(parts):
+            v, t = (x.tolist() for x in host[2 * k : 2 * k + 2])
             for st, r, ctx in rows:
                 if st.sources is not None:
-                    st.sources.add_row(ctx, t[r], [x - z[r] for x in v[r]])
+                    st.sources.add_row(ctx, t[r], v[r])

@@ -370,14 +370,17 @@ def none_can_pay(cands: Sequence[Candidate], table: CostTable) -> bool:
 
 def floors_exclude(cands: Sequence[Candidate], table: CostTable, scale: Sequence[float]) -> bool:
     """Whether no forest keeps every request at its floor (``scale``: 1 / each floor; :func:`choose_shapes` then returns
-    the minimal step at once). A bound in O(R), for the steps where floors bind (an offline batch's requests at
-    LAST_FLOOR, none of which gains much): any forest costs at least the bare step, the drafting step, a node and the
-    target's next token, ``T1``; a request without a forest keeps its floor only while ``T <= ref / f_i``, so where
-    ``T1`` breaks that for every request, every request must draft, and the step then costs at least the drafting
-    step, its smallest forest's nodes for every request, the target pass over them and the draft's pass over their
-    catch-ups, ``Tall``; a request whose best forest (its highest rate over N', its full depth) expects fewer than
-    ``f_i Tall / ref`` tokens then rules out every shape. Never with a pinned candidate; False where the table's
-    target times ever fall."""
+    the minimal step at once). A bound, O(R) shapes' sums a round, for the steps where floors bind (an offline batch's
+    requests at LAST_FLOOR, none of which gains much): any forest costs at least the bare step, the drafting step, a
+    node and the target's next token, ``T1``; a request without a forest keeps its floor only while
+    ``T <= ref / f_i``, so where ``T1`` breaks that for every request, every request must draft, and the step then
+    costs at least the drafting step, its smallest forest's nodes for every request, the target pass over them and the
+    draft's pass over their catch-ups, ``Tall``. Then to a fixed point: where request i keeps its floor in a step of
+    ``T`` (a lower bound of the step, first ``Tall``) only in shapes (N', d) with at least ``m_i`` nodes beyond its
+    smallest forest's, every feasible step costs at least ``Tall`` with ``sum m_i`` nodes more, a new ``T``; where
+    some request keeps its floor in no shape at such a ``T``, no shape is feasible (the README job's steps that the
+    first round alone let through: tests/unit/test_cost_floor.py). Never with a pinned candidate; False where the
+    table's target times ever fall."""
     if not cands or any(c.pinned for c in cands) or _target_falls(table):
         return False
     leaves = sum(c.leaves for c in cands)
@@ -389,10 +392,26 @@ def floors_exclude(cands: Sequence[Candidate], table: CostTable, scale: Sequence
         return True
     least = [min([c.width] + [w for w, _ in c.options]) for c in cands]
     nodes = sum(least)
-    every = (table.step + table.target_time(leaves + nodes) + table.draft_step + table.node * nodes
-             + table.draft_time(sum(c.catch_up for c in cands)))
-    return any(not _keeps_floor(expected_tokens(max([c.rate] + [r for _, r in c.options]), c.depth) * x, ref, every)
-               for c, x in zip(cands, scale))
+    fixed = table.step + table.draft_step + table.draft_time(sum(c.catch_up for c in cands))
+
+    def every(more: int) -> float:  # every request at its smallest forest, and ``more`` nodes besides
+        return fixed + table.target_time(leaves + nodes + more) + table.node * (nodes + more)
+
+    # each request's shapes as (nodes beyond its smallest forest's, expected tokens over its floor), fewest nodes first
+    shapes = [sorted((w * d - low, expected_tokens(r, d) * x) for w, r in ((c.width, c.rate),) + c.options
+                     for d in range(1, c.depth + 1)) for c, x, low in zip(cands, scale, least)]
+    more = 0  # nodes that every feasible step holds beyond every request's smallest forest, at least
+    while True:
+        t = every(more)
+        need = 0
+        for own in shapes:
+            m = next((n for n, g in own if _keeps_floor(g, ref, t)), None)
+            if m is None:  # this request keeps its floor in no shape at a step of at least t
+                return True
+            need += m
+        if need <= more:
+            return False
+        more = need
 
 
 def choose_shapes(cands: Sequence[Candidate], table: CostTable,
