@@ -13,6 +13,9 @@ from . import bare, cost, load
 from .step_clock import BEAM, PLAIN, StepClock
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
+# the most requests that try in one step (cost.Exploration): a probe step then costs one request's forest beside the
+# bare step (a batch of 8 trying together cost 3.3-3.6 bare steps on 2 CPU cores: results/sure-floors-2026-12-07)
+MAX_TRIES = 1
 
 
 class ShapePlanMixin:
@@ -131,10 +134,20 @@ class ShapePlanMixin:
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
         engine-wide rates (a try's floor and a new request's rate), no request slowed below its floor of its pace
         without forests while no request waits (patch ``scheduler_queue``; ``cost.request_floors``: ``cost.FLOOR``,
-        the one with the most tokens left ``cost.LAST_FLOOR``); tries and forests at the prior only within the
-        engine's exploration budget (``cost.Exploration``)."""
-        rows, cands, lows, tries = [], [], [], []
+        the one with the most tokens left ``cost.LAST_FLOOR``), each request's floor judged at the lower bound of its
+        own evidence (``Candidate.sure``); tries and forests at the prior only within the engine's exploration budget
+        (``cost.Exploration``), one try a step."""
+        rows, cands, lows, tries, pools = [], [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
+
+        def candidate(k: int, ex: bool) -> cost.Candidate:
+            i, s = rows[k], shapes[rows[k]]
+            c = states[i].acceptance.candidate(s.leaves, min(levels[i].width, s.width), min(levels[i].depth, s.depth),
+                                               s.pinned, lows[k], pools[k], ex)
+            if catch_ups is not None and catch_ups[i] != c.catch_up:  # the draft's first pass as it will run
+                c = dataclasses.replace(c, catch_up=catch_ups[i])
+            return c
+
         for i, (lv, s, st) in enumerate(zip(levels, shapes, states)):
             if st is None or discard[i]:
                 continue
@@ -142,13 +155,14 @@ class ShapePlanMixin:
             low = b.params.width if b is not None else 1  # the fewest nodes per depth: a beam request's W, else 1
             lows.append(low if w >= low else None)
             rows.append(i)
-            pool = self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w)
-            acc = st.acceptance
-            tries.append(explore and acc.idle >= acc.wait)
-            c = acc.candidate(s.leaves, w, min(lv.depth, s.depth), s.pinned, lows[-1], pool, explore)
-            if catch_ups is not None and catch_ups[i] != c.catch_up:  # the draft's first pass as it will run
-                c = dataclasses.replace(c, catch_up=catch_ups[i])
-            cands.append(c)
+            pools.append(self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w))
+            tries.append(explore and st.acceptance.idle >= st.acceptance.wait)
+            cands.append(candidate(len(rows) - 1, explore))
+        if sum(tries) > MAX_TRIES:  # the others plan at their estimates and try in later steps
+            keep = _tries_kept(tries, cands, [states[i].acceptance.idle for i in rows])
+            for k, t in enumerate(tries):
+                if t and k not in keep:
+                    tries[k], cands[k] = False, candidate(k, False)
         out, chosen = list(levels), []
         clock = self._dsbd_clock
         beams = sum(states[i].beam is not None for i in rows)  # the batch's kind: its windows are measured apart
@@ -203,6 +217,13 @@ class ShapePlanMixin:
             self.dsbd_stats.vetoed_steps += 1
             return _pinned_only(cands, shapes), probed
         return shapes, probed or clock.forests_lose(reqs, kind or PLAIN)
+
+
+def _tries_kept(tries: list[bool], cands: list, idle: list[int]) -> set[int]:
+    """Of a step's requests due a try (``tries``), the ``MAX_TRIES`` that try: the likeliest to pay (their candidates'
+    rates, the tries'), then the longest idle, then the first."""
+    due = sorted((k for k, t in enumerate(tries) if t), key=lambda k: (-cands[k].rate, -idle[k], k))
+    return set(due[:MAX_TRIES])
 
 
 def _pinned_only(cands, shapes) -> list[tuple[int, int]]:
