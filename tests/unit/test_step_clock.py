@@ -235,7 +235,7 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     assert not c.forests_lose(8)
 
 
-def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
+def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False, waiting=0):
     """The runner's loop around ``shapes._choose_depths`` (the real method, on a stand-in runner) for 8 plain requests
     (width 2, depth 3, passing 80% of layers) whose forests lose: a window with forests takes 30 ms and emits the
     verified forests' tokens, a bare one 10 ms for 8 tokens, and the table says forests are free (as the start-up table
@@ -261,7 +261,7 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
     r = ShapePlanMixin()  # the runner's state that _choose_depths reads, nothing else
     vars(r).update(dsbd_explore=cost.Exploration(), dsbd_pass_rates=cost.PassRates(), dsbd_cost=free,
                    _dsbd_cost_base=free, _dsbd_cost_passes=free, _dsbd_clock=clock, _dsbd_bare_probe=0,
-                   _dsbd_probe_kind="plain", _dsbd_waiting=0, dsbd_context_len=1024,
+                   _dsbd_probe_kind="plain", _dsbd_waiting=waiting, dsbd_context_len=1024,
                    input_batch=SimpleNamespace(num_tokens_no_spec=[16] * 8, num_prompt_tokens=[8] * 8),
                    dsbd_stats=SimpleNamespace(vetoed_steps=0, record_nodes=lambda nodes: None))
     states = [SimpleNamespace(beam=None, acceptance=cost.Acceptance(), max_tokens=48) for _ in range(8)]
@@ -289,7 +289,8 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False):
 def test_forests_that_lose_stop_within_a_short_run(monkeypatch):
     """Forests that lose at a batch size are measured to lose within the warm-up, ``MIN_REGIME`` windows and one bare
     probe (``BARE_PROBE`` steps, outside the exploration budget), about 20 steps: a short run (the README's main job
-    makes ~45 steps at batch 8) reaches the verdict; from then on forests run only as probes within the budget. With
+    makes ~45 steps at batch 8) reaches the verdict; from then on no forest runs while none waits (under a queue, as
+    probes within the budget: the next test). With
     bare probes never starting (the planted variant; before 2026-12-06 they waited for the budget too) the forests run
     on: the table says they are free."""
     steps = 200
@@ -302,6 +303,20 @@ def test_forests_that_lose_stop_within_a_short_run(monkeypatch):
     assert r.dsbd_stats.vetoed_steps >= steps - verdict - len(late)
     planted, _ = _veto_loop(monkeypatch, steps, no_bare_probe=True)
     assert sum(1 for t in range(verdict, steps) if planted[t]) > steps // 2
+
+
+def test_forests_measured_to_lose_run_as_probes_only_under_a_queue(monkeypatch):
+    """Once forests are measured to lose at a batch size, while no request waits (the floors promise every request
+    its pace) none runs there, the exploration budget open or not, until the verdict's windows expire (``HORIZON``);
+    under a queue they run as the budget's probes, about ``PROBE_SHARE`` of the steps (the rule before 2026-12-07
+    everywhere, which in the README job drafted the 8 new requests of every call at the pool's rate)."""
+    steps = 200
+    verdict = step_clock.WARMUP + step_clock.MIN_REGIME + step_clock.BARE_PROBE + 2
+    quiet, _ = _veto_loop(monkeypatch, steps)
+    queued, _ = _veto_loop(monkeypatch, steps, waiting=1)
+    assert not any(quiet[verdict:]), quiet
+    late = [t for t in range(verdict, steps) if queued[t]]
+    assert 0 < len(late) <= cost.PROBE_SHARE * steps + 3, (late, queued)
 
 
 def test_the_warm_up_drafts_no_forest_and_the_first_forests_are_not_measured(monkeypatch):

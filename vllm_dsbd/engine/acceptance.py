@@ -97,13 +97,6 @@ def upper_rate(passed: float, tried: float) -> float:
     return min(1.0, a + math.sqrt(a * (1.0 - a) / (PRIOR_WEIGHT + tried)))
 
 
-def lower_rate(passed: float, tried: float) -> float:
-    """A lower confidence bound of a pass rate, :func:`upper_rate`'s mirror: ``a - sqrt(a (1 - a) / (PRIOR_WEIGHT +
-    tried))``, at least 0 (0.25 with no evidence). The rate a request's floor is judged at (``Candidate.sure``)."""
-    a = _rate(passed, tried)
-    return max(0.0, a - math.sqrt(a * (1.0 - a) / (PRIOR_WEIGHT + tried)))
-
-
 @dataclass
 class PassRates:
     """The engine-wide pass rate of every forest source by nodes per depth N: layers passed per layer tried over
@@ -200,25 +193,21 @@ class Acceptance:
         ``wait`` idle steps as any other request. Tries and forests at the prior are probes (``Candidate.probe``,
         spending the engine's :class:`Exploration` budget); a try only where ``explore`` (the budget is open),
         otherwise it plans at its estimate. A forest at the prior is not held back (only until the source's first
-        forest of its kind is verified: then the engine-wide rate exists). Its floor (``Candidate.sure``) is judged at
-        the lower bound of its own evidence (:func:`lower_rate`: a new request's at the prior's, whatever the pool
-        says), a probe's at its planning rate (the budget bounds what probes cost)."""
+        forest of its kind is verified: then the engine-wide rate exists)."""
         trying = self.idle >= self.wait and explore
-        sure = lower_rate(self.passed, self.tried)
         if self.fresh() and pool is not None and not trying:
             grid = [] if low is None or low >= width else list(reversed(width_grid(low, width)))[1:]
-            return Candidate(leaves, width, depth, pool, leaves, pinned, tuple((w, pool) for w in grid), sure=sure)
+            return Candidate(leaves, width, depth, pool, leaves, pinned, tuple((w, pool) for w in grid))
         probe = trying or self.fresh()
-        sure = None if probe else sure
         if low is None or low >= width:
             rate = self.try_rate(self.passed, self.tried, pool) if trying else self.rate()
-            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=probe, sure=sure)
+            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=probe)
         if trying:  # a try: the full width, whose forest informs the smaller ones
             own = self.by_width.get(width, (self.passed, self.tried))
             rate = max(self.try_rate(*own, pool), self.width_rate(width))
             return Candidate(leaves, width, depth, rate, leaves, pinned, probe=True)
         rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
-        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]), probe=probe, sure=sure)
+        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]), probe=probe)
 
     def chose(self, depth: int, trying: bool | None = None) -> None:
         """The model chose ``depth`` for this request this step (``trying``: its candidate was a try; by default
@@ -264,7 +253,8 @@ class Exploration:
     """The engine's budget of probes: steps in which a request drafts at a rate its own forests do not back (a try
     after ``wait`` idle steps, or a forest at the prior). It earns ``share`` of a probe per step, up to ``burst``, and a
     step that drafts any probe spends one: so at most about ``share`` of the steps hold a probe, however many requests
-    are switched off (each try doubles its own wait too). Tries due while it is closed wait for it and go together.
+    are switched off (each try doubles its own wait too). Tries due while it is closed wait for it; in an open step one
+    of them tries (``shapes.MAX_TRIES``), the others in later open steps.
     A function of past choices only: every rank keeps the same budget and every law stays exact."""
 
     share: float = PROBE_SHARE
@@ -302,10 +292,3 @@ class Candidate:
     pinned: bool = False
     options: tuple[tuple[int, float], ...] = ()
     probe: bool = False  # a try or a forest at the prior: spends the engine's exploration budget (Exploration)
-    # the rate its floor is judged at, at most its rate at each N' (cost.choose_shapes; Acceptance.candidate: the lower
-    # bound of its own evidence); None: its rates
-    sure: float | None = None
-
-    def sure_rate(self, rate: float) -> float:
-        """The rate this request's floor is judged at where it drafts at ``rate``."""
-        return rate if self.sure is None else min(rate, self.sure)

@@ -173,7 +173,7 @@ def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
         seconds = (table.step + table.draft_step + table.target_time(tokens) + draft + table.node * (tokens - base))
         ratio = expect / seconds
         if least is not None and not c.pinned:  # a pinned request keeps its minimal step's tokens
-            least.add(i, c.sure_rate(c.rate) ** k)
+            least.add(i, c.rate ** k)
         if m < forced:
             continue
         if ratio > free_ratio * (1 + 1e-9):
@@ -185,13 +185,6 @@ def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
         if ratio > best_ratio * (1 + 1e-9):
             best, best_ratio = m, ratio
     return best, best_ratio, free
-
-
-def _sure_expect(c: Candidate, rates: Mapping[int, float], shape: tuple[int, int]) -> float:
-    """The expected tokens a candidate's floor is judged at under ``shape`` (N', d), its rate there ``rates[N']``
-    taken at most at ``c.sure`` (:meth:`Candidate.sure_rate`)."""
-    w, d = shape
-    return expected_tokens(c.sure_rate(rates[w]), d) if w > 0 and d > 0 else 1.0
 
 
 def _keeps_floor(least: float, ref: float, seconds: float) -> bool:
@@ -405,7 +398,7 @@ def floors_exclude(cands: Sequence[Candidate], table: CostTable, scale: Sequence
         return fixed + table.target_time(leaves + nodes + more) + table.node * (nodes + more)
 
     # each request's shapes as (nodes beyond its smallest forest's, expected tokens over its floor), fewest nodes first
-    shapes = [sorted((w * d - low, expected_tokens(c.sure_rate(r), d) * x) for w, r in ((c.width, c.rate),) + c.options
+    shapes = [sorted((w * d - low, expected_tokens(r, d) * x) for w, r in ((c.width, c.rate),) + c.options
                      for d in range(1, c.depth + 1)) for c, x, low in zip(cands, scale, least)]
     more = 0  # nodes that every feasible step holds beyond every request's smallest forest, at least
     while True:
@@ -461,14 +454,13 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
         alt = list(cands)
         for i in movable:
             w, r = sorted(cands[i].options, reverse=True)[min(j, len(cands[i].options)) - 1]
-            alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up, sure=cands[i].sure)
+            alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up)
         trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table, scale))], table)
         if (r := trial.ratio()) > best_ratio * (1 + 1e-9):
             step, best_ratio = trial, r
     if floor is not None:  # the minimal step, and each request's tokens against its own there (a pinned one's: 1)
         ref = _Step(cands, [(c.width, c.depth if c.pinned else 0) for c in cands], table).seconds()
-        gains = [(1.0 if c.pinned else _sure_expect(c, step.rates[i], step.shapes[i])) * x
-                 for i, (c, x) in enumerate(zip(cands, scale))]
+        gains = [(1.0 if c.pinned else e) * x for c, e, x in zip(cands, step.expect, scale)]
         low = _two_least(gains)
     for _ in range(MAX_SWEEPS):
         changed = False
@@ -484,15 +476,15 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
                     if (w, d) == cur:
                         continue
                     step.set(i, (w, d))
-                    if (floor is not None and not _keeps_floor(
-                            min(others, _sure_expect(c, step.rates[i], (w, d)) * scale[i]), ref, step.seconds())):
+                    if (floor is not None
+                            and not _keeps_floor(min(others, step.expect[i] * scale[i]), ref, step.seconds())):
                         continue
                     if (r := step.ratio()) > best_ratio * (1 + 1e-9):
                         best, best_ratio = (w, d), r
             step.set(i, best)
             changed |= best != cur
             if floor is not None and best != cur:
-                gains[i] = _sure_expect(c, step.rates[i], best) * scale[i]
+                gains[i] = step.expect[i] * scale[i]
                 if i in (low[1], low[3]) or gains[i] < low[2]:  # the two least may have moved: found again, O(requests)
                     low = _two_least(gains)
         if not changed:

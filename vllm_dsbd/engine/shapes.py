@@ -134,9 +134,8 @@ class ShapePlanMixin:
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
         engine-wide rates (a try's floor and a new request's rate), no request slowed below its floor of its pace
         without forests while no request waits (patch ``scheduler_queue``; ``cost.request_floors``: ``cost.FLOOR``,
-        the one with the most tokens left ``cost.LAST_FLOOR``), each request's floor judged at the lower bound of its
-        own evidence (``Candidate.sure``); tries and forests at the prior only within the engine's exploration budget
-        (``cost.Exploration``), one try a step."""
+        the one with the most tokens left ``cost.LAST_FLOOR``); tries and forests at the prior only within the
+        engine's exploration budget (``cost.Exploration``), one try a step (``MAX_TRIES``)."""
         rows, cands, lows, tries, pools = [], [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
 
@@ -168,10 +167,11 @@ class ShapePlanMixin:
         beams = sum(states[i].beam is not None for i in rows)  # the batch's kind: its windows are measured apart
         kind = PLAIN if not beams else BEAM if beams == len(rows) else None
         # the engine's first decode steps (unmeasured), or forests measured to lose at this batch size (a mixed batch:
-        # by its plain requests' windows) with no probe due: the model is not asked (its host work saved on every such
-        # step), none drafts but a pinned beam request
-        lose = (clock is not None and not clock.warming() and not explore and self._dsbd_bare_probe == 0
-                and clock.forests_lose(len(rows), kind or PLAIN))
+        # by its plain requests' windows) with no probe due (none is while no request waits: the floors promise every
+        # request its pace, and forests measured to lose slow them all; the verdict expires, HORIZON): the model is not
+        # asked (its host work saved on every such step), none drafts but a pinned beam request
+        lose = (clock is not None and not clock.warming() and (not explore or not self._dsbd_waiting)
+                and self._dsbd_bare_probe == 0 and clock.forests_lose(len(rows), kind or PLAIN))
         if lose or (clock is not None and clock.warming()):
             shapes, probed = _pinned_only(cands, [(c.width, c.depth) for c in cands]), False
             self.dsbd_stats.vetoed_steps += lose and any(c.width > 0 and c.depth > 0 and not c.pinned for c in cands)
@@ -206,8 +206,8 @@ class ShapePlanMixin:
         without them (``step_clock.needs_bare``; not from the budget: a short run must reach the verdict too), run
         only in a batch of one ``kind`` of request, plain or beam (the clock records no mixed window, so a probe's step
         there would cost forests and measure nothing), and at that kind's windows; forests
-        measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open, and
-        run as its probe. Returns (shapes, whether the step probes)."""
+        measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open and
+        requests waiting, and run as its probe. Returns (shapes, whether the step probes)."""
         if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
             return shapes, probed
         if self._dsbd_bare_probe == 0 and kind is not None and clock.needs_bare(reqs, kind):
