@@ -24,18 +24,18 @@ a pinned table (the correction is off then) and only without tensor parallelism 
 The same windows also answer, per batch size, whether forests pay at all (:meth:`StepClock.forests_lose`): the tokens
 per second of the windows with forests (drafted or verified) against those of the bare windows, both measured at the
 same batch size (a power-of-two bucket of its requests) over their last ``WINDOW`` samples; the runner then drafts no
-forest at that size but within the engine's probe budget (``shapes.py``), so a batch whose forests lose runs at
-nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7); where only forests were measured
-at a batch size, a bare probe (``BARE_PROBE`` steps without forests, at most once per ``PROBE_GAP`` measured steps and
-batch-size bucket, outside the probe budget: a short run must reach the verdict) measures the other side. Windows
-of plain requests and of beam requests are kept apart, and a window with both is not kept: a plain request's window
-counts its tokens, a beam request's its beam steps (every live beam one token longer; one beam step of W beams is not
-W tokens of plain requests, and beam forests cost what plain ones do not: a verdict from one kind says nothing of the
-other). The surpluses are kept apart the same way (a mixed window counts as plain): a batch of beam requests takes
+forest at that size but, under a queue, within the engine's probe budget (``shapes.py``), so a batch whose forests lose
+runs at nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7); where only forests were
+measured at a batch size, a bare probe (``BARE_PROBE`` steps without forests, at most once per ``PROBE_GAP`` measured
+steps and batch-size bucket, outside the probe budget: a short run must reach the verdict) measures the other side.
+Windows of plain requests and of beam requests are kept apart, and a window with both is not kept: a plain request's
+window counts its tokens, a beam request's its beam steps (every live beam one token longer; one beam step of W beams is
+not W tokens of plain requests, and beam forests cost what plain ones do not: a verdict from one kind says nothing of
+the other). The surpluses are kept apart the same way (a mixed window counts as plain): a batch of beam requests takes
 the table corrected by beam windows alone (``corrected(table, BEAM)``), where its forests' measured cost, or the
 start-up probe's until they are measured, never plain forests' (after plain traffic whose host-drafted forests cost
-nothing over the table, beam forests were priced at nothing: results/beam-verdict-2026-12-07).
-Imports neither vLLM nor torch.
+nothing over the table, beam forests were priced at nothing: results/beam-verdict-2026-12-07). Imports neither vLLM nor
+torch.
 """
 from __future__ import annotations
 
