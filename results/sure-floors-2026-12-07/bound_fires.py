@@ -5,17 +5,12 @@ time of choices with and without a forest (ms), and up to three choices without 
 
     VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python results/sure-floors-2026-12-07/bound_fires.py
 """
-import os, sys, time, statistics, collections
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks" / "engine"))
-import demo_vllm as demo
-import vllm
+import collections, statistics, time
+
+from _engine import readme_engine
 from vllm_dsbd.engine import cost
-target, prompts, params = demo.readme_job()
-llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
-               speculative_config={"method": "dsbd"})
-llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)
+
+llm, runner, prompts, params = readme_engine("dsbd")
 llm.generate(prompts, params, use_tqdm=False)
 cnt = collections.Counter(); tm = collections.defaultdict(list); ex = []
 o_cs, o_ncp, o_fe = cost.choose_shapes, cost.none_can_pay, cost.floors_exclude

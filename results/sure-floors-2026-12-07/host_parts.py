@@ -5,21 +5,14 @@ after a warm-up call; per call each part's count, median and total (ms).
 
     VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python results/sure-floors-2026-12-07/host_parts.py [dsbd|none|plain]
 """
-import os, sys, time, statistics, collections
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0"); os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks" / "engine"))
-import demo_vllm as demo
-import vllm
-from vllm_dsbd.engine import cost, shapes, bare, step_clock, proposing, source_drafter, runner as rmod
+import collections, statistics, sys, time
+
+from _engine import readme_engine
+from vllm_dsbd.engine import bare, shapes, step_clock
+
 kind = sys.argv[1] if len(sys.argv) > 1 else "dsbd"
-spec = {"plain": None, "dsbd": {"method": "dsbd"}, "none": {"method": "dsbd", "sources": []}}[kind]
-target, prompts, params = demo.readme_job()
-llm = vllm.LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
-               speculative_config=spec)
-llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)
+llm, runner, prompts, params = readme_engine(kind)
 llm.generate(prompts, params, use_tqdm=False)
-runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 acc = collections.defaultdict(list)
 def wrap(obj, name, key):
     fn = getattr(obj, name)
