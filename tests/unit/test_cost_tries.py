@@ -1,7 +1,7 @@
 """One try a step (``shapes.MAX_TRIES``): requests due a try (switched off, planned again at an optimistic rate) wait
 for the engine's exploration budget (``cost.Exploration``), and in an open step one of them tries, the likeliest to
 pay, the others at their estimates. Before, the tries due went together: in the README job 8 requests trying in one
-step cost 3.3-3.6 bare steps on 2 CPU cores (results/sure-floors-2026-12-07), one probe step's worth of budget.
+step cost several bare steps (results/sure-floors-2026-12-07) for one probe step's worth of budget.
 
 Checked on the runner's choice (``ShapePlanMixin._choose_depths``, no step clock) with four requests due a try: the
 model is shown one try, the request whose try rate is highest, and it spends the budget; planted: with

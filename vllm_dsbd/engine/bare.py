@@ -100,7 +100,7 @@ class LateRows:
     (one host read for every waiting step)."""
 
     def __init__(self):
-        self._parts: list[tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._parts: list[tuple[list, torch.Tensor, torch.Tensor]] = []  # (rows, log-probabilities, token ids)
 
     def add(self, logits: torch.Tensor, rows: list[tuple["RequestState", int, list[int]]]) -> bool:
         """Queues ``rows`` ((state, logits row, last tokens)): the ``RECYCLE_K`` best tokens of every row of ``logits``

@@ -14,7 +14,7 @@ from .step_clock import BEAM, PLAIN, StepClock
 
 logger = logging.getLogger("vllm.vllm_dsbd.engine")
 # the most requests that try in one step (cost.Exploration): a probe step then costs one request's forest beside the
-# bare step (a batch of 8 trying together cost 3.3-3.6 bare steps on 2 CPU cores: results/sure-floors-2026-12-07)
+# bare step, not a batch's (what 8 together cost: results/sure-floors-2026-12-07)
 MAX_TRIES = 1
 
 
