@@ -6,9 +6,10 @@ of the same cycle, their median and least, and the ratio of all calls' time toge
 time (the engine core runs in it).
 
 Engines (``--engines``): ``plain`` (plain vLLM), ``dsbd`` (the user's engine: floors by tokens left,
-``cost.request_floors``), ``uniform`` (every request at ``cost.FLOOR`` while none waits, the rule before 2026-12-07's
-evening), ``nofloor`` (no floor, the rule before 2026-12-07), ``rows1`` / ``norows`` (the user's engine with the
-recycle source's prompt rows at 1% / 0% of a request's time, ``cost.PROMPT_SHARE``), ``lookup`` (``"sources":
+``cost.request_floors``, and the batch's end, ``batch_end``), ``noend`` (the same floors without the batch's end, the
+rule until 2026-12-07's night), ``uniform`` (every request at ``cost.FLOOR`` while none waits, the rule before
+2026-12-07's evening), ``nofloor`` (no floor, the rule before 2026-12-07), ``rows1`` / ``norows`` (the user's engine
+with the recycle source's prompt rows at 1% / 0% of a request's time, ``cost.PROMPT_SHARE``), ``lookup`` (``"sources":
 ["lookup"]``: no recycle harvest, no prompt rows), ``none`` (``"sources": []``).
 The rules are module state of the in-process engine core, so they are set before each call.
 
@@ -39,11 +40,20 @@ def _rules(cost) -> dict:
             "uniform": (dsbd, lambda left: [cost.FLOOR] * len(left), share),
             "nofloor": (dsbd, lambda left: None, share), "rows1": (dsbd, by_left, 0.01), "norows": (dsbd, by_left, 0.0),
             "lookup": ({"method": "dsbd", "sources": ["lookup"]}, by_left, share),
-            "none": ({"method": "dsbd", "sources": []}, by_left, share)}
+            "none": ({"method": "dsbd", "sources": []}, by_left, share),
+            "noend": (dsbd, by_left, share, False)}
+
+
+_CHOOSE = {}
 
 
 def _set(cost, rule) -> None:
+    """The rule's floors and prompt rows' share; with a fourth element False, ``choose_shapes`` without ``left`` (no
+    batch's end)."""
+    choose = _CHOOSE.setdefault("shapes", cost.choose_shapes)
     cost.request_floors, cost.PROMPT_SHARE = rule[1], rule[2]
+    cost.choose_shapes = choose if len(rule) < 4 or rule[3] else (
+        lambda cands, table, floor=None, left=None: choose(cands, table, floor))
 
 
 def main() -> None:

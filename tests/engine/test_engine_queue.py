@@ -1,7 +1,8 @@
 """Patch ``scheduler_queue`` on the real vLLM 0.26.0: a DSBD engine's scheduler output carries the requests left
 waiting (``dsbd_waiting``), and the cost model keeps its floor per request (``cost.request_floors``: no request slowed
 by the others' forests, the one with the most tokens left, read here from vLLM's own request state, at
-``cost.LAST_FLOOR``) exactly on the steps where none waits; a plain engine's output carries nothing.
+``cost.LAST_FLOOR``) and the batch's end (``batch_end``, from the same tokens left) exactly on the steps where none
+waits; a plain engine's output carries nothing.
 
 Tiny random Llama target, no draft model (the default sources), a pinned cost table (the model chooses every decode
 step), ``max_num_seqs`` 2 and 5 requests: the first steps leave 3 waiting, the last ones none. Checked against vLLM's
@@ -44,9 +45,9 @@ def _run(llm, monkeypatch, record_floor: bool):
     if record_floor:
         choose, runner = cost.choose_shapes, runner_of(llm)
 
-        def traced(cands, table, floor=None):
-            calls.append((floor, runner._dsbd_waiting, _left(runner)))
-            return choose(cands, table, floor)
+        def traced(cands, table, floor=None, left=None):
+            calls.append((floor, runner._dsbd_waiting, _left(runner), left))
+            return choose(cands, table, floor, left)
 
         monkeypatch.setattr(cost, "choose_shapes", traced)
     params = [vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
@@ -62,14 +63,15 @@ def test_the_floor_holds_while_no_request_waits(monkeypatch):
     print("steps (dsbd_waiting, vLLM's queue):", steps, "cost model calls (floor, waiting):", calls)
     assert all(got == queue for got, queue in steps), steps  # vLLM's own queue, every step
     assert steps[0][0] == len(PROMPTS) - 2 and steps[-1][0] == 0
-    assert {w > 0 for _, w, _ in calls} == {True, False}, calls  # the model chose both under a queue and without one
+    assert {w > 0 for _, w, _, _ in calls} == {True, False}, calls  # the model chose both under a queue and without one
     mixed = 0
-    for floor, waiting, left in calls:
+    for floor, waiting, left, given in calls:
         if waiting:
-            assert floor is None, calls
+            assert floor is None and given is None, calls
             continue
-        # the request with the most tokens left keeps LAST_FLOOR of its pace, one with much less FLOOR
-        assert len(floor) == len(left) and floor == cost.request_floors(left), (floor, left)
+        # the request with the most tokens left keeps LAST_FLOOR of its pace, one with much less FLOOR; the batch's
+        # end is priced from the same tokens left
+        assert len(floor) == len(left) and floor == cost.request_floors(left) and given == left, (floor, left, given)
         mixed += min(floor) == cost.FLOOR and max(floor) == cost.LAST_FLOOR
     assert mixed > 0, calls  # a step without a queue held a request with much less left beside one with more
 

@@ -120,7 +120,12 @@ class PassRates:
     def rate(self, source: Hashable, nodes: int) -> float | None:
         """The measured rate of ``source`` at ``nodes`` per depth, or the best at fewer (a larger forest passes at
         least as often); None where no forest of at most ``nodes`` was verified."""
-        got = [_rate(*pt) for (s, n), pt in self.counts.items() if s == source and n <= nodes and pt[1] > 0]
+        got = self.estimate(source, nodes)
+        return None if got is None else got[0]
+
+    def estimate(self, source: Hashable, nodes: int) -> tuple[float, float] | None:
+        """:meth:`rate` and the layers tried behind it."""
+        got = [(_rate(*pt), pt[1]) for (s, n), pt in self.counts.items() if s == source and n <= nodes and pt[1] > 0]
         return max(got) if got else None
 
 
@@ -183,7 +188,7 @@ class Acceptance:
         return self.tried == 0 and not self.by_width
 
     def candidate(self, leaves: int, width: int, depth: int, pinned: bool = False, low: int | None = None,
-                  pool: float | None = None, explore: bool = True) -> Candidate:
+                  pool: float | None = None, explore: bool = True, pool_tried: float = 0.0) -> Candidate:
         """This request as this step's choice sees it (:class:`Candidate`, ``catch_up`` = ``leaves``). ``low``: the
         fewest nodes per depth it may draft (a beam request's W, a plain request's 1): the model may then choose any
         N' of ``width_grid(low, width)``, each at :meth:`width_rate`; after ``wait`` idle steps (a try) only
@@ -193,21 +198,24 @@ class Acceptance:
         ``wait`` idle steps as any other request. Tries and forests at the prior are probes (``Candidate.probe``,
         spending the engine's :class:`Exploration` budget); a try only where ``explore`` (the budget is open),
         otherwise it plans at its estimate. A forest at the prior is not held back (only until the source's first
-        forest of its kind is verified: then the engine-wide rate exists)."""
+        forest of its kind is verified: then the engine-wide rate exists). ``Candidate.tried``: the layers behind its
+        rate, its own, or the engine-wide rate's (``pool_tried``) where it plans at that."""
         trying = self.idle >= self.wait and explore
         if self.fresh() and pool is not None and not trying:
             grid = [] if low is None or low >= width else list(reversed(width_grid(low, width)))[1:]
-            return Candidate(leaves, width, depth, pool, leaves, pinned, tuple((w, pool) for w in grid))
+            return Candidate(leaves, width, depth, pool, leaves, pinned, tuple((w, pool) for w in grid),
+                             tried=pool_tried)
         probe = trying or self.fresh()
         if low is None or low >= width:
             rate = self.try_rate(self.passed, self.tried, pool) if trying else self.rate()
-            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=probe)
+            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=probe, tried=self.tried)
         if trying:  # a try: the full width, whose forest informs the smaller ones
             own = self.by_width.get(width, (self.passed, self.tried))
             rate = max(self.try_rate(*own, pool), self.width_rate(width))
-            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=True)
+            return Candidate(leaves, width, depth, rate, leaves, pinned, probe=True, tried=self.tried)
         rates = [(w, self.width_rate(w)) for w in reversed(width_grid(low, width))]
-        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]), probe=probe)
+        return Candidate(leaves, width, depth, rates[0][1], leaves, pinned, tuple(rates[1:]), probe=probe,
+                         tried=self.tried)
 
     def chose(self, depth: int, trying: bool | None = None) -> None:
         """The model chose ``depth`` for this request this step (``trying``: its candidate was a try; by default
@@ -292,3 +300,4 @@ class Candidate:
     pinned: bool = False
     options: tuple[tuple[int, float], ...] = ()
     probe: bool = False  # a try or a forest at the prior: spends the engine's exploration budget (Exploration)
+    tried: float = 0.0  # layers of evidence behind ``rate`` (the batch's end judges it optimistically: batch_end)

@@ -21,13 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # the estimates and the candidate they make, re-exported: ``cost.Acceptance`` etc. as before the split
+from .batch_end import End
 from .acceptance import (AGING, MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, PRIOR_WEIGHT, PROBE_BURST,  # noqa: F401
                          PROBE_SHARE, Acceptance, Candidate, Exploration, PassRates, Subforest, passed_by_width,
                          upper_rate, width_grid)
 
 __all__ = ["FLOOR", "LAST_FLOOR", "Acceptance", "Candidate", "CostTable", "Exploration", "PassRates", "Subforest",
-           "choose", "choose_shapes", "draft_seconds", "expected_tokens", "floors_exclude", "none_can_pay",
-           "passed_by_width", "prompt_row_limit", "request_floors", "upper_rate", "width_grid"]
+           "choose", "choose_shapes", "draft_seconds", "end_excludes", "expected_tokens", "floors_exclude",
+           "none_can_pay", "passed_by_width", "prompt_row_limit", "request_floors", "upper_rate", "width_grid"]
 
 DRAFT = "model"  # the source name of the draft model's forests (PassRates, the metrics' ``source`` label)
 FLOOR = 0.95  # the engine's shapes keep every request at this share of its tokens per second without forests at least
@@ -126,18 +127,20 @@ def expected_tokens(rate: float, depth: int) -> float:
     return sum(rate ** k for k in range(depth + 1))
 
 
-def _greedy(cands: Sequence[Candidate], table: CostTable, scale: Sequence[float] | None = None) -> list[int]:
+def _greedy(cands: Sequence[Candidate], table: CostTable, scale: Sequence[float] | None = None,
+            end: End | None = None) -> list[int]:
     """The depths at each candidate's ``width`` (see :func:`choose_shapes`); with ``scale`` (1 / each request's
     floor), the best of the prefixes that keep every request at its floor of its rate in the minimal step
-    (:func:`_keeps_floor`), over two orders of the increments: by value, and with every request's first layer first
-    (a floor binds where a request without a forest would be slowed by the others')."""
+    (:func:`_keeps_floor`) and, with ``end``, the batch's end at ``LAST_FLOOR`` (:func:`_keeps_end`), over two orders
+    of the increments: by value, and with every request's first layer first (a floor binds where a request without a
+    forest would be slowed by the others')."""
     items = [(float("inf") if c.pinned else c.rate ** k / c.width, k, i)
              for i, c in enumerate(cands) if c.width > 0 for k in range(1, c.depth + 1)]
     items.sort(key=lambda it: (-it[0], it[1], it[2]))
-    best, ratio, free = _best_prefix(cands, table, items, scale)
+    best, ratio, free = _best_prefix(cands, table, items, scale, end)
     if best != free:  # the floor binds: also the first layers first (pinned ones stay in front)
         firsts = sorted(items, key=lambda it: (it[0] != float("inf"), it[1] > 1))
-        alt, alt_ratio, _ = _best_prefix(cands, table, firsts, scale)
+        alt, alt_ratio, _ = _best_prefix(cands, table, firsts, scale, end)
         if alt_ratio > ratio * (1 + 1e-9):
             items, best = firsts, alt
     out = [0] * len(cands)
@@ -147,11 +150,12 @@ def _greedy(cands: Sequence[Candidate], table: CostTable, scale: Sequence[float]
 
 
 def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
-                 scale: Sequence[float] | None) -> tuple[int, float, int]:
+                 scale: Sequence[float] | None, end: End | None = None) -> tuple[int, float, int]:
     """The length of the prefix of ``items`` ((value, depth k, candidate) increments; a candidate's in depth order)
     with the most expected tokens per second, and that rate; the pinned prefix at least; with ``scale`` (1 / each
-    request's floor), only prefixes that keep every request at its floor of its rate in that pinned prefix's step.
-    Third: the best length without the floor."""
+    request's floor), only prefixes that keep every request at its floor of its rate in that pinned prefix's step,
+    and with ``end`` the batch's end (:func:`_keeps_end`, checked only where a prefix would win). Third: the best
+    length without the floor."""
     forced = sum(1 for it in items if it[0] == float("inf"))
     tokens = base = sum(c.leaves for c in cands)
     expect = float(len(cands))
@@ -162,7 +166,10 @@ def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
     free, free_ratio = best, best_ratio
     least = _Least(scale) if scale is not None else None  # every candidate's expected tokens over its floor, the least
     ref = seconds  # the pinned prefix's step (the bare one without pinned requests)
+    depths = [0] * len(cands)
+    rates = [c.rate for c in cands]
     for m, (_, k, i) in enumerate(items, start=1):
+        depths[i] = k
         c = cands[i]
         expect += c.rate ** k
         tokens += c.width
@@ -182,7 +189,7 @@ def _best_prefix(cands: Sequence[Candidate], table: CostTable, items: list,
             ref = seconds
         elif least is not None and not _keeps_floor(least.min(), ref, seconds):
             continue
-        if ratio > best_ratio * (1 + 1e-9):
+        if ratio > best_ratio * (1 + 1e-9) and (end is None or _keeps_end(end, rates, depths, ref, seconds)):
             best, best_ratio = m, ratio
     return best, best_ratio, free
 
@@ -192,6 +199,12 @@ def _keeps_floor(least: float, ref: float, seconds: float) -> bool:
     expects 1 token of each (a request's tokens per second against the minimal step's: plain vLLM's where no request
     is pinned); ``least``: the least over the requests of expected tokens over floor."""
     return least * ref >= seconds * (1 - 1e-12)
+
+
+def _keeps_end(end: End, rates: Sequence[float], depths: Sequence[int], ref: float, seconds: float) -> bool:
+    """Whether a step of ``seconds`` moves the batch's end (:class:`End`) at ``LAST_FLOOR`` of the minimal step's
+    pace (``ref`` seconds, one token)."""
+    return _keeps_floor(end.tokens(rates, depths) / LAST_FLOOR, ref, seconds)
 
 
 def _two_least(vals: list[float]) -> tuple[float, int, float, int]:
@@ -414,8 +427,33 @@ def floors_exclude(cands: Sequence[Candidate], table: CostTable, scale: Sequence
         more = need
 
 
-def choose_shapes(cands: Sequence[Candidate], table: CostTable,
-                  floor: float | Sequence[float] | None = None) -> list[tuple[int, int]]:
+def end_excludes(cands: Sequence[Candidate], table: CostTable, end: End) -> bool:
+    """Whether no forest moves the batch's end (:class:`batch_end.End`) at ``LAST_FLOOR`` of the minimal step's pace
+    (:func:`choose_shapes` then returns the minimal step at once). A bound, O(R): while a request with the most left
+    goes without a forest the end moves 1 token, so any forest must cost at most the minimal step over ``LAST_FLOOR``;
+    with every such request drafting, the step costs at least the drafting step, their smallest forests' nodes, the
+    target pass over them and the draft's pass over their catch-ups, and the end moves at most :meth:`End.bound` (each
+    at its highest rate, judged as :meth:`End.hope` does, and full depth). Never with a pinned candidate; False where
+    the table's target times ever fall."""
+    if any(c.pinned for c in cands) or _target_falls(table):
+        return False
+    leaves = sum(c.leaves for c in cands)
+    ref = table.step + table.target_time(leaves)
+    one = table.step + table.target_time(leaves + 1) + table.draft_step + table.node
+    if _keeps_floor(1.0 / LAST_FLOOR, ref, one):  # a forest beside the tied requests may pay: no bound
+        return False
+    tied = [cands[i] for i in end.tied]
+    if any(c.width <= 0 or c.depth <= 0 for c in tied):
+        return True
+    nodes = sum(min([c.width] + [w for w, _ in c.options]) for c in tied)
+    every = (table.step + table.draft_step + table.draft_time(sum(c.catch_up for c in tied))
+             + table.target_time(leaves + nodes) + table.node * nodes)
+    most = end.bound([[c.rate] + [r for _, r in c.options] for c in cands], [c.depth for c in cands])
+    return not _keeps_floor(most / LAST_FLOOR, ref, every)
+
+
+def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | Sequence[float] | None = None,
+                  left: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """The (nodes per depth, depth) of every candidate (order of ``cands``) maximising the step's expected tokens per
     second (depth 0: no forest, reported at the candidate's ``width``).
 
@@ -434,7 +472,10 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
     request i expects at least ``floor[i]`` of its tokens per second in the minimal step (no forest but the pinned
     ones: plain vLLM's step where none is pinned), ``E_i / T >= floor_i / T_min``: no request is slowed by the others'
     forests, and an offline batch's last request, whose time is the batch's, keeps plain vLLM's pace
-    (docs/design/cost-model.md §3.6)."""
+    (docs/design/cost-model.md §3.6). ``left`` (with ``floor``; the tokens each request has left): also the batch's
+    end, the order statistic of every request's gain (:class:`batch_end.End`), at ``LAST_FLOOR`` of the minimal
+    step's pace; not with a pinned candidate, nor on a probe's step (a try, a forest at the prior: the engine's
+    exploration budget pays for what it learns, and a request's rate is learnt only from its forests)."""
     if not cands:
         return []
     if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
@@ -444,7 +485,11 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
     scale = None if floor is None else [1.0 / f if f > 0 else float("inf") for f in floor]  # expected tokens per floor
     if scale is not None and floors_exclude(cands, table, scale):  # no forest keeps every floor (the bound)
         return [(c.width, 0) for c in cands]
-    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, scale))]
+    end = (End(left, [c.tried for c in cands]) if scale is not None and left
+           and not any(c.pinned or c.probe for c in cands) else None)
+    if end is not None and end_excludes(cands, table, end):  # no forest moves the batch's end enough (the bound)
+        return [(c.width, 0) for c in cands]
+    shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, scale, end))]
     movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
     if not movable:
         return shapes
@@ -455,11 +500,13 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
         for i in movable:
             w, r = sorted(cands[i].options, reverse=True)[min(j, len(cands[i].options)) - 1]
             alt[i] = Candidate(cands[i].leaves, w, cands[i].depth, r, cands[i].catch_up)
-        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table, scale))], table)
+        trial = _Step(cands, [(a.width, d) for a, d in zip(alt, _greedy(alt, table, scale, end))], table)
         if (r := trial.ratio()) > best_ratio * (1 + 1e-9):
             step, best_ratio = trial, r
     if floor is not None:  # the minimal step, and each request's tokens against its own there (a pinned one's: 1)
         ref = _Step(cands, [(c.width, c.depth if c.pinned else 0) for c in cands], table).seconds()
+        if end is not None:
+            rates, depths = [step.rates[k][w] for k, (w, _) in enumerate(step.shapes)], [d for _, d in step.shapes]
         gains = [(1.0 if c.pinned else e) * x for c, e, x in zip(cands, step.expect, scale)]
         low = _two_least(gains)
     for _ in range(MAX_SWEEPS):
@@ -480,8 +527,14 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable,
                             and not _keeps_floor(min(others, step.expect[i] * scale[i]), ref, step.seconds())):
                         continue
                     if (r := step.ratio()) > best_ratio * (1 + 1e-9):
+                        if end is not None:
+                            rates[i], depths[i] = step.rates[i][w], d
+                            if not _keeps_end(end, rates, depths, ref, step.seconds()):
+                                continue
                         best, best_ratio = (w, d), r
             step.set(i, best)
+            if end is not None:
+                rates[i], depths[i] = step.rates[i][best[0]], best[1]
             changed |= best != cur
             if floor is not None and best != cur:
                 gains[i] = step.expect[i] * scale[i]

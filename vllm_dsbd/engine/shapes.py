@@ -134,15 +134,17 @@ class ShapePlanMixin:
         ``vllm:dsbd_beam_draft_nodes_chosen``), from the table, each request's estimate of its earlier steps and the
         engine-wide rates (a try's floor and a new request's rate), no request slowed below its floor of its pace
         without forests while no request waits (patch ``scheduler_queue``; ``cost.request_floors``: ``cost.FLOOR``,
-        the one with the most tokens left ``cost.LAST_FLOOR``); tries and forests at the prior only within the
-        engine's exploration budget (``cost.Exploration``), one try a step (``MAX_TRIES``)."""
+        the one with the most tokens left ``cost.LAST_FLOOR``, and the batch's end, ``batch_end``); tries and forests
+        at the prior only within the engine's exploration budget (``cost.Exploration``), one try a step
+        (``MAX_TRIES``)."""
         rows, cands, lows, tries, pools = [], [], [], [], []
         explore = self.dsbd_explore.open()  # probes only within the engine's budget (cost.Exploration)
 
         def candidate(k: int, ex: bool) -> cost.Candidate:
             i, s = rows[k], shapes[rows[k]]
+            pool = pools[k]
             c = states[i].acceptance.candidate(s.leaves, min(levels[i].width, s.width), min(levels[i].depth, s.depth),
-                                               s.pinned, lows[k], pools[k], ex)
+                                               s.pinned, lows[k], pool and pool[0], ex, pool[1] if pool else 0.0)
             if catch_ups is not None and catch_ups[i] != c.catch_up:  # the draft's first pass as it will run
                 c = dataclasses.replace(c, catch_up=catch_ups[i])
             return c
@@ -154,7 +156,7 @@ class ShapePlanMixin:
             low = b.params.width if b is not None else 1  # the fewest nodes per depth: a beam request's W, else 1
             lows.append(low if w >= low else None)
             rows.append(i)
-            pools.append(self.dsbd_pass_rates.rate((cost.DRAFT, "plain" if b is None else "beam"), w))
+            pools.append(self.dsbd_pass_rates.estimate((cost.DRAFT, "plain" if b is None else "beam"), w))
             tries.append(explore and st.acceptance.idle >= st.acceptance.wait)
             cands.append(candidate(len(rows) - 1, explore))
         if sum(tries) > MAX_TRIES:  # the others plan at their estimates and try in later steps
@@ -180,8 +182,9 @@ class ShapePlanMixin:
             table = (clock.corrected(self._dsbd_cost_base, BEAM) if clock is not None and kind == BEAM
                      else self.dsbd_cost)
             # no request slowed by the others' forests while none waits (under a queue, the batch's tokens per second)
-            shapes = cost.choose_shapes(cands, table, floor=None if self._dsbd_waiting
-                                        else cost.request_floors([self._dsbd_left(i, states[i]) for i in rows]))
+            left = None if self._dsbd_waiting else [self._dsbd_left(i, states[i]) for i in rows]
+            shapes = cost.choose_shapes(cands, table, floor=None if left is None else cost.request_floors(left),
+                                        left=left)
             probed = any(c.probe and not c.pinned and d > 0 for c, (_, d) in zip(cands, shapes))
             if clock is not None:
                 shapes, probed = self._measured_veto(clock, cands, shapes, len(rows), explore, probed, kind)
