@@ -24,7 +24,7 @@ import pytest
 from test_cost import CPU, FLAT, step_time
 from test_cost_floor import JOB, JOB_TARGET_MS, _batches, _expect, _minimal, keeps_floor
 from vllm_dsbd.engine import cost
-from vllm_dsbd.engine.acceptance import PRIOR_WEIGHT
+from vllm_dsbd.engine.acceptance import MEMORY, POOL_MEMORY, PRIOR_WEIGHT, Acceptance, PassRates
 from vllm_dsbd.engine.batch_end import End
 from vllm_dsbd.engine.cost import LAST_FLOOR, Candidate, CostTable, choose_shapes, request_floors
 
@@ -158,3 +158,22 @@ def test_tied_requests_whose_first_forest_passed_keep_drafting():
     assert all(d > 0 for _, d in choose_shapes(cands, table, floor=floors, left=left))
     sure = [dataclasses.replace(c, tried=1e12) for c in cands]
     assert choose_shapes(sure, table, floor=floors, left=left) == _minimal(cands)
+
+
+def test_a_candidate_carries_the_evidence_behind_its_rate():
+    """``Candidate.tried``: a fresh request planning at the engine-wide rate carries that rate's layers
+    (``PassRates.estimate``), one with forests of its own its own layers (decayed past ``MEMORY``)."""
+    pool = PassRates()
+    for _ in range(100):
+        pool.observe("src", 2, 2, 3)  # 3 layers tried a forest, 2 passed: 300 tried, decayed to POOL_MEMORY
+    rate, tried = pool.estimate("src", 2)
+    assert rate == pool.rate("src", 2) and tried == POOL_MEMORY and pool.estimate("other", 2) is None
+    fresh = Acceptance()
+    c = fresh.candidate(1, 2, 3, pool=rate, pool_tried=tried)
+    assert (c.rate, c.tried, c.probe) == (rate, POOL_MEMORY, False)
+    own = Acceptance()
+    own.observe(3, 3)
+    assert own.candidate(1, 2, 3, pool=rate, pool_tried=tried).tried == 3.0
+    for _ in range(10):
+        own.observe(3, 3)
+    assert own.candidate(1, 2, 3, low=1, pool=rate, pool_tried=tried).tried == MEMORY
