@@ -11,7 +11,8 @@ evidence and tokens left; ``end_excludes`` fires only where the full search (bou
 floors alone break the end on some of these batches, and take forests in the README job's first step of a call
 (rates from the engine-wide pool's 256 layers), where the end rules them out; a batch of one and code edits that pass
 most layers keep their forests, and so do four tied requests after one forest that passed every layer (a self-draft:
-judged at the estimate instead of its bound, they would not).
+judged at the estimate instead of its bound, they would not). On a probe's step the probe drafts and the others only
+where their forests pay for the end beside it (planted: the whole step exempt drafts all eight).
 """
 from __future__ import annotations
 
@@ -177,3 +178,22 @@ def test_a_candidate_carries_the_evidence_behind_its_rate():
     for _ in range(10):
         own.observe(3, 3)
     assert own.candidate(1, 2, 3, low=1, pool=rate, pool_tried=tried).tried == MEMORY
+
+
+def test_on_a_probes_step_the_others_draft_only_where_the_end_pays(monkeypatch):
+    """The README job's probe steps (results/batch-end-2026-12-07: one request tries at 0.95, seven tied beside it
+    at the engine-wide rate 0.65 on 71 layers): the probe drafts, the others do not (their forests do not move the
+    end beside the probe's alone). Planted: with the whole step exempt (the rule of 321bf40), all eight draft. With
+    the others well behind the probe... a request far ahead of them all: their forests pay for the end, and stay."""
+    table = _job_table(5.07, 0.616)
+    probe = Candidate(1, 2, 3, 0.95, options=((1, 0.95),), probe=True)
+    cands = [probe] + [Candidate(1, 2, 3, 0.65, options=((1, 0.5),), tried=71.0)] * 7
+    left, floors = [32] * 8, request_floors([32] * 8)
+    got = choose_shapes(cands, table, floor=floors, left=left)
+    assert got[0][1] > 0 and not any(d for _, d in got[1:]), got
+    with monkeypatch.context() as m:
+        m.setattr(cost, "_probes_alone", lambda cands, table, shapes, left, scale: shapes)
+        assert all(d > 0 for _, d in choose_shapes(cands, table, floor=floors, left=left))
+    code = [probe] + [Candidate(1, 2, 3, 0.95, options=((1, 0.9),), tried=16.0)] * 3
+    got = choose_shapes(code, table, floor=request_floors([48] * 4), left=[48] * 4)
+    assert all(d > 0 for _, d in got), got

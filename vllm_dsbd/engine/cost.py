@@ -474,8 +474,9 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | S
     forests, and an offline batch's last request, whose time is the batch's, keeps plain vLLM's pace
     (docs/design/cost-model.md §3.6). ``left`` (with ``floor``; the tokens each request has left): also the batch's
     end, the order statistic of every request's gain (:class:`batch_end.End`), at ``LAST_FLOOR`` of the minimal
-    step's pace; not with a pinned candidate, nor on a probe's step (a try, a forest at the prior: the engine's
-    exploration budget pays for what it learns, and a request's rate is learnt only from its forests)."""
+    step's pace; not with a pinned candidate, nor of a probe (a try, a forest at the prior: the engine's exploration
+    budget pays for what it learns, and a request's rate is learnt only from its forests): on a probe's step the
+    others' forests stay only where they pay for the end beside the probes' alone (:func:`_probes_alone`)."""
     if not cands:
         return []
     if none_can_pay(cands, table):  # nothing to try (the bound, :func:`none_can_pay`; a floor only removes shapes)
@@ -492,7 +493,7 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | S
     shapes = [(c.width, d) for c, d in zip(cands, _greedy(cands, table, scale, end))]
     movable = [i for i, c in enumerate(cands) if c.options and not c.pinned and c.width > 0]
     if not movable:
-        return shapes
+        return _probes_alone(cands, table, shapes, left, scale)
     step = _Step(cands, shapes, table)
     best_ratio = step.ratio()
     for j in range(1, max(len(cands[i].options) for i in movable) + 1):  # every request at its j-th largest N'
@@ -542,7 +543,26 @@ def choose_shapes(cands: Sequence[Candidate], table: CostTable, floor: float | S
                     low = _two_least(gains)
         if not changed:
             break
-    return step.shapes
+    return _probes_alone(cands, table, step.shapes, left, scale)
+
+
+def _probes_alone(cands: Sequence[Candidate], table: CostTable, shapes: list[tuple[int, int]],
+                  left: Sequence[int] | None, scale: Sequence[float] | None) -> list[tuple[int, int]]:
+    """On a probe's step (no batch's end asked of the whole step: the exploration budget pays for the probes), the
+    other requests' forests stay only where they keep the batch's end at ``LAST_FLOOR`` of the pace of the step with
+    the probes' forests alone (a probe counted as passing every layer it drafts); else only the probes draft. Not
+    with a pinned candidate, nor without floors or ``left``."""
+    if (scale is None or not left or any(c.pinned for c in cands) or not any(c.probe for c in cands)
+            or not any(d > 0 and not c.probe for c, (_, d) in zip(cands, shapes))):
+        return shapes
+    alone = [(w, d if c.probe else 0) for c, (w, d) in zip(cands, shapes)]
+    end = End(left, [float("inf") if c.probe else c.tried for c in cands])
+    rates = [1.0 if c.probe else dict(((c.width, c.rate),) + c.options)[w] for c, (w, _) in zip(cands, shapes)]
+    base = end.tokens(rates, [d for _, d in alone])
+    ref = _Step(cands, list(alone), table).seconds()
+    seconds = _Step(cands, list(shapes), table).seconds()
+    return shapes if _keeps_floor(end.tokens(rates, [d for _, d in shapes]) / (LAST_FLOOR * base), ref,
+                                  seconds) else alone
 
 
 def draft_seconds(cands: Sequence[Candidate], shapes: Sequence[tuple[int, int]], table: CostTable) -> float:
