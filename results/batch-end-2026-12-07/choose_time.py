@@ -1,7 +1,8 @@
 """Host time of the cost model's choice with and without the batch's end (ad-hoc, this page's): ``choose_shapes``
 on random batches shaped like the README job's (width 2, depth 3, N' = 1 beside it, rates 0.2-1.0 or code-like
-0.85-1.0, 0-32 layers of evidence; the job's corrected CPU table of 2026-12-07), all tied at 48 tokens left or spread over 1-48, floors by
-tokens left; median microseconds a choice over 300 batches, and how many chose a forest.
+0.85-1.0, 0-32 layers of evidence; the job's corrected CPU table of 2026-12-07), all tied at 48 tokens left or
+spread over 1-48, floors by tokens left; median microseconds a choice over 300 batches, and how many chose a forest
+(the output, choose_time.txt, at 321bf40).
 
     .venv/bin/python results/batch-end-2026-12-07/choose_time.py
 """
@@ -33,8 +34,8 @@ def timed(fn):
 
 
 rng = random.Random(0)
-print("| requests | rates | tokens left | floors alone: median us (forests chosen) | with the batch's end: median us (forests "
-      "chosen) |\n|---|---|---|---|---|")
+print("| requests | rates | tokens left | floors alone: median us (forests chosen) "
+      "| with the batch's end: median us (forests chosen) |\n|---|---|---|---|---|")
 for n, low, tied in [(n, low, tied) for n in (8, 32, 128) for low in (0.2, 0.85) for tied in (True, False)]:
     a, b = [], []
     for _ in range(300):
