@@ -20,8 +20,9 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# the estimates and the candidate they make, re-exported: ``cost.Acceptance`` etc. as before the split
 from .batch_end import End
+
+# the estimates and the candidate they make, re-exported: ``cost.Acceptance`` etc. as before the split
 from .acceptance import (AGING, MAX_WAIT, MEMORY, POOL_MEMORY, PRIOR_RATE, PRIOR_WEIGHT, PROBE_BURST,  # noqa: F401
                          PROBE_SHARE, Acceptance, Candidate, Exploration, PassRates, Subforest, passed_by_width,
                          upper_rate, width_grid)
