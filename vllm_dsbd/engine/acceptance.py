@@ -91,10 +91,15 @@ def _rate(passed: float, tried: float) -> float:
 
 def upper_rate(passed: float, tried: float) -> float:
     """An upper confidence bound of a pass rate: the estimate plus one standard deviation of a rate measured over
-    the evidence (prior included), ``a + sqrt(a (1 - a) / (PRIOR_WEIGHT + tried))``, at most 1. With no evidence
-    0.95; it shrinks as layers are tried and grows again as a switched-off request's evidence ages."""
-    a = _rate(passed, tried)
-    return min(1.0, a + math.sqrt(a * (1.0 - a) / (PRIOR_WEIGHT + tried)))
+    the evidence (prior included), :func:`rate_bound` of ``_rate(passed, tried)``. With no evidence 0.95; it shrinks
+    as layers are tried and grows again as a switched-off request's evidence ages."""
+    return rate_bound(_rate(passed, tried), tried)
+
+
+def rate_bound(a: float, tried: float) -> float:
+    """A rate ``a`` estimated on ``tried`` layers (and the prior's weight) plus one standard deviation,
+    ``a + sqrt(a (1 - a) / (PRIOR_WEIGHT + tried))``, at most 1 (:func:`upper_rate`, ``batch_end.End.hope``)."""
+    return min(1.0, a + math.sqrt(max(a * (1.0 - a), 0.0) / (PRIOR_WEIGHT + tried)))
 
 
 @dataclass

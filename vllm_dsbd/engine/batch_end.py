@@ -15,10 +15,9 @@ evidence the bound falls to the estimate. Imports neither vLLM nor torch.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from .acceptance import PRIOR_WEIGHT
+from .acceptance import rate_bound
 
 
 class End:
@@ -34,8 +33,8 @@ class End:
 
     def hope(self, i: int, a: float) -> float:
         """Request i's rate ``a`` at the upper confidence bound of its evidence, ``a + sqrt(a (1 - a) / (PRIOR_WEIGHT
-        + tried))``, at most 1 (``acceptance.upper_rate``'s bound)."""
-        return min(1.0, a + math.sqrt(max(a * (1.0 - a), 0.0) / (PRIOR_WEIGHT + self.tried[i])))
+        + tried))``, at most 1 (``acceptance.rate_bound``, the bound of ``upper_rate``)."""
+        return rate_bound(a, self.tried[i])
 
     def tokens(self, rates: Sequence[float], depths: Sequence[int]) -> float:
         """``E_end`` with request i at per-layer rate ``hope(i, rates[i])`` and depth ``depths[i]`` (0: no forest):

@@ -558,12 +558,12 @@ def _probes_alone(cands: Sequence[Candidate], table: CostTable, shapes: list[tup
         return shapes
     alone = [(w, d if c.probe else 0) for c, (w, d) in zip(cands, shapes)]
     end = End(left, [float("inf") if c.probe else c.tried for c in cands])
-    rates = [1.0 if c.probe else dict(((c.width, c.rate),) + c.options)[w] for c, (w, _) in zip(cands, shapes)]
+    step = _Step(cands, list(shapes), table)
+    rates = [1.0 if c.probe else step.rates[k][w] for k, (c, (w, _)) in enumerate(zip(cands, shapes))]
     base = end.tokens(rates, [d for _, d in alone])
     ref = _Step(cands, list(alone), table).seconds()
-    seconds = _Step(cands, list(shapes), table).seconds()
     return shapes if _keeps_floor(end.tokens(rates, [d for _, d in shapes]) / (LAST_FLOOR * base), ref,
-                                  seconds) else alone
+                                  step.seconds()) else alone
 
 
 def draft_seconds(cands: Sequence[Candidate], shapes: Sequence[tuple[int, int]], table: CostTable) -> float:
