@@ -14,7 +14,8 @@ head mixed with the draft-free sources, ``engine/mixing.py``) one engine (width 
 - **T=1 b1** (with ``--sampled``): plain requests at T = 1 one at a time (the engine's width), tokens per second and
   per target pass;
 - **beams**: ``LLM.beam_search`` W = 4, T = 0 (beams inside the DSBD engine; the median of ``--beam-calls`` calls),
-  best-beam tokens per second and target passes per beam step (``vllm:dsbd_beam_*``); beams compared with vLLM's own loop on the plain engine.
+  best-beam tokens per second and target passes per beam step (``vllm:dsbd_beam_*``); beams compared with vLLM's
+  own loop on the plain engine.
 
 Every timed call follows a warm-up call of the same shape; with ``--repeats`` the engines run again in alternating
 order and each row keeps its fastest run; each row has its wall time and this process's CPU time
