@@ -5,10 +5,11 @@ Issue 47's goal "the user's engine on plain requests >= 0.95x plain vLLM at batc
 
 SmolLM2-135M-Instruct, float32, eager; the prompts of ``draftfree.py`` (summaries, rewrites, code edits, chats), their
 kinds taken in turn so that every batch mixes them; T = 0, ``--tokens`` new tokens (EOS ends a request, as the README's
-job). Each call prints vLLM's preemptions in it and, on DSBD, its request-steps with a forest. Each batch's prompts are
-prefilled once on both engines before its cycles (vLLM's prefix cache), so the calls time mostly decode steps. Batch 1
-is ``--prompts-b1`` requests one at a time; batch B is the first B prompts in one call. Prints every call, then per
-batch size each cycle's ratio (DSBD's tokens/s over plain vLLM's in the same cycle), their median and least, all calls'
+job). Each call prints its engine's preemptions (counted on its scheduler: vLLM's metrics registry, one per process,
+holds the last engine's counters) and, on DSBD, its request-steps with a forest. Each batch's prompts are prefilled
+once on both engines before its cycles (vLLM's prefix cache), so the calls time mostly decode steps. Batch 1 is
+``--prompts-b1`` requests one at a time; batch B is the first B prompts in one call. Prints every call, then per batch
+size each cycle's ratio (DSBD's tokens/s over plain vLLM's in the same cycle), their median and least, all calls'
 tokens/s together (wall and this process's CPU time), tokens per target pass, and whether DSBD's tokens equal plain
 vLLM's.
 
@@ -45,6 +46,18 @@ def _forests(llm, name: str) -> int | None:
     return sum(c for d, c in llm.collective_rpc("dsbd_load")[0]["depths"].items() if d > 0)
 
 
+def _count_preemptions(llm, name: str, counts: dict) -> None:
+    """Counts ``llm``'s preemptions into ``counts[name]`` (a wrapper on its scheduler's ``_preempt_request``)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    orig = sched._preempt_request
+
+    def preempt(*args, **kwargs):
+        counts[name] += 1
+        return orig(*args, **kwargs)
+
+    sched._preempt_request = preempt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,128")
@@ -68,6 +81,9 @@ def main() -> int:
         llms[name] = vllm.LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
                               max_num_seqs=max(batches), disable_log_stats=False, speculative_config=spec)
         llms[name].generate(ps[:1], vllm.SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, as the demo's
+    preempted = {name: 0 for name in llms}  # each engine's own (vLLM's metrics registry holds the last engine's)
+    for name, llm in llms.items():
+        _count_preemptions(llm, name, preempted)
     res: dict = {}
     try:
         for b in batches:
@@ -78,7 +94,7 @@ def main() -> int:
                 for name in (("plain", "dsbd") if cyc % 2 == 0 else ("dsbd", "plain")):
                     llm = llms[name]
                     p0 = sw.metric(llm, "vllm:dsbd_target_passes")
-                    q0, f0 = sw.metric(llm, "vllm:num_preemptions"), _forests(llm, name)
+                    q0, f0 = preempted[name], _forests(llm, name)
                     t0, c0 = time.perf_counter(), time.process_time()
                     outs = [o for c in calls for o in llm.generate(c, sp, use_tqdm=False)]
                     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -86,7 +102,7 @@ def main() -> int:
                     n = sum(map(len, toks))
                     res[b, name, cyc] = (n, secs, cpu, sw.metric(llm, "vllm:dsbd_target_passes") - p0, toks)
                     print(f"batch {b} cycle {cyc + 1} {name}: {n} tokens in {secs:.2f} s ({cpu:.2f} CPU-s), "
-                          f"{n / secs:.1f} tok/s, {sw.metric(llm, 'vllm:num_preemptions') - q0:.0f} preemptions"
+                          f"{n / secs:.1f} tok/s, {preempted[name] - q0} preemptions"
                           + (f", {_forests(llm, name) - f0} request-steps with a forest" if f0 is not None else ""),
                           flush=True)
     finally:
