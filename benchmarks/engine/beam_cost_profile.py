@@ -41,8 +41,8 @@ def profile(llm, ps, bp) -> dict:
     cur: dict = {}
     orig_choose, orig_exec, orig_sample = cost.choose_shapes, r.execute_model, r.sample_tokens
 
-    def choose(cands, table, floor=None):
-        shapes = orig_choose(cands, table, floor)
+    def choose(cands, table, floor=None, left=None):
+        shapes = orig_choose(cands, table, floor, left)
         cur["shapes"] = [(w, d) for w, d in shapes]
         cur["rates"] = [round(c.rate, 3) for c in cands]
         cur["predicted_draft"] = cost.draft_seconds(cands, shapes, table)

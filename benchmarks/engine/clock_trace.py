@@ -38,8 +38,8 @@ def main():
                        f"{self._emitted} tokens")
         return finish(self, table)
 
-    def traced_choose(cands, table, floor=None):
-        out = choose(cands, table, floor)
+    def traced_choose(cands, table, floor=None, left=None):
+        out = choose(cands, table, floor, left)
         log.append(f"    choice: {len(cands)} requests, {sum(w * d for w, d in out)} nodes; table step "
                    f"{1e3 * table.step:.1f} ms, draft_step {1e3 * table.draft_step:.1f} ms, node "
                    f"{1e3 * table.node:.2f} ms; rates {[round(c.rate, 2) for c in cands]}")
