@@ -34,7 +34,8 @@ COLUMNS = ["step", "_model_forward", "cpu_attn", "onednn_mm", "recompute", "samp
            "propose_draft_token_ids", "_prepare_inputs"]
 
 
-def _timed(obj, name: str, key: str, acc: collections.Counter) -> None:
+def _timed(obj, name: str, key: str, acc: collections.Counter, calls: collections.Counter | None = None) -> None:
+    """``obj.name`` wrapped on the instance: its wall seconds into ``acc[key]`` (and its calls into ``calls[key]``)."""
     fn = getattr(obj, name)
 
     def timed(*a, **k):
@@ -43,6 +44,8 @@ def _timed(obj, name: str, key: str, acc: collections.Counter) -> None:
             return fn(*a, **k)
         finally:
             acc[key] += time.perf_counter() - t0
+            if calls is not None:
+                calls[key] += 1
 
     setattr(obj, name, timed)
 
@@ -65,8 +68,8 @@ def main() -> None:
         _timed(ops, name, name.split("_with")[0].replace("cpu_attention", "cpu_attn"), acc)
     choose = cost.choose_shapes
 
-    def traced(cands, table, floor=None):
-        shapes = choose(cands, table, floor)
+    def traced(cands, table, floor=None, left=None):
+        shapes = choose(cands, table, floor, left)
         step = cost._Step(cands, list(shapes), table)
         asked.append((sum(step.expect) - len(cands), sum(w * d for w, d in shapes)))
         return shapes

@@ -1,7 +1,8 @@
 """Host time per engine step by phase, plain vLLM against the user's engine, on batch_ab.py's prompts (greedy, 48
 tokens, one call after a warm call of the same batch; steps: ``execute_model`` calls): each phase's wall time per
-call of it, read by wrapping the engine's bound methods on the instance (outermost calls only). A DSBD engine's
-``sample_tokens`` holds its drafting (``propose_draft_token_ids``, of which the cost model's ``_choose_depths``).
+call of it, read by wrapping the engine's bound methods on the instance (outermost calls only; `job_steps._timed`).
+A DSBD engine's ``sample_tokens`` holds its drafting (``propose_draft_token_ids``, of which the cost model's
+``_choose_depths``).
 
     VLLM_CPU_OMP_THREADS_BIND=nobind .venv/bin/python results/batch-ab-2026-12-07/host_phases.py [--batches 8,32]
 """
@@ -16,23 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "eng
 import sources_wall as sw  # noqa: E402  (sets the CPU engine's environment before vLLM)
 from batch_ab import _mixed  # noqa: E402
 from draftfree import prompts as kind_prompts  # noqa: E402
+from job_steps import _timed  # noqa: E402
 
 RUNNER = ("execute_model", "_model_forward", "_prepare_inputs", "sample_tokens", "propose_draft_token_ids",
           "_choose_depths")
-
-
-def _wrap(obj, name, acc, cnt):
-    f = getattr(obj, name)
-
-    def timed(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return f(*a, **k)
-        finally:
-            acc[name] += time.perf_counter() - t0
-            cnt[name] += 1
-
-    setattr(obj, name, timed)
 
 
 def main() -> None:
@@ -61,9 +49,9 @@ def main() -> None:
             acc, cnt = collections.defaultdict(float), collections.Counter()
             for m in RUNNER:
                 if hasattr(runner, m):
-                    _wrap(runner, m, acc, cnt)
+                    _timed(runner, m, m, acc, cnt)
             for m in ("schedule", "update_from_output"):
-                _wrap(core.scheduler, m, acc, cnt)
+                _timed(core.scheduler, m, m, acc, cnt)
             llm.generate(ps, sp, use_tqdm=False)
             acc.clear()
             cnt.clear()

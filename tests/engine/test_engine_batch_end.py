@@ -4,10 +4,11 @@ waits, the runner hands the cost model every request's tokens left, and the mode
 on tied requests it declines forests that the floors alone would take.
 
 Tiny random Llama target, the default draft-free sources, width 2, depth 3, a pinned cost table shaped as SmolLM2's on
-this CPU (the target pass grows with its tokens: forests cost what they add), four requests with the same
-``max_tokens`` (tied: the end moves past one token only where all four pass). Every cost-model call is recorded with
-what the floors alone choose on the same inputs. Checked: on every call with the end in force, the chosen shapes keep
-the end (its tokens from ``End``, the step's time from the model's own ``_Step``); on at least one such call the
+this CPU (the target pass grows with its tokens: forests cost what they add; pinned so that the choices, and the calls
+where the rule bites, are the same on every machine, where a measured table is the machine's), four requests with the
+same ``max_tokens`` (tied: the end moves past one token only where all four pass). Every cost-model call is recorded
+with what the floors alone choose on the same inputs. Checked: on every call with the end in force, the chosen shapes
+keep the end (its tokens from ``End``, the step's time from the model's own ``_Step``); on at least one such call the
 floors alone chose more forests (the rule bit) and their shapes fail that check (planted: the rule before 321bf40);
 forests were drafted in the run (``dsbd_load``'s depths), so nothing passes vacuously; and the greedy tokens equal
 plain vLLM's.

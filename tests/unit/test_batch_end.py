@@ -183,8 +183,8 @@ def test_a_candidate_carries_the_evidence_behind_its_rate():
 def test_on_a_probes_step_the_others_draft_only_where_the_end_pays(monkeypatch):
     """The README job's probe steps (results/batch-end-2026-12-07: one request tries at 0.95, seven tied beside it
     at the engine-wide rate 0.65 on 71 layers): the probe drafts, the others do not (their forests do not move the
-    end beside the probe's alone). Planted: with the whole step exempt (the rule of 321bf40), all eight draft. With
-    the others well behind the probe... a request far ahead of them all: their forests pay for the end, and stay."""
+    end beside the probe's alone). Planted: with the whole step exempt (the rule of 321bf40), all eight draft. Three
+    code edits (0.95 on 16 layers) beside a probe: their forests pay for the end, and stay."""
     table = _job_table(5.07, 0.616)
     probe = Candidate(1, 2, 3, 0.95, options=((1, 0.95),), probe=True)
     cands = [probe] + [Candidate(1, 2, 3, 0.65, options=((1, 0.5),), tried=71.0)] * 7
