@@ -195,12 +195,14 @@ def test_a_bare_steps_surplus_switches_drafting_on_where_it_pays():
     assert c.summary()["step"] == pytest.approx(0.0121)
 
 
-def _window(c, seconds, tokens, reqs, drafted=False, verified=False, kind=step_clock.PLAIN, monkeypatch=None):
-    """One measured window through start / planned / emitted / finish, ``seconds`` long (the clock's time patched)."""
+def _window(c, seconds, tokens, reqs, drafted=False, verified=False, kind=step_clock.PLAIN, monkeypatch=None,
+            queued=False):
+    """One measured window through start / planned / emitted / finish, ``seconds`` long (the clock's time patched);
+    ``queued``: requests wait in its step."""
     now = [100.0]
     monkeypatch.setattr(step_clock.time, "perf_counter", lambda: now[0])
     c._next_verified = verified
-    c.start(reqs, reqs)
+    c.start(reqs, reqs, queued)
     c.planned(0.0, drafted, 2 if drafted else 0)
     for k in kind if isinstance(kind, tuple) else (kind,):  # a tuple: a window of both kinds
         c.emitted(tokens, k)
@@ -233,6 +235,33 @@ def test_forests_lose_compares_tokens_per_second_at_the_same_batch_size(monkeypa
     for _ in range(step_clock.HORIZON):  # bare windows at batch 1 only: batch 8's samples expire
         _window(c, 0.010, 1, 1, monkeypatch=monkeypatch)
     assert not c.forests_lose(8)
+
+
+def test_forests_under_a_queue_have_their_own_verdict(monkeypatch):
+    """Whether forests pay is measured apart for steps with requests waiting: under a queue a step holds the queue's
+    prefills and, the KV cache full, preemptions' recomputes, and forests that pay in a batch's drain at the same size
+    lost there (batch 128 on 2 CPU cores: results/kv-pressure-2026-12-08). At 100 requests, without a queue forests
+    emit 200 tokens in 350 ms against bare steps' 100 in 300 ms (they pay); under a queue 110 in 600 ms against 100 in
+    400 ms (they lose). Planted: one verdict for both states (the clock before 2026-12-08) says they pay under the
+    queue too, and so the engine drafted there."""
+
+    def measured(c):
+        for _ in range(step_clock.MIN_REGIME):
+            _window(c, 0.300, 100, 100, monkeypatch=monkeypatch)
+            _window(c, 0.350, 200, 100, drafted=True, verified=True, monkeypatch=monkeypatch)
+            _window(c, 0.400, 100, 100, monkeypatch=monkeypatch, queued=True)
+            _window(c, 0.600, 110, 100, drafted=True, verified=True, monkeypatch=monkeypatch, queued=True)
+        return c
+
+    c = measured(StepClock(warmup=0, forest_warmup=0))
+    c.start(None, 110, queued=True)  # a step (not measured) with requests waiting
+    assert c.forests_lose(110) and not c.forests_pay(110)
+    c.start(None, 110, queued=False)
+    assert c.forests_pay(110) and not c.forests_lose(110)
+    planted = StepClock(warmup=0, forest_warmup=0)
+    monkeypatch.setattr(planted, "_bucket_of", lambda reqs, kind: (kind, step_clock._bucket(reqs)))
+    measured(planted).start(None, 110, queued=True)
+    assert not planted.forests_lose(110)
 
 
 def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False, waiting=0):
@@ -268,7 +297,7 @@ def _veto_loop(monkeypatch, steps, no_bare_probe=False, no_warmup_veto=False, wa
     shapes = [load.Shape(leaves=1, width=2, depth=3)] * 8
     rng, planned, pending = random.Random(0), [], [0] * 8
     for _ in range(steps):
-        clock.start(8 + sum(pending), 8)
+        clock.start(8 + sum(pending), 8, waiting > 0)  # as the runner starts it
         emitted = 0
         for st, d in zip(states, pending):
             k = 0
@@ -309,7 +338,9 @@ def test_forests_measured_to_lose_run_as_probes_only_under_a_queue(monkeypatch):
     """Once forests are measured to lose at a batch size, while no request waits (the floors promise every request
     its pace) none runs there, the exploration budget open or not, until the verdict's windows expire (``HORIZON``);
     under a queue they run as the budget's probes, about ``PROBE_SHARE`` of the steps (the rule before 2026-12-07
-    everywhere, which in the README job drafted the 8 new requests of every call at the pool's rate)."""
+    everywhere, which in the README job drafted the 8 new requests of every call at the pool's rate), and such a step
+    drafts its probes' forests alone: one try's (2 nodes a depth, 3 depths), where before 2026-12-08 every request's
+    forest ran in it (8 forests, 48 nodes; 113 forests at batch 128 on CPU, results/kv-pressure-2026-12-08)."""
     steps = 200
     verdict = step_clock.WARMUP + step_clock.MIN_REGIME + step_clock.BARE_PROBE + 2
     quiet, _ = _veto_loop(monkeypatch, steps)
@@ -317,6 +348,7 @@ def test_forests_measured_to_lose_run_as_probes_only_under_a_queue(monkeypatch):
     assert not any(quiet[verdict:]), quiet
     late = [t for t in range(verdict, steps) if queued[t]]
     assert 0 < len(late) <= cost.PROBE_SHARE * steps + 3, (late, queued)
+    assert all(queued[t] == 2 * 3 for t in late), queued
 
 
 def test_the_warm_up_drafts_no_forest_and_the_first_forests_are_not_measured(monkeypatch):
@@ -345,7 +377,7 @@ def test_a_bare_probe_waits_for_its_gap():
     c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         c.observe(0.03, 0.0, True, True)
-        c.regimes.setdefault(("plain", 8), (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
+        c.regimes.setdefault(("plain", 8, False), (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
             (c.steps, 0.03, 12))
     assert c.needs_bare(8) and c.needs_bare(15) and not c.needs_bare(4)
     assert c.bare_probe(8) == step_clock.BARE_PROBE and not c.needs_bare(8)
@@ -353,7 +385,7 @@ def test_a_bare_probe_waits_for_its_gap():
         c.observe(0.03, 0.0, True, True)
     assert not c.needs_bare(8)
     c.observe(0.03, 0.0, True, True)
-    c.regimes[("plain", 8)][1].extend([(c.steps, 0.03, 12)] * step_clock.MIN_REGIME)
+    c.regimes[("plain", 8, False)][1].extend([(c.steps, 0.03, 12)] * step_clock.MIN_REGIME)
     assert c.needs_bare(8)
 
 
@@ -370,7 +402,7 @@ def test_a_bare_probe_runs_in_batches_of_its_kind_only():
     c = StepClock(warmup=0, forest_warmup=0)
     for _ in range(step_clock.MIN_REGIME):
         c.observe(0.03, 0.0, True, True)
-        c.regimes.setdefault((plain, 4), (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
+        c.regimes.setdefault((plain, 4, False), (step_clock.deque(maxlen=32), step_clock.deque(maxlen=32)))[1].append(
             (c.steps, 0.03, 12))
     r = ShapePlanMixin()
     vars(r).update(_dsbd_bare_probe=0, _dsbd_probe_kind=plain, dsbd_stats=SimpleNamespace(vetoed_steps=0))
@@ -389,7 +421,8 @@ def test_a_bare_probe_runs_in_batches_of_its_kind_only():
         assert r._measured_veto(c, cands, shapes, 4, False, False, plain) == (bare, False)
     assert r._dsbd_bare_probe == 0 and r.dsbd_stats.vetoed_steps == step_clock.BARE_PROBE
     # beam requests' forest windows at 4, no bare one: a beam batch probes, and its steps wait out plain batches
-    c.regimes[(beam, 4)] = (step_clock.deque(maxlen=32), step_clock.deque([(c.steps, 0.03, 6)] * step_clock.MIN_REGIME))
+    c.regimes[(beam, 4, False)] = (step_clock.deque(maxlen=32),
+                                   step_clock.deque([(c.steps, 0.03, 6)] * step_clock.MIN_REGIME))
     assert c.needs_bare(4, beam) and not c.needs_bare(4)  # plain: probed within PROBE_GAP
     assert r._measured_veto(c, cands, shapes, 4, False, False, beam) == (bare, False)
     assert r._dsbd_probe_kind == beam and r._measured_veto(c, cands, shapes, 4, False, False, plain) == (shapes, False)
@@ -462,3 +495,22 @@ def test_beam_windows_have_their_own_correction(monkeypatch):
     assert price(b) == pytest.approx(0.020)  # a beam forest: the 20 ms its windows measured
     _, mixed = run(lambda k: plain)  # planted: one correction for both kinds
     assert price(mixed) < 0.5 * price(b)
+
+
+def test_a_step_with_a_prefill_is_not_measured():
+    """The runner starts the clock at ``measured_tokens`` of vLLM's own scheduler output: a decode step at its
+    scheduled tokens; a step with a new request's prefill, or a resumed (preempted) request's recompute, not at all.
+    Planted: reading new requests alone (the rule before 2026-12-08) measures the recompute step."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    so.num_scheduled_tokens, so.total_num_scheduled_tokens = {"a": 3, "b": 1}, 4
+    so.scheduled_cached_reqs.req_ids = ["a", "b"]
+    assert step_clock.measured_tokens(so) == 4
+    so.scheduled_cached_reqs.resumed_req_ids = {"b"}
+    so.num_scheduled_tokens["b"], so.total_num_scheduled_tokens = 300, 303
+    assert step_clock.measured_tokens(so) is None
+    assert (None if so.scheduled_new_reqs else so.total_num_scheduled_tokens) == 303  # the planted rule
+    so.scheduled_cached_reqs.resumed_req_ids = set()
+    so.scheduled_new_reqs = [object()]  # a new request's prefill (its data not read)
+    assert step_clock.measured_tokens(so) is None

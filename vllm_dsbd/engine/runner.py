@@ -325,9 +325,8 @@ class DSBDRunnerMixin(ProposeMixin, ShapePlanMixin, KVCommitMixin):
     def execute_model(self, *args, **kwargs):
         so = args[0] if args else kwargs["scheduler_output"]
         self._dsbd_waiting = getattr(so, "dsbd_waiting", 0)
-        if self._dsbd_clock is not None:  # a step with a prefill is not measured
-            self._dsbd_clock.start(None if so.scheduled_new_reqs else so.total_num_scheduled_tokens,
-                                   len(so.num_scheduled_tokens))
+        if self._dsbd_clock is not None:
+            self._dsbd_clock.start(step_clock.measured_tokens(so), len(so.num_scheduled_tokens), self._dsbd_waiting > 0)
         try:
             return super().execute_model(*args, **kwargs)
         finally:

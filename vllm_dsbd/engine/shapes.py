@@ -210,7 +210,9 @@ class ShapePlanMixin:
         only in a batch of one ``kind`` of request, plain or beam (the clock records no mixed window, so a probe's step
         there would cost forests and measure nothing), and at that kind's windows; forests
         measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open and
-        requests waiting, and run as its probe. Returns (shapes, whether the step probes)."""
+        requests waiting, and run as its probe: the probes' forests alone (tries, forests at the prior; before
+        2026-12-08 every request's: 113 forests in one step at batch 128, results/kv-pressure-2026-12-08). Returns
+        (shapes, whether the step probes)."""
         if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
             return shapes, probed
         if self._dsbd_bare_probe == 0 and kind is not None and clock.needs_bare(reqs, kind):
@@ -219,7 +221,10 @@ class ShapePlanMixin:
             self._dsbd_bare_probe -= 1
             self.dsbd_stats.vetoed_steps += 1
             return _pinned_only(cands, shapes), probed
-        return shapes, probed or clock.forests_lose(reqs, kind or PLAIN)
+        if clock.forests_lose(reqs, kind or PLAIN):  # the budget's probe under a queue: its probes' forests alone
+            shapes = [(w, d if c.probe or c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
+            return shapes, any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes))
+        return shapes, probed
 
 
 def _tries_kept(tries: list[bool], cands: list, idle: list[int]) -> set[int]:

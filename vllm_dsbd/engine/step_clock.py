@@ -23,7 +23,8 @@ a pinned table (the correction is off then) and only without tensor parallelism 
 
 The same windows also answer, per batch size, whether forests pay at all (:meth:`StepClock.forests_lose`): the tokens
 per second of the windows with forests (drafted or verified) against those of the bare windows, both measured at the
-same batch size (a power-of-two bucket of its requests) over their last ``WINDOW`` samples; the runner then drafts no
+same batch size (a power-of-two bucket of its requests) and queue state (requests waiting or not: a queue's steps hold
+its prefills and preemptions' recomputes) over their last ``WINDOW`` samples; the runner then drafts no
 forest at that size but, under a queue, within the engine's probe budget (``shapes.py``), so a batch whose forests lose
 runs at nearly vLLM's own speed however the table errs (issue "On vLLM's fast path", item 7); where only forests were
 measured at a batch size, a bare probe (``BARE_PROBE`` steps without forests, at most once per ``PROBE_GAP`` measured
@@ -65,10 +66,10 @@ KINDS = ("neither", "drafted", "verified", "both")
 class StepClock:
     """Surpluses (measured minus predicted seconds) of the measured step windows, by kind: whether the window verified
     forests (planned the step before) and whether it drafted forests (planned in it). The runner calls :meth:`start`
-    as a step begins (its scheduled tokens; None: a step with a prefill, not measured; the first ``warmup`` decode
-    steps are not measured either, and draft no forest: :meth:`warming`; nor are the engine's first
-    ``forest_warmup`` windows with forests), :meth:`planned` when the cost model chose the next forests, and
-    :meth:`finish` once they are drafted, which returns the corrected table."""
+    as a step begins (:func:`measured_tokens`: its scheduled tokens, or None, a step with a prefill, not measured; the
+    first ``warmup`` decode steps are not measured either, and draft no forest: :meth:`warming`; nor are the engine's
+    first ``forest_warmup`` windows with forests; and whether requests wait), :meth:`planned` when the cost model
+    chose the next forests, and :meth:`finish` once they are drafted, which returns the corrected table."""
 
     warmup: int = WARMUP
     forest_warmup: int = FOREST_WARMUP
@@ -85,12 +86,14 @@ class StepClock:
     _nodes: int = 0  # forest nodes the window drafts (planned in it)
     _verified_nodes: int = 0  # forest nodes the window verifies (planned the step before)
     _next_nodes: int = 0
-    # (kind of request, batch-size bucket) -> ([bare windows], [windows with forests]) of (step, seconds, emitted)
+    # (kind of request, batch-size bucket, queued) -> ([bare windows], [windows with forests]) of
+    # (step, seconds, emitted)
     regimes: dict = field(default_factory=dict)
     _reqs: int = 0  # requests of the window
     _emitted: int = 0  # what the window emitted: tokens of plain requests, beam steps of beam requests
     _kinds: set = field(default_factory=set)  # the kinds of request the window emitted for (one: it is recorded)
-    _probed: dict = field(default_factory=dict)  # (kind, bucket) -> the measured step its last bare probe began
+    _probed: dict = field(default_factory=dict)  # regime (_bucket_of) -> the measured step its last bare probe began
+    _queued: bool = False  # requests wait to be scheduled in this step (start): the regimes are kept apart by it
 
     def surplus_of(self, kind: str) -> tuple:
         """``kind``'s surpluses by kind of window: (step, seconds) each."""
@@ -114,7 +117,10 @@ class StepClock:
         if nodes > 0:
             self._forest(kind).append((self.steps, nodes, seconds - predicted))
 
-    def start(self, tokens: int | None, reqs: int = 0) -> None:
+    def start(self, tokens: int | None, reqs: int = 0, queued: bool = False) -> None:
+        """A step begins: its scheduled tokens (None: not measured), its requests, and whether requests wait to be
+        scheduled (its regime's queue state, :meth:`_bucket_of`)."""
+        self._queued = queued
         if tokens is not None and self.warmup > 0:
             self.warmup, tokens = self.warmup - 1, None
         self._t0 = None if tokens is None else time.perf_counter()
@@ -145,7 +151,7 @@ class StepClock:
             self.observe(seconds, predicted, self._drafted, self._verified, self._nodes + self._verified_nodes,
                          BEAM if self._kinds == {BEAM} else PLAIN)
             if len(self._kinds) == 1 and self._reqs > 0 and self._emitted > 0:
-                pair = self.regimes.setdefault((*self._kinds, _bucket(self._reqs)),
+                pair = self.regimes.setdefault(self._bucket_of(self._reqs, *self._kinds),
                                                (deque(maxlen=WINDOW), deque(maxlen=WINDOW)))
                 pair[self._drafted or self._verified].append((self.steps, seconds, self._emitted))
             self._t0 = None
@@ -155,7 +161,7 @@ class StepClock:
         """Whether, at a batch of ``reqs`` requests of ``kind``, windows with forests are measured and bare ones are
         not, and the bucket was not probed in the last ``PROBE_GAP`` measured steps (a bare probe, :meth:`bare_probe`,
         then measures what the batch does without forests)."""
-        bucket = (kind, _bucket(reqs))
+        bucket = self._bucket_of(reqs, kind)
         pair = self.regimes.get(bucket)
         if pair is None or self.steps - self._probed.get(bucket, -PROBE_GAP) < PROBE_GAP:
             return False
@@ -163,8 +169,16 @@ class StepClock:
 
     def bare_probe(self, reqs: int, kind: str = PLAIN) -> int:
         """A bare probe begins at a batch of ``reqs`` requests of ``kind``: the steps it lasts (``BARE_PROBE``)."""
-        self._probed[(kind, _bucket(reqs))] = self.steps
+        self._probed[self._bucket_of(reqs, kind)] = self.steps
         return BARE_PROBE
+
+    def _bucket_of(self, reqs: int, kind: str) -> tuple:
+        """The regimes' key of a batch of ``reqs`` requests of ``kind`` in this step: its batch-size bucket and
+        whether requests wait (the step's queue state, :meth:`start`). Under a queue a step holds the queue's
+        prefills and, with the KV cache full, preemptions' recomputes; forests measured to pay in a batch's drain
+        (no queue) at the same size lost there: batch 128 on 2 CPU cores drafted on 72-517 request-steps a call at
+        0.92-0.95x plain vLLM (results/batch-ab-2026-12-07, results/kv-pressure-2026-12-08)."""
+        return kind, _bucket(reqs), self._queued
 
     def _live(self, q: deque) -> deque:
         """``q`` without its samples older than ``HORIZON`` measured steps."""
@@ -193,7 +207,7 @@ class StepClock:
     def verdict(self, reqs: int, kind: str = PLAIN) -> bool | None:
         """At a batch of ``reqs`` requests of ``kind``: True where the windows with forests emitted at least the bare
         windows' tokens (beam steps) per second, False where fewer, None until ``MIN_REGIME`` of each are live."""
-        pair = self.regimes.get((kind, _bucket(reqs)))
+        pair = self.regimes.get(self._bucket_of(reqs, kind))
         if pair is None:
             return None
         rates = []
@@ -314,6 +328,15 @@ class StepClock:
         for k, name in enumerate(KINDS):
             out[name], out[f"n_{name}"] = self.median(k, req)
         return out
+
+
+def measured_tokens(scheduler_output) -> int | None:
+    """The tokens a step's window is measured at (``StepClock.start``): the step's scheduled tokens, or None where
+    it holds a prefill, a new request's or a resumed one's (a preempted request's recompute: hundreds of tokens the
+    table's extrapolation prices badly; at batch 128 with the KV cache full, ~11 such steps a call fell at random into
+    either regime and flipped the verdict, results/kv-pressure-2026-12-08). Reads vLLM's ``SchedulerOutput``."""
+    so = scheduler_output
+    return None if so.scheduled_new_reqs or so.scheduled_cached_reqs.resumed_req_ids else so.total_num_scheduled_tokens
 
 
 def _bucket(reqs: int) -> int:
