@@ -175,9 +175,9 @@ class StepClock:
     def _bucket_of(self, reqs: int, kind: str) -> tuple:
         """The regimes' key of a batch of ``reqs`` requests of ``kind`` in this step: its batch-size bucket and
         whether requests wait (the step's queue state, :meth:`start`). Under a queue a step holds the queue's
-        prefills and, with the KV cache full, preemptions' recomputes; forests measured to pay in a batch's drain
-        (no queue) at the same size lost there: batch 128 on 2 CPU cores drafted on 72-517 request-steps a call at
-        0.92-0.95x plain vLLM (results/batch-ab-2026-12-07, results/kv-pressure-2026-12-08)."""
+        prefills and, with the KV cache full, preemptions' recomputes, and the batch's drain (no queue) passes
+        through the same sizes: one verdict for both flipped with the windows that fell in it, and at batch 128 on 2
+        CPU cores forests ran on up to 517 request-steps a call under the queue (results/kv-pressure-2026-12-08)."""
         return kind, _bucket(reqs), self._queued
 
     def _live(self, q: deque) -> deque:
