@@ -499,8 +499,8 @@ def test_beam_windows_have_their_own_correction(monkeypatch):
 
 def test_a_step_with_a_prefill_is_not_measured():
     """The runner starts the clock at ``measured_tokens`` of vLLM's own scheduler output: a decode step at its
-    scheduled tokens; a step with a new request's prefill, or a resumed (preempted) request's recompute, not at all.
-    Planted: reading new requests alone (the rule before 2026-12-08) measures the recompute step."""
+    scheduled tokens; a step with a new request's prefill, or a resumed (preempted) request's recompute (measured
+    until 2026-12-08), not at all."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     so = SchedulerOutput.make_empty()
@@ -510,7 +510,6 @@ def test_a_step_with_a_prefill_is_not_measured():
     so.scheduled_cached_reqs.resumed_req_ids = {"b"}
     so.num_scheduled_tokens["b"], so.total_num_scheduled_tokens = 300, 303
     assert step_clock.measured_tokens(so) is None
-    assert (None if so.scheduled_new_reqs else so.total_num_scheduled_tokens) == 303  # the planted rule
     so.scheduled_cached_reqs.resumed_req_ids = set()
     so.scheduled_new_reqs = [object()]  # a new request's prefill (its data not read)
     assert step_clock.measured_tokens(so) is None

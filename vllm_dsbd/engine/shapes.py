@@ -211,8 +211,7 @@ class ShapePlanMixin:
         there would cost forests and measure nothing), and at that kind's windows; forests
         measured to lose there (``step_clock.forests_lose``) reach here only with the exploration budget open and
         requests waiting, and run as its probe: the probes' forests alone (tries, forests at the prior; before
-        2026-12-08 every request's: 113 forests in one step at batch 128, results/kv-pressure-2026-12-08). Returns
-        (shapes, whether the step probes)."""
+        2026-12-08 every request's, results/kv-pressure-2026-12-08). Returns (shapes, whether the step probes)."""
         if not any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes)):
             return shapes, probed
         if self._dsbd_bare_probe == 0 and kind is not None and clock.needs_bare(reqs, kind):
@@ -222,7 +221,7 @@ class ShapePlanMixin:
             self.dsbd_stats.vetoed_steps += 1
             return _pinned_only(cands, shapes), probed
         if clock.forests_lose(reqs, kind or PLAIN):  # the budget's probe under a queue: its probes' forests alone
-            shapes = [(w, d if c.probe or c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
+            shapes = _pinned_only(cands, shapes, probes=True)
             return shapes, any(d > 0 and not c.pinned for c, (_, d) in zip(cands, shapes))
         return shapes, probed
 
@@ -234,6 +233,7 @@ def _tries_kept(tries: list[bool], cands: list, idle: list[int]) -> set[int]:
     return set(due[:MAX_TRIES])
 
 
-def _pinned_only(cands, shapes) -> list[tuple[int, int]]:
-    """``shapes`` with every forest dropped but a pinned request's (a beam request that set its own depth)."""
-    return [(w, d if c.pinned else 0) for c, (w, d) in zip(cands, shapes)]
+def _pinned_only(cands, shapes, probes: bool = False) -> list[tuple[int, int]]:
+    """``shapes`` with every forest dropped but a pinned request's (a beam request that set its own depth) and, with
+    ``probes``, a probe's."""
+    return [(w, d if c.pinned or (probes and c.probe) else 0) for c, (w, d) in zip(cands, shapes)]

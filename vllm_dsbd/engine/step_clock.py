@@ -176,8 +176,8 @@ class StepClock:
         """The regimes' key of a batch of ``reqs`` requests of ``kind`` in this step: its batch-size bucket and
         whether requests wait (the step's queue state, :meth:`start`). Under a queue a step holds the queue's
         prefills and, with the KV cache full, preemptions' recomputes, and the batch's drain (no queue) passes
-        through the same sizes: one verdict for both flipped with the windows that fell in it, and at batch 128 on 2
-        CPU cores forests ran on up to 517 request-steps a call under the queue (results/kv-pressure-2026-12-08)."""
+        through the same sizes: one verdict for both flipped with the windows that fell in it
+        (results/kv-pressure-2026-12-08)."""
         return kind, _bucket(reqs), self._queued
 
     def _live(self, q: deque) -> deque:
@@ -333,8 +333,8 @@ class StepClock:
 def measured_tokens(scheduler_output) -> int | None:
     """The tokens a step's window is measured at (``StepClock.start``): the step's scheduled tokens, or None where
     it holds a prefill, a new request's or a resumed one's (a preempted request's recompute: hundreds of tokens the
-    table's extrapolation prices badly; at batch 128 with the KV cache full, ~11 such steps a call fell at random into
-    either regime and flipped the verdict, results/kv-pressure-2026-12-08). Reads vLLM's ``SchedulerOutput``."""
+    table's extrapolation prices badly, falling at random into either regime of the verdict,
+    results/kv-pressure-2026-12-08). Reads vLLM's ``SchedulerOutput``."""
     so = scheduler_output
     return None if so.scheduled_new_reqs or so.scheduled_cached_reqs.resumed_req_ids else so.total_num_scheduled_tokens
 
